@@ -1,0 +1,32 @@
+"""The exception tree. `HeaderError` and `AdapterError` carry a stable `.code` and the `.path`.
+
+OS failures surface as the builtin `FileNotFoundError`, `PermissionError` or `OSError`, with
+`.filename` set to the path.
+"""
+
+from __future__ import annotations
+
+
+class LorafastError(Exception):
+    """Base class of every error lorafast raises itself."""
+
+
+class _CodedError(LorafastError, ValueError):
+    def __init__(self, message: str, code: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.path = path
+
+    def __reduce__(self):  # keep code and path through pickling (multiprocessing, Ray)
+        return (type(self), (self.args[0], self.code, self.path))
+
+
+class HeaderError(_CodedError):
+    """A safetensors header breaks a rule. `code` names the rule (see `HEADER_ERROR_CODES`)."""
+
+
+class AdapterError(_CodedError):
+    """A file or folder is not a usable adapter (no weights, a broken config, ...)."""
+
+
+__all__ = ["AdapterError", "HeaderError", "LorafastError"]

@@ -1,0 +1,200 @@
+"""`inspect` (one adapter) and `scan` (many, in parallel) with their typed results."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import _core
+from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
+
+if TYPE_CHECKING:
+    import numpy as np
+
+PathLike = str | os.PathLike[str]
+
+#: Codes of the `status` column.
+STATUS_OK, STATUS_PROBLEMS, STATUS_ERROR = 0, 1, 2
+#: Column code -> name, in code order.
+FORMATS: tuple[str, ...] = tuple(_core.FORMATS)
+MOE_LAYOUTS: tuple[str, ...] = tuple(_core.MOE_LAYOUTS)
+FLAGS: tuple[str, ...] = tuple(_core.FLAGS)
+
+#: Scans of at least this many adapters show a progress bar when stderr is a terminal.
+PROGRESS_THRESHOLD = 5000
+
+
+def _adapter(raw: dict[str, Any]) -> Adapter:
+    config = json.loads(raw["config_json"]) if raw.get("config_json") else None
+    if config is not None and not isinstance(config, dict):
+        config = None
+    # diffusers keeps a component-prefixed config in metadata; expose it without the prefix.
+    if config is not None and raw["config_path"] is None:
+        prefix = next((k[: -len("r")] for k in config if k.endswith(".r")), "")
+        config = {k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)}
+    cfg = config or {}
+    modules = tuple(LoraModule(**m) for m in raw["modules"])
+    return Adapter(
+        path=raw["path"],
+        weight_files=tuple(raw["weight_files"]),
+        config_path=raw["config_path"],
+        format=AdapterFormat(raw["format"]),
+        peft_type=raw["peft_type"],
+        num_tensors=raw["num_tensors"],
+        dtypes=tuple(raw["dtypes"]),
+        layers=tuple(raw["layers"]),
+        base_model_name_or_path=raw["base_model_name_or_path"],
+        target_modules=tuple(raw["target_modules"]),
+        config=config,
+        r=cfg.get("r") if isinstance(cfg.get("r"), int) else None,
+        lora_alpha=cfg.get("lora_alpha") if isinstance(cfg.get("lora_alpha"), (int, float)) else None,
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        rank_pattern=dict(cfg.get("rank_pattern") or {}),
+        alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
+        modules=modules,
+        rank=raw["rank"],
+        moe_layout=MoeLayout(raw["moe_layout"]),
+        num_experts=raw["num_experts"],
+        flags=frozenset(raw["flags"]),
+        variants=tuple(raw["variants"]),
+        full_weight_tensors=tuple(raw["full_weight_tensors"]),
+        problems=tuple(Problem(*p) for p in raw["problems"]),
+        content_hash=raw["content_hash"],
+        metadata=raw["metadata"],
+    )
+
+
+def inspect(path: PathLike, *, content_hash: bool = False, mode: Literal["pread", "mmap"] = "pread") -> Adapter:
+    """Classify one adapter: a PEFT folder, a folder holding one `.safetensors`, or a `.safetensors` file.
+
+    Reads `adapter_config.json` and the safetensors header (plus kohya's few-byte `.alpha`
+    scalars); never the tensor data, unless `content_hash=True` asks for the sha256 of the data
+    section. Raises `HeaderError`, `AdapterError` or an `OSError` subclass.
+    """
+    return _adapter(_core.inspect(os.fspath(path), mode, content_hash))
+
+
+def inspect_many(
+    paths: Sequence[PathLike], *, content_hash: bool = False, threads: int | None = None
+) -> list[Adapter | Exception]:
+    """`inspect` for many paths in parallel; a failure comes back as its exception, in place."""
+    raw = _core.inspect_many([os.fspath(p) for p in paths], "pread", content_hash, threads)
+    return [r if isinstance(r, Exception) else _adapter(r) for r in raw]
+
+
+class ScanReport:
+    """The result of `scan`: one row per adapter found, failed ones included.
+
+    Bulk data stays in Rust until asked for: `columns()` gives numpy arrays; iterating gives
+    `Adapter`s (re-read in parallel batches, so a 10,000-adapter report stays small in memory).
+    """
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+        self.paths: list[str] = result.paths()
+        self._errors = result.errors()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def errors(self) -> list[tuple[str, str, str]]:
+        """(path, code, message) for every adapter that could not be read."""
+        return [(path, code, message) for _, path, code, message in self._errors]
+
+    @property
+    def ok_paths(self) -> list[str]:
+        failed = {row for row, *_ in self._errors}
+        return [p for i, p in enumerate(self.paths) if i not in failed]
+
+    def __iter__(self) -> Iterator[Adapter]:
+        """The adapters that were read, in scan order (failed rows are in `.errors`)."""
+        paths = self.ok_paths
+        batch = 512
+        for start in range(0, len(paths), batch):
+            for item in inspect_many(paths[start : start + batch]):
+                if not isinstance(item, Exception):
+                    yield item
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Columns as numpy arrays, one row per adapter: path_index, status, format, rank,
+        num_tensors, moe_layout, num_experts, num_layers, flags (bits, see `FLAGS`), num_problems."""
+        return self._result.columns()
+
+    def record(self, i: int) -> dict[str, Any] | None:
+        """Summary of row `i` as a dict (no per-module detail); None for a failed row."""
+        return self._result.record(i)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts per format and layout, a rank histogram, problems and the union of target modules."""
+        cols = self.columns()
+        ok = cols["status"] != STATUS_ERROR
+        fmt = Counter(FORMATS[c] for c in cols["format"][ok].tolist())
+        moe = Counter(MOE_LAYOUTS[c] for c in cols["moe_layout"][ok].tolist())
+        ranks = Counter(int(r) for r in cols["rank"][ok].tolist())
+        flag_counts = {
+            name: int(((cols["flags"][ok] >> bit) & 1).sum()) for bit, name in enumerate(FLAGS)
+        }
+        names, per_row = self._result.target_modules()
+        used = sorted({names[i] for row in per_row for i in row})
+        return {
+            "adapters": len(self),
+            "ok": int((cols["status"] == STATUS_OK).sum()),
+            "with_problems": int((cols["status"] == STATUS_PROBLEMS).sum()),
+            "failed": int((cols["status"] == STATUS_ERROR).sum()),
+            "formats": dict(sorted(fmt.items())),
+            "moe_layouts": dict(sorted(moe.items())),
+            "rank_histogram": {str(k): v for k, v in sorted(ranks.items())},
+            "flags": {k: v for k, v in flag_counts.items() if v},
+            "target_modules": used,
+            "errors_by_code": dict(Counter(code for _, code, _ in self.errors)),
+        }
+
+    def to_json(self, *, indent: int | None = None, records: bool = True) -> str:
+        """The summary, the errors and (with `records`) one summary record per adapter, as JSON."""
+        out: dict[str, Any] = {
+            "summary": self.summary(),
+            "errors": [{"path": p, "code": c, "message": m} for p, c, m in self.errors],
+        }
+        if records:
+            rows = []
+            for i in range(len(self)):
+                rec = self.record(i)
+                if rec is not None:
+                    rec.pop("modules", None)
+                    rec.pop("config_json", None)
+                    rows.append(rec)
+            out["adapters"] = rows
+        return json.dumps(out, indent=indent)
+
+
+def _want_progress(progress: bool | None, n_hint: int) -> bool:
+    if progress is not None:
+        return progress
+    return n_hint >= PROGRESS_THRESHOLD and sys.stderr.isatty()
+
+
+def scan(
+    paths: PathLike | Iterable[PathLike],
+    *,
+    recursive: bool = True,
+    threads: int | None = None,
+    progress: bool | None = None,
+    content_hash: bool = False,
+    mode: Literal["pread", "mmap"] = "pread",
+) -> ScanReport:
+    """Find and classify every adapter under `paths` in parallel, with the GIL released.
+
+    One bad adapter never stops the scan: it becomes a row with status `STATUS_ERROR` and an
+    entry in `.errors`. `threads` defaults to `LORAFAST_NUM_THREADS` or the available cores.
+    `progress=None` shows a bar on stderr for long scans when stderr is a terminal.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    plist = [os.fspath(p) for p in paths]
+    show = _want_progress(progress, PROGRESS_THRESHOLD if progress is None and sys.stderr.isatty() else 0)
+    return ScanReport(_core.scan(plist, recursive, threads, mode, content_hash, show))

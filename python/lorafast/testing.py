@@ -1,0 +1,92 @@
+"""A small safetensors writer for tests, samples and benchmarks (numpy only, no torch).
+
+`write_safetensors(path, tensors)` writes a valid file. `tensors` maps a name to a numpy array, or to
+a `(dtype, shape)` pair when only the header matters: the data section is then zero-filled, which is
+what header-only tests need and keeps sample adapters cheap to write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+#: safetensors dtype name -> size in bits
+DTYPE_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
+    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
+
+_NUMPY_TO_ST = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
+    "int32": "I32", "uint32": "U32", "float32": "F32", "complex64": "C64", "float64": "F64",
+    "int64": "I64", "uint64": "U64",
+}  # fmt: skip
+
+TensorSpec = Union["Any", tuple[str, Sequence[int]]]
+
+
+def header_bytes(entries: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize a header dict the way the safetensors crate does: compact JSON padded to 8 bytes."""
+    obj: dict[str, Any] = {}
+    if metadata is not None:
+        obj["__metadata__"] = dict(metadata)
+    obj.update(entries)
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * DTYPE_BITS[dtype] // 8
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, TensorSpec],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write `tensors` (name -> numpy array, or name -> (dtype, shape)) as one safetensors file."""
+    entries: dict[str, Any] = {}
+    chunks: list[bytes | int] = []
+    offset = 0
+    for name, spec in tensors.items():
+        if isinstance(spec, tuple):
+            dtype, shape = spec[0], [int(d) for d in spec[1]]
+            size = _nbytes(dtype, shape)
+            chunks.append(size)
+        else:
+            arr = spec
+            dtype = _NUMPY_TO_ST[str(arr.dtype)] if not hasattr(arr, "st_dtype") else arr.st_dtype
+            shape = list(arr.shape)
+            data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(order="C")
+            size = len(data)
+            chunks.append(data)
+        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    head = header_bytes(entries, metadata)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for chunk in chunks:
+            if isinstance(chunk, int):
+                if chunk:
+                    f.seek(chunk - 1, os.SEEK_CUR)
+                    f.write(b"\0")
+            else:
+                f.write(chunk)
+
+
+def write_raw(path: str | os.PathLike[str], header: bytes, data_len: int = 0, n: int | None = None) -> None:
+    """Write a file from a raw header (for malformed-file tests): 8-byte N, the header, `data_len` zero bytes."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header) if n is None else n))
+        f.write(header)
+        f.write(b"\0" * data_len)

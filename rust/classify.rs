@@ -1,0 +1,781 @@
+//! Per-adapter classification from a validated header (and the adapter's config, when it has one):
+//! format, modules with ranks and scales, MoE layout, flags and every inconsistency found.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use rustc_hash::FxHashMap;
+
+use crate::config::{LoraConfig, TargetModules};
+use crate::header::{Dtype, Header};
+use crate::names::{self, Role, Spelling, Variant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Format {
+    Peft = 0,
+    Diffusers = 1,
+    DiffusersLegacy = 2,
+    Kohya = 3,
+    Lycoris = 4,
+    Xlabs = 5,
+    AiToolkit = 6,
+    Unknown = 7,
+}
+
+impl Format {
+    pub const NAMES: [&'static str; 8] =
+        ["peft", "diffusers", "diffusers_legacy", "kohya", "lycoris", "xlabs", "ai_toolkit", "unknown"];
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum MoeLayout {
+    Dense = 0,
+    PerExpert2d = 1,
+    Stacked3d = 2,
+    SharedOuter = 3,
+    PeftTargetParameters = 4,
+    Mixed = 5,
+}
+
+impl MoeLayout {
+    pub const NAMES: [&'static str; 6] =
+        ["dense", "per_expert_2d", "stacked_3d", "shared_outer", "peft_target_parameters", "mixed"];
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+/// Adapter flag bits (the `flags` column).
+pub mod flags {
+    pub const DORA: u32 = 1;
+    pub const EMBEDDINGS: u32 = 1 << 1;
+    pub const MODULES_TO_SAVE: u32 = 1 << 2;
+    pub const LORA_BIAS: u32 = 1 << 3;
+    pub const TRAINABLE_TOKENS: u32 = 1 << 4;
+    pub const FULL_WEIGHTS: u32 = 1 << 5;
+    pub const CONV: u32 = 1 << 6;
+    pub const KOHYA_ALPHA: u32 = 1 << 7;
+    pub const NON_ADDITIVE: u32 = 1 << 8;
+    pub const HAS_CONFIG: u32 = 1 << 9;
+    pub const UNSUPPORTED_FEATURES: u32 = 1 << 10;
+    pub const NAMES: [&str; 11] = [
+        "dora",
+        "embeddings",
+        "modules_to_save",
+        "lora_bias",
+        "trainable_tokens",
+        "full_weights",
+        "conv",
+        "kohya_alpha",
+        "non_additive",
+        "has_config",
+        "unsupported_features",
+    ];
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModuleKind {
+    Linear,
+    Conv,
+    Embedding,
+    Expert2d,
+    Stacked3d,
+    TargetParameters,
+    Variant(Variant),
+    /// Only orphan tensors (an A without B, an alpha alone).
+    Incomplete,
+}
+
+impl ModuleKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModuleKind::Linear => "linear",
+            ModuleKind::Conv => "conv",
+            ModuleKind::Embedding => "embedding",
+            ModuleKind::Expert2d => "expert_2d",
+            ModuleKind::Stacked3d => "stacked_3d",
+            ModuleKind::TargetParameters => "target_parameters",
+            ModuleKind::Variant(v) => v.name(),
+            ModuleKind::Incomplete => "incomplete",
+        }
+    }
+}
+
+/// One module, fully resolved, with owned strings (built only when the caller keeps modules).
+#[derive(Debug, Clone)]
+pub struct ModuleInfo {
+    pub key: String,
+    pub name: String,
+    pub leaf: String,
+    pub kind: ModuleKind,
+    pub layer: Option<u32>,
+    pub expert: Option<u32>,
+    pub num_experts: Option<u64>,
+    pub rank: Option<u64>,
+    pub in_features: Option<u64>,
+    pub out_features: Option<u64>,
+    pub dtype: Option<Dtype>,
+    pub a_key: Option<String>,
+    pub b_key: Option<String>,
+    pub a_shape: Option<Vec<u64>>,
+    pub b_shape: Option<Vec<u64>>,
+    pub alpha: Option<f64>,
+    pub alpha_key: Option<String>,
+    pub bias_key: Option<String>,
+    pub magnitude_key: Option<String>,
+    pub extra_keys: Vec<String>,
+    pub config_rank: Option<u64>,
+    pub use_rslora: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub code: &'static str,
+    pub message: String,
+    pub tensor: Option<String>,
+}
+
+/// Problems kept per adapter; past this a single "too_many_problems" entry stands for the rest.
+const MAX_PROBLEMS: usize = 200;
+
+/// Everything known about one adapter.
+#[derive(Debug, Clone)]
+pub struct Classification {
+    pub format: Format,
+    pub peft_type: Option<String>,
+    pub num_tensors: u32,
+    pub dtypes: Vec<Dtype>,
+    pub layers: Vec<u32>,
+    pub base_model: Option<String>,
+    pub target_modules: Vec<String>,
+    pub rank: u64,
+    pub moe_layout: MoeLayout,
+    pub num_experts: u64,
+    pub flags: u32,
+    pub variants: Vec<Variant>,
+    pub full_weight_tensors: Vec<String>,
+    pub problems: Vec<Problem>,
+    pub modules: Vec<ModuleInfo>,
+}
+
+impl Classification {
+    fn problem(&mut self, code: &'static str, message: String, tensor: Option<&str>) {
+        if self.problems.len() < MAX_PROBLEMS {
+            self.problems.push(Problem { code, message, tensor: tensor.map(str::to_owned) });
+        } else if self.problems.len() == MAX_PROBLEMS {
+            self.problems.push(Problem {
+                code: "too_many_problems",
+                message: format!("more than {MAX_PROBLEMS} problems; the rest are not listed"),
+                tensor: None,
+            });
+        }
+    }
+}
+
+/// Tensors of one module, as indices into the header.
+#[derive(Default)]
+struct Group<'h> {
+    key: &'h str,
+    a: Option<u32>,
+    b: Option<u32>,
+    bias: Option<u32>,
+    magnitude: Option<u32>,
+    alpha: Option<u32>,
+    mid: Option<u32>,
+    emb_a: Option<u32>,
+    emb_b: Option<u32>,
+    variant: Option<Variant>,
+    variant_tensors: Vec<u32>,
+}
+
+/// Options for one classification.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Build per-module records with owned names (inspect); a bulk scan leaves them out.
+    pub keep_modules: bool,
+}
+
+pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &Path, opts: Options) -> Classification {
+    let tensors = &header.tensors;
+    let mut out = Classification {
+        format: Format::Unknown,
+        peft_type: config.and_then(|c| c.peft_type.clone()),
+        num_tensors: tensors.len() as u32,
+        dtypes: Vec::new(),
+        layers: Vec::new(),
+        base_model: config.and_then(|c| c.base_model_name_or_path.clone()),
+        target_modules: Vec::new(),
+        rank: 0,
+        moe_layout: MoeLayout::Dense,
+        num_experts: 0,
+        flags: if config.is_some() { flags::HAS_CONFIG } else { 0 },
+        variants: Vec::new(),
+        full_weight_tensors: Vec::new(),
+        problems: Vec::new(),
+        modules: Vec::new(),
+    };
+    for w in &header.warnings {
+        out.problem(w.code, w.message.clone(), None);
+    }
+
+    // 1. Group tensors by module key.
+    let mut index: FxHashMap<&str, u32> = FxHashMap::default();
+    index.reserve(tensors.len() / 2 + 1);
+    let mut groups: Vec<Group<'_>> = Vec::with_capacity(tensors.len() / 2 + 1);
+    let mut spelling_seen = [false; 5];
+    let mut dtype_mask: u32 = 0;
+    for (i, t) in tensors.iter().enumerate() {
+        dtype_mask |= 1 << (t.dtype as u32);
+        let Some((key, role, spelling)) = names::split(&t.name) else {
+            unsorted_tensor(&mut out, &t.name, config);
+            continue;
+        };
+        spelling_seen[spelling as usize] = true;
+        let next = groups.len() as u32;
+        let g = *index.entry(key).or_insert(next);
+        if g == next {
+            groups.push(Group { key, ..Group::default() });
+        }
+        let group = &mut groups[g as usize];
+        let i = i as u32;
+        let slot = match role {
+            Role::A => &mut group.a,
+            Role::B => &mut group.b,
+            Role::Bias => &mut group.bias,
+            Role::Magnitude => &mut group.magnitude,
+            Role::Alpha => &mut group.alpha,
+            Role::Mid => &mut group.mid,
+            Role::EmbeddingA => &mut group.emb_a,
+            Role::EmbeddingB => &mut group.emb_b,
+            Role::TrainableTokens => {
+                out.flags |= flags::TRAINABLE_TOKENS;
+                continue;
+            }
+            Role::Variant(v) => {
+                group.variant = Some(v);
+                group.variant_tensors.push(i);
+                continue;
+            }
+        };
+        if slot.replace(i).is_some() {
+            // Two spellings of the same factor (e.g. `.lora_A` and `.lora_A.weight`).
+            out.problem("duplicate_factor", format!("module {key:?} has two tensors for the same factor"), Some(&t.name));
+        }
+    }
+    out.dtypes = Dtype::ALL.iter().copied().filter(|d| dtype_mask & (1 << (*d as u32)) != 0).collect();
+    out.format = detect_format(header, config, &spelling_seen, &groups);
+    let kohya_names = matches!(out.format, Format::Kohya | Format::Lycoris);
+
+    // Scalars (kohya alphas) are the only tensor data we read: a few bytes each.
+    let alphas = read_alphas(header, &groups, weight_path, &mut out);
+
+    // 2. Resolve every module.
+    let inner_outer = target_parameter_leaves(config);
+    let mut layer_mask: Vec<u64> = Vec::new();
+    let mut leaves: Vec<&str> = Vec::new();
+    let mut layouts: u8 = 0;
+    let mut matched_targets: Vec<bool> = match config.and_then(|c| c.target_modules.as_ref()) {
+        Some(TargetModules::List(list)) => vec![false; list.len()],
+        _ => Vec::new(),
+    };
+    for (gi, g) in groups.iter().enumerate() {
+        let shape = |i: Option<u32>| i.map(|i| header.shape(&tensors[i as usize]));
+        let (a, b) = if g.emb_a.is_some() || g.emb_b.is_some() { (g.emb_a, g.emb_b) } else { (g.a, g.b) };
+        let (a_shape, b_shape) = (shape(a), shape(b));
+        let is_target_param = g.key.ends_with("experts.base_layer")
+            || (g.key.ends_with(".experts") && a_shape.is_some_and(|s| s.len() == 2))
+            || (g.key.ends_with(".experts") && b_shape.is_some_and(|s| s.len() == 2));
+        let expert = names::expert_index(g.key);
+        let kind = if let Some(v) = g.variant {
+            ModuleKind::Variant(v)
+        } else if a.is_none() || b.is_none() {
+            ModuleKind::Incomplete
+        } else if g.emb_a.is_some() {
+            ModuleKind::Embedding
+        } else if is_target_param {
+            ModuleKind::TargetParameters
+        } else {
+            match a_shape.map_or(0, <[u64]>::len) {
+                3 => ModuleKind::Stacked3d,
+                4 | 5 => ModuleKind::Conv,
+                _ if expert.is_some() => ModuleKind::Expert2d,
+                _ => ModuleKind::Linear,
+            }
+        };
+        let mut name = names::strip_prefix(g.key).to_owned();
+        let leaf: &str = if kind == ModuleKind::TargetParameters {
+            let leaf = if g.key.ends_with("base_layer") { inner_outer.0 } else { inner_outer.1 };
+            let base = name.trim_end_matches(".base_layer").to_owned();
+            name = format!("{base}.{leaf}");
+            leaf
+        } else {
+            names::leaf(g.key, kohya_names)
+        };
+        if !leaves.contains(&leaf) {
+            leaves.push(leaf);
+        }
+        let layer = names::layer_index(g.key);
+        if let Some(l) = layer {
+            let word = (l / 64) as usize;
+            if layer_mask.len() <= word {
+                layer_mask.resize(word + 1, 0);
+            }
+            layer_mask[word] |= 1 << (l % 64);
+        }
+
+        // Ranks and features from shapes.
+        let (mut rank, b_rank, in_f, out_f, mut n_exp) = dims(kind, a_shape, b_shape);
+        let config_rank = config.and_then(|c| c.rank_for(&name));
+        if kind == ModuleKind::TargetParameters {
+            if let (Some(rows), Some(r)) = (rank, config_rank) {
+                if r > 0 && rows % r == 0 {
+                    n_exp = Some(rows / r);
+                    rank = Some(r);
+                } else {
+                    out.problem(
+                        "moe_rank_not_divisible",
+                        format!("module {name:?}: lora_A has {rows} rows, not a multiple of the configured rank {r}"),
+                        None,
+                    );
+                }
+            }
+        }
+        if let ModuleKind::Variant(v) = kind {
+            rank = variant_rank(v, g, header);
+        }
+        let use_rslora = config.is_some_and(|c| c.use_rslora);
+        let alpha = alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(&name)));
+
+        // Consistency checks.
+        match kind {
+            ModuleKind::Incomplete => {
+                let what = if a.is_some() {
+                    ("missing_lora_b", "has lora_A but no lora_B")
+                } else if b.is_some() {
+                    ("missing_lora_a", "has lora_B but no lora_A")
+                } else {
+                    ("orphan_tensor", "has no lora_A/lora_B pair")
+                };
+                out.problem(what.0, format!("module {:?} {}", g.key, what.1), None);
+            }
+            ModuleKind::Variant(_) => {}
+            _ => {
+                if let (Some(ra), Some(rb)) = (if kind == ModuleKind::TargetParameters { a_shape.map(|s| s[0]) } else { rank }, b_rank) {
+                    if ra != rb {
+                        out.problem(
+                            "rank_mismatch",
+                            format!("module {:?}: lora_A rank {ra} but lora_B rank {rb}", g.key),
+                            None,
+                        );
+                    }
+                }
+                let (da, db) = (tensors[a.unwrap_or(0) as usize].dtype, tensors[b.unwrap_or(0) as usize].dtype);
+                if da != db {
+                    out.problem(
+                        "dtype_mismatch",
+                        format!("module {:?}: lora_A is {} but lora_B is {}", g.key, da.name(), db.name()),
+                        None,
+                    );
+                }
+                if kind != ModuleKind::TargetParameters {
+                    if let (Some(r), Some(cr)) = (rank, config_rank) {
+                        if r != cr && out.format == Format::Peft {
+                            out.problem(
+                                "config_rank_mismatch",
+                                format!("module {name:?}: rank {r} in the tensors but the config (r / rank_pattern) gives {cr}"),
+                                None,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(c) = config {
+            check_target(c, kind, &name, leaf, &mut matched_targets, &mut out);
+        }
+
+        // Flags and MoE layout.
+        if g.magnitude.is_some() {
+            out.flags |= flags::DORA;
+        }
+        if g.bias.is_some() {
+            out.flags |= flags::LORA_BIAS;
+        }
+        if g.alpha.is_some() {
+            out.flags |= flags::KOHYA_ALPHA;
+        }
+        match kind {
+            ModuleKind::Embedding => out.flags |= flags::EMBEDDINGS,
+            ModuleKind::Conv => out.flags |= flags::CONV,
+            ModuleKind::Variant(v) => {
+                if !out.variants.contains(&v) {
+                    out.variants.push(v);
+                }
+            }
+            ModuleKind::Expert2d => layouts |= 1 << MoeLayout::PerExpert2d as u8,
+            ModuleKind::TargetParameters => layouts |= 1 << MoeLayout::PeftTargetParameters as u8,
+            ModuleKind::Stacked3d if g.key.contains("experts") => {
+                let outer = a_shape.is_some_and(|s| s[0] == 1) || b_shape.is_some_and(|s| s[0] == 1);
+                layouts |= 1 << if outer { MoeLayout::SharedOuter as u8 } else { MoeLayout::Stacked3d as u8 };
+            }
+            _ => {}
+        }
+        if let Some(e) = expert {
+            n_exp = Some(n_exp.unwrap_or(0).max(u64::from(e) + 1));
+        }
+        out.num_experts = out.num_experts.max(n_exp.unwrap_or(0));
+        out.rank = out.rank.max(rank.unwrap_or(0));
+
+        if opts.keep_modules {
+            let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.to_string());
+            let mut extra: Vec<String> = g.variant_tensors.iter().map(|&i| tensors[i as usize].name.to_string()).collect();
+            if let Some(m) = g.mid {
+                extra.push(tensors[m as usize].name.to_string());
+            }
+            out.modules.push(ModuleInfo {
+                key: g.key.to_owned(),
+                name,
+                leaf: leaf.to_owned(),
+                kind,
+                layer,
+                expert,
+                num_experts: n_exp,
+                rank,
+                in_features: in_f,
+                out_features: out_f,
+                dtype: a.or(b).map(|i| tensors[i as usize].dtype),
+                a_key: tname(a),
+                b_key: tname(b),
+                a_shape: a_shape.map(<[u64]>::to_vec),
+                b_shape: b_shape.map(<[u64]>::to_vec),
+                alpha,
+                alpha_key: tname(g.alpha),
+                bias_key: tname(g.bias),
+                magnitude_key: tname(g.magnitude),
+                extra_keys: extra,
+                config_rank,
+                use_rslora,
+            });
+        }
+    }
+    if let Some(Some(TargetModules::List(list))) = config.map(|c| c.target_modules.as_ref()) {
+        for (t, matched) in list.iter().zip(&matched_targets) {
+            if !matched && !groups.is_empty() {
+                out.problem(
+                    "target_modules_mismatch",
+                    format!("config target_modules entry {t:?} matches no tensor in the file"),
+                    None,
+                );
+            }
+        }
+    }
+    if let Some(c) = config {
+        for p in &c.bad_patterns {
+            out.problem("unsupported_pattern", format!("pattern {p:?} is not a regex lorafast can evaluate"), None);
+        }
+        if !c.unsupported_features.is_empty() {
+            out.flags |= flags::UNSUPPORTED_FEATURES;
+        }
+        if c.use_dora {
+            out.flags |= flags::DORA;
+        }
+        if let Some(pt) = c.peft_type.as_deref() {
+            if let Some(v) = variant_of_peft_type(pt) {
+                if !out.variants.contains(&v) {
+                    out.variants.push(v);
+                }
+            }
+        }
+    }
+    out.variants.sort();
+    if out.flags & flags::DORA != 0 || out.variants.iter().any(|v| *v != Variant::Diff) {
+        out.flags |= flags::NON_ADDITIVE;
+    }
+    out.moe_layout = match layouts.count_ones() {
+        0 => MoeLayout::Dense,
+        1 => match layouts.trailing_zeros() {
+            1 => MoeLayout::PerExpert2d,
+            2 => MoeLayout::Stacked3d,
+            3 => MoeLayout::SharedOuter,
+            _ => MoeLayout::PeftTargetParameters,
+        },
+        _ => MoeLayout::Mixed,
+    };
+    for (w, bits) in layer_mask.iter().enumerate() {
+        let mut bits = *bits;
+        while bits != 0 {
+            out.layers.push(w as u32 * 64 + bits.trailing_zeros());
+            bits &= bits - 1;
+        }
+    }
+    out.target_modules = leaves.into_iter().map(str::to_owned).collect();
+    out
+}
+
+/// A tensor whose name has no LoRA role: a full weight PEFT saved on purpose, or something unknown.
+fn unsorted_tensor(out: &mut Classification, name: &str, config: Option<&LoraConfig>) {
+    let saved_embedding = name.ends_with("embed_tokens.base_layer.weight") || name.ends_with("lm_head.base_layer.weight");
+    let in_modules_to_save = config.is_some_and(|c| {
+        c.modules_to_save.iter().any(|m| name.contains(&format!(".{m}.")) || name.starts_with(&format!("{m}.")))
+    });
+    if saved_embedding {
+        out.flags |= flags::FULL_WEIGHTS;
+    } else if in_modules_to_save {
+        out.flags |= flags::MODULES_TO_SAVE | flags::FULL_WEIGHTS;
+    } else {
+        out.problem("unknown_tensor", format!("no rule understands tensor name {name:?}"), Some(name));
+        return;
+    }
+    out.full_weight_tensors.push(name.to_owned());
+}
+
+/// Which module the inner (`experts.base_layer`) and outer (`experts`) PEFT ParamWrappers hold.
+fn target_parameter_leaves(config: Option<&LoraConfig>) -> (&'static str, &'static str) {
+    let leaf_of = |p: &String| -> &'static str {
+        match p.rsplit('.').next().unwrap_or("") {
+            "gate_up_proj" => "gate_up_proj",
+            "down_proj" => "down_proj",
+            "w13_weight" | "w1" => "gate_up_proj",
+            _ => "down_proj",
+        }
+    };
+    match config.map(|c| c.target_parameters.as_slice()) {
+        // PEFT wraps targets in order; the first becomes the inner wrapper (`base_layer`).
+        Some([first, second, ..]) => (leaf_of(first), leaf_of(second)),
+        Some([only]) => (leaf_of(only), leaf_of(only)),
+        _ => ("gate_up_proj", "down_proj"),
+    }
+}
+
+/// (rank from A, rank from B, in, out, experts) for a module kind.
+#[allow(clippy::type_complexity)]
+fn dims(
+    kind: ModuleKind,
+    a: Option<&[u64]>,
+    b: Option<&[u64]>,
+) -> (Option<u64>, Option<u64>, Option<u64>, Option<u64>, Option<u64>) {
+    let at = |s: Option<&[u64]>, i: usize| s.and_then(|s| s.get(i).copied());
+    match kind {
+        ModuleKind::Stacked3d => {
+            let e = at(a, 0).max(at(b, 0));
+            (at(a, 1), at(b, 2), at(a, 2), at(b, 1), e)
+        }
+        ModuleKind::Incomplete | ModuleKind::Variant(_) => (at(a, 0), at(b, 1), at(a, 1), at(b, 0), None),
+        _ => (at(a, 0), at(b, 1), at(a, 1), at(b, 0), None),
+    }
+}
+
+/// LoHa rank is `hada_w1_b.shape[0]`; LoKr's comes from a factorised side (scale 1 when none).
+fn variant_rank(v: Variant, g: &Group<'_>, header: &Header<'_>) -> Option<u64> {
+    let find = |suffix: &str| {
+        g.variant_tensors.iter().find(|&&i| header.tensors[i as usize].name.ends_with(suffix)).map(|&i| {
+            let t = &header.tensors[i as usize];
+            header.shape(t).first().copied()
+        })
+    };
+    match v {
+        Variant::Loha => find(".hada_w1_b").flatten(),
+        Variant::Lokr => find(".lokr_w2_b").flatten().or_else(|| find(".lokr_w1_b").flatten()),
+        _ => None,
+    }
+}
+
+fn variant_of_peft_type(peft_type: &str) -> Option<Variant> {
+    match peft_type.to_ascii_uppercase().as_str() {
+        "LOHA" => Some(Variant::Loha),
+        "LOKR" => Some(Variant::Lokr),
+        "OFT" => Some(Variant::Oft),
+        "BOFT" => Some(Variant::Boft),
+        "IA3" => Some(Variant::Ia3),
+        _ => None,
+    }
+}
+
+fn check_target(
+    c: &LoraConfig,
+    kind: ModuleKind,
+    name: &str,
+    leaf: &str,
+    matched: &mut [bool],
+    out: &mut Classification,
+) {
+    if kind == ModuleKind::TargetParameters {
+        if !c.target_parameters.is_empty() && !c.target_parameters.iter().any(|p| p.ends_with(leaf)) {
+            out.problem(
+                "target_modules_mismatch",
+                format!("module {name:?} has expert tensors but {leaf:?} is not in config target_parameters"),
+                None,
+            );
+        }
+        return;
+    }
+    if let Some(TargetModules::List(list)) = &c.target_modules {
+        let mut any = false;
+        for (t, m) in list.iter().zip(matched.iter_mut()) {
+            let hit = name == t
+                || (name.len() > t.len() && name.ends_with(t.as_str()) && name.as_bytes()[name.len() - t.len() - 1] == b'.');
+            if hit {
+                *m = true;
+                any = true;
+            }
+        }
+        // Embeddings saved under `modules_to_save`-style names and trainable tokens are not targets.
+        if !any && kind != ModuleKind::Incomplete {
+            out.problem(
+                "target_modules_mismatch",
+                format!("module {name:?} has LoRA tensors but is not matched by config target_modules"),
+                None,
+            );
+        }
+    } else if c.targets(name) == Some(false) && kind != ModuleKind::Incomplete {
+        out.problem(
+            "target_modules_mismatch",
+            format!("module {name:?} has LoRA tensors but does not match the config target_modules pattern"),
+            None,
+        );
+    }
+}
+
+/// Picks the format from the spellings seen, key prefixes and the presence of a config.
+fn detect_format(header: &Header<'_>, config: Option<&LoraConfig>, spelling: &[bool; 5], groups: &[Group<'_>]) -> Format {
+    let has = |s: Spelling| spelling[s as usize];
+    let any_key = |pred: &dyn Fn(&str) -> bool| groups.iter().any(|g| pred(g.key));
+    let kohya_prefix = |k: &str| {
+        ["lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_prior_", "lora_transformer_", "lycoris_"]
+            .iter()
+            .any(|p| k.starts_with(p))
+    };
+    let lycoris = groups.iter().any(|g| g.variant.is_some());
+    if config.is_some() && (has(Spelling::Peft) || groups.iter().any(|g| g.emb_a.is_some() || g.variant.is_some())) {
+        return Format::Peft;
+    }
+    if lycoris {
+        return Format::Lycoris;
+    }
+    if has(Spelling::Kohya) && any_key(&kohya_prefix) {
+        return Format::Kohya;
+    }
+    if has(Spelling::Xlabs) {
+        return Format::Xlabs;
+    }
+    if has(Spelling::Peft) {
+        let flux_blocks = |k: &str| {
+            let k = k.strip_prefix("base_model.model.").unwrap_or(k);
+            let k = k.strip_prefix("transformer.").unwrap_or(k);
+            k.starts_with("double_blocks.") || k.starts_with("single_blocks.")
+        };
+        if any_key(&flux_blocks) {
+            return Format::AiToolkit;
+        }
+        let component = |k: &str| {
+            ["unet.", "transformer.", "text_encoder.", "text_encoder_2.", "prior.", "diffusion_model."]
+                .iter()
+                .any(|p| k.starts_with(p))
+        };
+        if header.metadata_value("lora_adapter_metadata").is_some() || any_key(&component) {
+            return Format::Diffusers;
+        }
+        return Format::Peft;
+    }
+    if has(Spelling::DiffusersLegacy) {
+        return Format::DiffusersLegacy;
+    }
+    if has(Spelling::Kohya) {
+        return Format::Kohya;
+    }
+    if config.is_some() && !groups.is_empty() {
+        return Format::Peft;
+    }
+    Format::Unknown
+}
+
+/// Reads each module's 0-d `.alpha` value (a few bytes per module, by pread).
+fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut Classification) -> Vec<Option<f64>> {
+    let mut alphas = vec![None; groups.len()];
+    if !groups.iter().any(|g| g.alpha.is_some()) {
+        return alphas;
+    }
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) => {
+            out.problem("invalid_alpha", format!("cannot reopen the file to read alpha values: {e}"), None);
+            return alphas;
+        }
+    };
+    for (slot, g) in alphas.iter_mut().zip(groups) {
+        let Some(i) = g.alpha else { continue };
+        let t = &header.tensors[i as usize];
+        let nelem: u64 = header.shape(t).iter().product();
+        if nelem != 1 {
+            out.problem("invalid_alpha", format!("alpha tensor {:?} has {nelem} elements, expected 1", t.name), Some(&t.name));
+            continue;
+        }
+        let mut buf = [0u8; 8];
+        let width = (t.dtype.bits() / 8) as usize;
+        let at = header.data_start() + t.begin;
+        let value = match file.read_exact_at(&mut buf[..width.min(8)], at) {
+            Ok(()) => scalar(t.dtype, &buf),
+            Err(_) => None,
+        };
+        match value {
+            Some(v) if v.is_finite() => *slot = Some(v),
+            _ => out.problem(
+                "invalid_alpha",
+                format!("alpha tensor {:?} ({}) is not a readable finite number", t.name, t.dtype.name()),
+                Some(&t.name),
+            ),
+        }
+    }
+    alphas
+}
+
+fn scalar(dtype: Dtype, b: &[u8; 8]) -> Option<f64> {
+    let u16v = u16::from_le_bytes([b[0], b[1]]);
+    Some(match dtype {
+        Dtype::F32 => f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::F64 => f64::from_le_bytes(*b),
+        Dtype::BF16 => f64::from(f32::from_bits(u32::from(u16v) << 16)),
+        Dtype::F16 => f16_to_f64(u16v),
+        Dtype::I64 => i64::from_le_bytes(*b) as f64,
+        Dtype::I32 => f64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::I16 => f64::from(i16::from_le_bytes([b[0], b[1]])),
+        Dtype::U8 => f64::from(b[0]),
+        Dtype::I8 => f64::from(b[0] as i8),
+        _ => return None,
+    })
+}
+
+fn f16_to_f64(h: u16) -> f64 {
+    let sign = if h >> 15 == 1 { -1.0 } else { 1.0 };
+    let exp = i32::from((h >> 10) & 0x1f);
+    let frac = f64::from(h & 0x3ff);
+    match exp {
+        0 => sign * frac * 2f64.powi(-24),
+        31 => {
+            if frac == 0.0 {
+                sign * f64::INFINITY
+            } else {
+                f64::NAN
+            }
+        }
+        _ => sign * (1.0 + frac / 1024.0) * 2f64.powi(exp - 15),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_precision() {
+        assert_eq!(f16_to_f64(0x3c00), 1.0);
+        assert_eq!(f16_to_f64(0x4c00), 16.0);
+        assert_eq!(f16_to_f64(0xc000), -2.0);
+    }
+}

@@ -1,0 +1,139 @@
+//! Errors of the core. Every header rule has its own variant and a stable string code, which
+//! Python sees as `HeaderError.code` and a scan reports per failed file.
+
+use std::io;
+use std::path::PathBuf;
+
+/// A failure to read or validate one file.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: {kind}")]
+    Header { path: PathBuf, kind: HeaderError },
+    #[error("{path}: {message}")]
+    Adapter { path: PathBuf, code: &'static str, message: String },
+}
+
+impl Error {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::Io { source, .. } => match source.kind() {
+                io::ErrorKind::NotFound => "not_found",
+                io::ErrorKind::PermissionDenied => "permission_denied",
+                _ => "io_error",
+            },
+            Error::Header { kind, .. } => kind.code(),
+            Error::Adapter { code, .. } => code,
+        }
+    }
+
+    pub fn path(&self) -> &PathBuf {
+        match self {
+            Error::Io { path, .. } | Error::Header { path, .. } | Error::Adapter { path, .. } => path,
+        }
+    }
+
+    /// The message without the path prefix.
+    pub fn detail(&self) -> String {
+        match self {
+            Error::Io { source, .. } => source.to_string(),
+            Error::Header { kind, .. } => kind.to_string(),
+            Error::Adapter { message, .. } => message.clone(),
+        }
+    }
+
+    pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+
+    pub fn adapter(path: impl Into<PathBuf>, code: &'static str, message: impl Into<String>) -> Self {
+        Error::Adapter { path: path.into(), code, message: message.into() }
+    }
+}
+
+/// One violated safetensors header rule. The first group mirrors the safetensors crate's checks;
+/// the second is stricter than the crate.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeaderError {
+    #[error("file is {0} bytes, shorter than the 8-byte header length")]
+    HeaderTooSmall(u64),
+    #[error("header length {0} exceeds the 100000000-byte limit")]
+    HeaderTooLarge(u64),
+    #[error("header length {n} runs past the end of the {file_size}-byte file")]
+    InvalidHeaderLength { n: u64, file_size: u64 },
+    #[error("header is not valid UTF-8 (byte {0})")]
+    InvalidUtf8(usize),
+    #[error("header is not valid JSON: {message} at byte {offset}")]
+    InvalidJson { message: &'static str, offset: usize },
+    #[error("header JSON is not an object")]
+    HeaderNotObject,
+    #[error("__metadata__ must map strings to strings: {0}")]
+    InvalidMetadata(String),
+    #[error("tensor {name:?}: {message}")]
+    InvalidTensorEntry { name: String, message: String },
+    #[error("tensor {name:?}: unknown dtype {dtype:?}")]
+    UnknownDtype { name: String, dtype: String },
+    #[error("tensor {name:?}: data_offsets {begin}..{end} are not contiguous with the previous tensor (expected begin {expected})")]
+    InvalidOffset { name: String, begin: u64, end: u64, expected: u64 },
+    #[error("tensor {0:?}: shape or byte size overflows 64 bits")]
+    Overflow(String),
+    #[error("tensor {0:?}: size in bits is not a whole number of bytes")]
+    MisalignedSlice(String),
+    #[error("tensor {name:?}: data_offsets span {span} bytes but dtype and shape need {expected}")]
+    TensorSizeMismatch { name: String, span: u64, expected: u64 },
+    #[error("tensor data ends at {data_end} but the file holds {available} data bytes")]
+    IncompleteBuffer { data_end: u64, available: u64 },
+    // Stricter than the crate:
+    #[error("tensor {0:?} appears more than once in the header")]
+    DuplicateTensor(String),
+    #[error("key {0:?} appears more than once in one JSON object")]
+    DuplicateKey(String),
+}
+
+impl HeaderError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            HeaderError::HeaderTooSmall(_) => "header_too_small",
+            HeaderError::HeaderTooLarge(_) => "header_too_large",
+            HeaderError::InvalidHeaderLength { .. } => "invalid_header_length",
+            HeaderError::InvalidUtf8(_) => "invalid_utf8",
+            HeaderError::InvalidJson { .. } => "invalid_json",
+            HeaderError::HeaderNotObject => "header_not_object",
+            HeaderError::InvalidMetadata(_) => "invalid_metadata",
+            HeaderError::InvalidTensorEntry { .. } => "invalid_tensor_entry",
+            HeaderError::UnknownDtype { .. } => "unknown_dtype",
+            HeaderError::InvalidOffset { .. } => "invalid_offset",
+            HeaderError::Overflow(_) => "overflow",
+            HeaderError::MisalignedSlice(_) => "misaligned_slice",
+            HeaderError::TensorSizeMismatch { .. } => "tensor_size_mismatch",
+            HeaderError::IncompleteBuffer { .. } => "incomplete_buffer",
+            HeaderError::DuplicateTensor(_) => "duplicate_tensor",
+            HeaderError::DuplicateKey(_) => "duplicate_key",
+        }
+    }
+}
+
+/// Every header error code, in documentation order (exported to Python as `HEADER_ERROR_CODES`).
+pub const HEADER_ERROR_CODES: &[&str] = &[
+    "header_too_small",
+    "header_too_large",
+    "invalid_header_length",
+    "invalid_utf8",
+    "invalid_json",
+    "header_not_object",
+    "invalid_metadata",
+    "invalid_tensor_entry",
+    "unknown_dtype",
+    "invalid_offset",
+    "overflow",
+    "misaligned_slice",
+    "tensor_size_mismatch",
+    "incomplete_buffer",
+    "duplicate_tensor",
+    "duplicate_key",
+];

@@ -1,0 +1,17 @@
+//! lorafast core: safetensors header reading and validation, tensor-name parsing, adapter
+//! classification and the parallel bulk scan. Pure Rust; the Python binding lives in `py.rs`,
+//! behind the `python` feature, so `cargo test --no-default-features` needs no libpython.
+
+pub mod classify;
+pub mod config;
+pub mod error;
+pub mod header;
+pub mod json;
+pub mod names;
+pub mod scan;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use error::{Error, HeaderError};
+pub use header::{parse_header, read_header, Dtype, Header, ReadMode, TensorEntry};

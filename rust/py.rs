@@ -1,0 +1,440 @@
+//! The only file that uses pyo3: converts core results to Python objects and core errors to the
+//! exception tree of `lorafast.errors`. All I/O and parsing run with the GIL released.
+
+use std::path::{Path, PathBuf};
+
+use numpy::ndarray::ArrayView1;
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
+use crate::error::{Error, HEADER_ERROR_CODES};
+use crate::header::{self, Dtype, ReadMode};
+use crate::scan::{self as core_scan, AdapterResult, ScanOptions, Target};
+
+fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
+    let path = err.path().display().to_string();
+    match err {
+        Error::Io { source, .. } => {
+            let errno = source.raw_os_error().unwrap_or(0);
+            let args = (errno, source.to_string(), path);
+            match source.kind() {
+                std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(args),
+                std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(args),
+                _ => PyOSError::new_err(args),
+            }
+        }
+        Error::Header { .. } | Error::Adapter { .. } => {
+            let class = if matches!(err, Error::Header { .. }) { "HeaderError" } else { "AdapterError" };
+            let build = || -> PyResult<PyErr> {
+                let cls = py.import("lorafast.errors")?.getattr(class)?;
+                let exc = cls.call1((err.to_string(), err.code(), path.clone()))?;
+                Ok(PyErr::from_value(exc))
+            };
+            build().unwrap_or_else(|e| e)
+        }
+    }
+}
+
+fn parse_mode(mode: &str) -> PyResult<ReadMode> {
+    ReadMode::from_name(mode).ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', not {mode:?}")))
+}
+
+/// Header as a dict: tensors as (name, dtype, shape, (begin, end)) in file order.
+#[pyfunction]
+#[pyo3(signature = (path, mode = "pread"))]
+fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Bound<'py, PyDict>> {
+    let mode = parse_mode(mode)?;
+    let result = py.detach(|| {
+        let mut buf = Vec::new();
+        header::read_header(&path, mode, &mut buf).map(|h| {
+            let tensors: Vec<(String, &'static str, Vec<u64>, (u64, u64))> = h
+                .tensors
+                .iter()
+                .map(|t| (t.name.to_string(), t.dtype.name(), h.shape(t).to_vec(), (t.begin, t.end)))
+                .collect();
+            let metadata: Option<Vec<(String, String)>> =
+                h.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+            let warnings: Vec<(&'static str, String)> = h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
+            (tensors, metadata, h.header_size, h.file_size, warnings)
+        })
+    });
+    let (tensors, metadata, header_size, file_size, warnings) = result.map_err(|e| to_pyerr(py, &e))?;
+    let d = PyDict::new(py);
+    let tensors: Vec<Bound<'py, PyTuple>> = tensors
+        .into_iter()
+        .map(|(n, dt, shape, off)| PyTuple::new(py, [n.into_pyobject(py)?.into_any(), dt.into_pyobject(py)?.into_any(), PyTuple::new(py, shape)?.into_any(), off.into_pyobject(py)?.into_any()]))
+        .collect::<PyResult<_>>()?;
+    d.set_item("tensors", tensors)?;
+    d.set_item("metadata", metadata.map(|m| m.into_iter().collect::<std::collections::HashMap<_, _>>()))?;
+    d.set_item("header_size", header_size)?;
+    d.set_item("file_size", file_size)?;
+    d.set_item("warnings", warnings)?;
+    Ok(d)
+}
+
+fn shape_tuple<'py>(py: Python<'py>, shape: &Option<Vec<u64>>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    shape.as_ref().map(|s| PyTuple::new(py, s)).transpose()
+}
+
+fn module_dict<'py>(py: Python<'py>, m: &ModuleInfo, weight_file: &str) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", &m.name)?;
+    d.set_item("key", &m.key)?;
+    d.set_item("kind", m.kind.name())?;
+    d.set_item("leaf", &m.leaf)?;
+    d.set_item("layer", m.layer)?;
+    d.set_item("expert", m.expert)?;
+    d.set_item("num_experts", m.num_experts)?;
+    d.set_item("rank", m.rank)?;
+    d.set_item("in_features", m.in_features)?;
+    d.set_item("out_features", m.out_features)?;
+    d.set_item("dtype", m.dtype.map(Dtype::name))?;
+    d.set_item("a_key", &m.a_key)?;
+    d.set_item("b_key", &m.b_key)?;
+    d.set_item("a_shape", shape_tuple(py, &m.a_shape)?)?;
+    d.set_item("b_shape", shape_tuple(py, &m.b_shape)?)?;
+    d.set_item("alpha", m.alpha)?;
+    d.set_item("alpha_key", &m.alpha_key)?;
+    d.set_item("bias_key", &m.bias_key)?;
+    d.set_item("magnitude_key", &m.magnitude_key)?;
+    d.set_item("extra_keys", PyTuple::new(py, &m.extra_keys)?)?;
+    d.set_item("config_rank", m.config_rank)?;
+    d.set_item("use_rslora", m.use_rslora)?;
+    d.set_item("weight_file", weight_file)?;
+    Ok(d)
+}
+
+fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, PyDict>> {
+    let c = &r.class;
+    let weight_file = r.target.weights.display().to_string();
+    let d = PyDict::new(py);
+    d.set_item("path", r.target.path.display().to_string())?;
+    d.set_item("weight_files", (weight_file.clone(),))?;
+    d.set_item("config_path", r.target.config.as_ref().map(|p| p.display().to_string()))?;
+    d.set_item("config_json", &r.config_json)?;
+    d.set_item("format", c.format.name())?;
+    d.set_item("peft_type", &c.peft_type)?;
+    d.set_item("num_tensors", c.num_tensors)?;
+    d.set_item("dtypes", c.dtypes.iter().map(|t| t.name()).collect::<Vec<_>>())?;
+    d.set_item("layers", &c.layers)?;
+    d.set_item("base_model_name_or_path", &c.base_model)?;
+    d.set_item("target_modules", &c.target_modules)?;
+    d.set_item("rank", c.rank)?;
+    d.set_item("moe_layout", c.moe_layout.name())?;
+    d.set_item("num_experts", c.num_experts)?;
+    let names: Vec<&str> = flags::NAMES.iter().enumerate().filter(|(i, _)| c.flags & (1 << i) != 0).map(|(_, n)| *n).collect();
+    d.set_item("flags", names)?;
+    d.set_item("variants", c.variants.iter().map(|v| v.name()).collect::<Vec<_>>())?;
+    d.set_item("full_weight_tensors", &c.full_weight_tensors)?;
+    let problems: Vec<(&str, &str, Option<&str>)> =
+        c.problems.iter().map(|p| (p.code, p.message.as_str(), p.tensor.as_deref())).collect();
+    d.set_item("problems", problems)?;
+    d.set_item("content_hash", &r.content_hash)?;
+    d.set_item("metadata", r.metadata.as_ref().map(|m| m.iter().cloned().collect::<std::collections::HashMap<_, _>>()))?;
+    d.set_item("header_size", r.header_size)?;
+    d.set_item("file_size", r.file_size)?;
+    let modules: Vec<Bound<'py, PyDict>> =
+        c.modules.iter().map(|m| module_dict(py, m, &weight_file)).collect::<PyResult<_>>()?;
+    d.set_item("modules", modules)?;
+    Ok(d)
+}
+
+fn full_options(mode: ReadMode, content_hash: bool) -> ScanOptions {
+    ScanOptions { mode, keep_modules: true, content_hash }
+}
+
+/// Everything about one adapter, as a dict (lorafast.inspect wraps it in an `Adapter`).
+#[pyfunction]
+#[pyo3(signature = (path, mode = "pread", content_hash = false))]
+fn inspect<'py>(py: Python<'py>, path: PathBuf, mode: &str, content_hash: bool) -> PyResult<Bound<'py, PyDict>> {
+    let opts = full_options(parse_mode(mode)?, content_hash);
+    let result = py.detach(|| core_scan::locate(&path).and_then(|t| core_scan::load(t, opts)));
+    adapter_dict(py, &result.map_err(|e| to_pyerr(py, &e))?)
+}
+
+/// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
+#[pyfunction]
+#[pyo3(signature = (paths, mode = "pread", content_hash = false, threads = None))]
+fn inspect_many<'py>(
+    py: Python<'py>,
+    paths: Vec<PathBuf>,
+    mode: &str,
+    content_hash: bool,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyList>> {
+    let opts = full_options(parse_mode(mode)?, content_hash);
+    let results = py.detach(|| {
+        use rayon::prelude::*;
+        core_scan::with_pool(threads, || {
+            paths.par_iter().map(|p| core_scan::locate(p).and_then(|t| core_scan::load(t, opts))).collect::<Vec<_>>()
+        })
+    });
+    let items: Vec<Bound<'py, PyAny>> = results
+        .iter()
+        .map(|r| match r {
+            Ok(a) => adapter_dict(py, a).map(Bound::into_any),
+            Err(e) => Ok(to_pyerr(py, e).into_value(py).into_bound(py).into_any()),
+        })
+        .collect::<PyResult<_>>()?;
+    PyList::new(py, items)
+}
+
+/// Status codes of the `status` column.
+const STATUS_OK: u8 = 0;
+const STATUS_PROBLEMS: u8 = 1;
+const STATUS_ERROR: u8 = 2;
+
+/// The result of a bulk scan, kept in Rust; Python reads it as columns or per row.
+#[pyclass(frozen, module = "lorafast._core")]
+struct ScanResult {
+    rows: Vec<Result<AdapterResult, Error>>,
+}
+
+#[pymethods]
+impl ScanResult {
+    fn __len__(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The adapter path of each row.
+    fn paths(&self) -> Vec<String> {
+        self.rows
+            .iter()
+            .map(|r| match r {
+                Ok(a) => a.target.path.display().to_string(),
+                Err(e) => e.path().display().to_string(),
+            })
+            .collect()
+    }
+
+    /// (row, path, code, message) for each row that failed.
+    fn errors(&self) -> Vec<(usize, String, &'static str, String)> {
+        self.rows
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e.path().display().to_string(), e.code(), e.detail())))
+            .collect()
+    }
+
+    /// One numpy array per column, one row per adapter, built without a Python object per row.
+    fn columns<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let n = self.rows.len();
+        let mut path_index = Vec::with_capacity(n);
+        let mut status = Vec::with_capacity(n);
+        let mut format = Vec::with_capacity(n);
+        let mut rank = Vec::with_capacity(n);
+        let mut num_tensors = Vec::with_capacity(n);
+        let mut moe_layout = Vec::with_capacity(n);
+        let mut num_experts = Vec::with_capacity(n);
+        let mut num_layers = Vec::with_capacity(n);
+        let mut flag_bits = Vec::with_capacity(n);
+        let mut num_problems = Vec::with_capacity(n);
+        for (i, row) in self.rows.iter().enumerate() {
+            path_index.push(i as u32);
+            match row {
+                Ok(a) => {
+                    let c = &a.class;
+                    status.push(if c.problems.is_empty() { STATUS_OK } else { STATUS_PROBLEMS });
+                    format.push(c.format as u8);
+                    rank.push(c.rank as u32);
+                    num_tensors.push(c.num_tensors);
+                    moe_layout.push(c.moe_layout as u8);
+                    num_experts.push(c.num_experts as u32);
+                    num_layers.push(c.layers.len() as u32);
+                    flag_bits.push(c.flags);
+                    num_problems.push(c.problems.len() as u32);
+                }
+                Err(_) => {
+                    status.push(STATUS_ERROR);
+                    format.push(Format::Unknown as u8);
+                    rank.push(0);
+                    num_tensors.push(0);
+                    moe_layout.push(MoeLayout::Dense as u8);
+                    num_experts.push(0);
+                    num_layers.push(0);
+                    flag_bits.push(0);
+                    num_problems.push(0);
+                }
+            }
+        }
+        let d = PyDict::new(py);
+        d.set_item("path_index", path_index.into_pyarray(py))?;
+        d.set_item("status", status.into_pyarray(py))?;
+        d.set_item("format", format.into_pyarray(py))?;
+        d.set_item("rank", rank.into_pyarray(py))?;
+        d.set_item("num_tensors", num_tensors.into_pyarray(py))?;
+        d.set_item("moe_layout", moe_layout.into_pyarray(py))?;
+        d.set_item("num_experts", num_experts.into_pyarray(py))?;
+        d.set_item("num_layers", num_layers.into_pyarray(py))?;
+        d.set_item("flags", flag_bits.into_pyarray(py))?;
+        d.set_item("num_problems", num_problems.into_pyarray(py))?;
+        Ok(d)
+    }
+
+    /// The summary record of row `i` (no per-module detail), or None for a failed row.
+    fn record<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.rows.get(i) {
+            Some(Ok(a)) => adapter_dict(py, a).map(Some),
+            Some(Err(_)) => Ok(None),
+            None => Err(pyo3::exceptions::PyIndexError::new_err(i)),
+        }
+    }
+
+    /// Target-module leaves of every successful row: (unique names, per-row lists of indices).
+    fn target_modules(&self) -> (Vec<String>, Vec<Vec<u32>>) {
+        let mut names: Vec<String> = Vec::new();
+        let mut index: rustc_hash::FxHashMap<String, u32> = rustc_hash::FxHashMap::default();
+        let rows = self
+            .rows
+            .iter()
+            .map(|r| match r {
+                Ok(a) => a
+                    .class
+                    .target_modules
+                    .iter()
+                    .map(|t| {
+                        *index.entry(t.clone()).or_insert_with(|| {
+                            names.push(t.clone());
+                            (names.len() - 1) as u32
+                        })
+                    })
+                    .collect(),
+                Err(_) => Vec::new(),
+            })
+            .collect();
+        (names, rows)
+    }
+}
+
+/// Scans files and folders in parallel with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (paths, recursive = true, threads = None, mode = "pread", content_hash = false, progress = false))]
+fn scan(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    recursive: bool,
+    threads: Option<usize>,
+    mode: &str,
+    content_hash: bool,
+    progress: bool,
+) -> PyResult<ScanResult> {
+    let opts = ScanOptions { mode: parse_mode(mode)?, keep_modules: false, content_hash };
+    let rows = py.detach(|| {
+        let found = core_scan::with_pool(threads, || core_scan::discover(&paths, recursive));
+        let mut targets: Vec<Target> = Vec::with_capacity(found.len());
+        let mut slots: Vec<Option<Error>> = Vec::with_capacity(found.len());
+        for f in found {
+            match f {
+                Ok(t) => {
+                    targets.push(t);
+                    slots.push(None);
+                }
+                Err(e) => slots.push(Some(e)),
+            }
+        }
+        let mut loaded = core_scan::scan(targets, opts, threads, progress).into_iter();
+        slots
+            .into_iter()
+            .map(|s| match s {
+                Some(e) => Err(e),
+                None => loaded.next().unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))),
+            })
+            .collect::<Vec<_>>()
+    });
+    Ok(ScanResult { rows })
+}
+
+/// A read-only memory map of a validated safetensors file, for zero-copy tensor reads.
+#[pyclass(frozen, module = "lorafast._core")]
+struct MappedFile {
+    map: memmap2::Mmap,
+    #[pyo3(get)]
+    data_start: u64,
+    #[pyo3(get)]
+    file_size: u64,
+    #[pyo3(get)]
+    path: String,
+}
+
+#[pymethods]
+impl MappedFile {
+    /// The whole file as a read-only numpy uint8 array that keeps this map alive.
+    fn array<'py>(slf: Bound<'py, Self>) -> Bound<'py, PyArray1<u8>> {
+        let this = slf.get();
+        // SAFETY: the map lives as long as the array's base object (this MappedFile), and the
+        // array is marked read-only by the Python wrapper before anyone can write through it.
+        unsafe {
+            let view = ArrayView1::from_shape_ptr(this.map.len(), this.map.as_ptr());
+            PyArray1::borrow_from_array(&view, slf.into_any())
+        }
+    }
+
+    /// Is the file still as long as when it was mapped? (a truncated file would SIGBUS on access)
+    fn intact(&self) -> bool {
+        std::fs::metadata(&self.path).is_ok_and(|m| m.len() == self.file_size)
+    }
+}
+
+/// Maps `path` after validating its header and checking that its length covers every tensor.
+#[pyfunction]
+fn map_file(py: Python<'_>, path: PathBuf) -> PyResult<MappedFile> {
+    let result = py.detach(|| -> Result<MappedFile, Error> {
+        let mut buf = Vec::new();
+        let (data_start, file_size) = {
+            let h = header::read_header(&path, ReadMode::Pread, &mut buf)?;
+            (h.data_start(), h.file_size)
+        };
+        let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+        if len != file_size {
+            return Err(Error::adapter(&path, "file_changed", "file length changed while it was being opened"));
+        }
+        // SAFETY: read-only private map of a file whose length we just checked; see header.rs for
+        // the truncation race, which callers narrow by copying tensors out promptly.
+        let map = unsafe { memmap2::MmapOptions::new().len(len as usize).map_copy_read_only(&file) }
+            .map_err(|e| Error::io(&path, e))?;
+        Ok(MappedFile { map, data_start, file_size, path: path.display().to_string() })
+    });
+    result.map_err(|e| to_pyerr(py, &e))
+}
+
+fn path_of(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// Discovery only: the adapter paths `scan` would read (for tools and tests).
+#[pyfunction]
+#[pyo3(signature = (paths, recursive = true))]
+fn discover(py: Python<'_>, paths: Vec<PathBuf>, recursive: bool) -> Vec<(String, Option<String>)> {
+    py.detach(|| {
+        core_scan::discover(&paths, recursive)
+            .into_iter()
+            .map(|r| match r {
+                Ok(t) => (path_of(&t.path), None),
+                Err(e) => (path_of(e.path()), Some(e.code().to_owned())),
+            })
+            .collect()
+    })
+}
+
+#[pymodule(gil_used = false)]
+mod _core {
+    #[pymodule_export]
+    use super::{discover, inspect, inspect_many, map_file, read_header, scan, MappedFile, ScanResult};
+
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        use pyo3::types::PyModuleMethods;
+        crate::scan::install_fork_guard();
+        m.add("HEADER_ERROR_CODES", super::HEADER_ERROR_CODES.to_vec())?;
+        m.add("FORMATS", super::Format::NAMES.to_vec())?;
+        m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;
+        m.add("FLAGS", super::flags::NAMES.to_vec())?;
+        m.add("DTYPES", super::Dtype::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+        m.add("build_profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
+        Ok(())
+    }
+}
