@@ -1,6 +1,7 @@
 //! Per-adapter classification from a validated header (and the adapter's config, when it has one):
 //! format, modules with ranks and scales, MoE layout, flags and every inconsistency found.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -201,7 +202,31 @@ pub struct Options {
     pub keep_modules: bool,
 }
 
-pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &Path, opts: Options) -> Classification {
+/// Where the adapter's config came from.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Configs<'c> {
+    /// `adapter_config.json` next to the weights.
+    pub file: Option<&'c LoraConfig>,
+    /// diffusers `lora_adapter_metadata`, one config per component prefix (`"unet."`).
+    pub components: &'c [(String, LoraConfig)],
+}
+
+impl<'c> Configs<'c> {
+    /// The config that governs a module key.
+    fn for_key(&self, key: &str) -> Option<&'c LoraConfig> {
+        self.file.or_else(|| {
+            let by_prefix = self.components.iter().find(|(p, _)| key.starts_with(p.as_str()));
+            by_prefix.or(if self.components.len() == 1 { self.components.first() } else { None }).map(|(_, c)| c)
+        })
+    }
+
+    fn any(&self) -> Option<&'c LoraConfig> {
+        self.file.or_else(|| self.components.first().map(|(_, c)| c))
+    }
+}
+
+pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, opts: Options) -> Classification {
+    let config = configs.any();
     let tensors = &header.tensors;
     let mut out = Classification {
         format: Format::Unknown,
@@ -237,6 +262,10 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
             continue;
         };
         spelling_seen[spelling as usize] = true;
+        if role == Role::TrainableTokens {
+            out.flags |= flags::TRAINABLE_TOKENS;
+            continue;
+        }
         let next = groups.len() as u32;
         let g = *index.entry(key).or_insert(next);
         if g == next {
@@ -253,10 +282,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
             Role::Mid => &mut group.mid,
             Role::EmbeddingA => &mut group.emb_a,
             Role::EmbeddingB => &mut group.emb_b,
-            Role::TrainableTokens => {
-                out.flags |= flags::TRAINABLE_TOKENS;
-                continue;
-            }
+            Role::TrainableTokens => continue,
             Role::Variant(v) => {
                 group.variant = Some(v);
                 group.variant_tensors.push(i);
@@ -269,7 +295,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
         }
     }
     out.dtypes = Dtype::ALL.iter().copied().filter(|d| dtype_mask & (1 << (*d as u32)) != 0).collect();
-    out.format = detect_format(header, config, &spelling_seen, &groups);
+    out.format = detect_format(header, configs.file, &spelling_seen, &groups);
     let kohya_names = matches!(out.format, Format::Kohya | Format::Lycoris);
 
     // Scalars (kohya alphas) are the only tensor data we read: a few bytes each.
@@ -280,7 +306,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
     let mut layer_mask: Vec<u64> = Vec::new();
     let mut leaves: Vec<&str> = Vec::new();
     let mut layouts: u8 = 0;
-    let mut matched_targets: Vec<bool> = match config.and_then(|c| c.target_modules.as_ref()) {
+    let mut matched_targets: Vec<bool> = match configs.file.and_then(|c| c.target_modules.as_ref()) {
         Some(TargetModules::List(list)) => vec![false; list.len()],
         _ => Vec::new(),
     };
@@ -291,7 +317,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
         let is_target_param = g.key.ends_with("experts.base_layer")
             || (g.key.ends_with(".experts") && a_shape.is_some_and(|s| s.len() == 2))
             || (g.key.ends_with(".experts") && b_shape.is_some_and(|s| s.len() == 2));
-        let expert = names::expert_index(g.key);
+        let (layer, expert) = names::indices(g.key);
         let kind = if let Some(v) = g.variant {
             ModuleKind::Variant(v)
         } else if a.is_none() || b.is_none() {
@@ -308,11 +334,11 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
                 _ => ModuleKind::Linear,
             }
         };
-        let mut name = names::strip_prefix(g.key).to_owned();
+        let mut name: Cow<'_, str> = Cow::Borrowed(names::strip_prefix(g.key));
         let leaf: &str = if kind == ModuleKind::TargetParameters {
             let leaf = if g.key.ends_with("base_layer") { inner_outer.0 } else { inner_outer.1 };
             let base = name.trim_end_matches(".base_layer").to_owned();
-            name = format!("{base}.{leaf}");
+            name = Cow::Owned(format!("{base}.{leaf}"));
             leaf
         } else {
             names::leaf(g.key, kohya_names)
@@ -320,7 +346,6 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
         if !leaves.contains(&leaf) {
             leaves.push(leaf);
         }
-        let layer = names::layer_index(g.key);
         if let Some(l) = layer {
             let word = (l / 64) as usize;
             if layer_mask.len() <= word {
@@ -330,7 +355,8 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
         }
 
         // Ranks and features from shapes.
-        let (mut rank, b_rank, in_f, out_f, mut n_exp) = dims(kind, a_shape, b_shape);
+        let config = configs.for_key(g.key);
+        let (mut rank, b_rank, mut in_f, mut out_f, mut n_exp) = dims(kind, a_shape, b_shape);
         let config_rank = config.and_then(|c| c.rank_for(&name));
         if kind == ModuleKind::TargetParameters {
             if let (Some(rows), Some(r)) = (rank, config_rank) {
@@ -347,7 +373,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
             }
         }
         if let ModuleKind::Variant(v) = kind {
-            rank = variant_rank(v, g, header);
+            (rank, in_f, out_f) = variant_dims(v, g, header);
         }
         let use_rslora = config.is_some_and(|c| c.use_rslora);
         let alpha = alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(&name)));
@@ -397,7 +423,8 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
             }
         }
         if let Some(c) = config {
-            check_target(c, kind, &name, leaf, &mut matched_targets, &mut out);
+            let matched: &mut [bool] = if configs.file.is_some() { &mut matched_targets } else { &mut [] };
+            check_target(c, kind, &name, leaf, matched, &mut out);
         }
 
         // Flags and MoE layout.
@@ -440,7 +467,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
             }
             out.modules.push(ModuleInfo {
                 key: g.key.to_owned(),
-                name,
+                name: name.into_owned(),
                 leaf: leaf.to_owned(),
                 kind,
                 layer,
@@ -464,7 +491,7 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
             });
         }
     }
-    if let Some(Some(TargetModules::List(list))) = config.map(|c| c.target_modules.as_ref()) {
+    if let Some(Some(TargetModules::List(list))) = configs.file.map(|c| c.target_modules.as_ref()) {
         for (t, matched) in list.iter().zip(&matched_targets) {
             if !matched && !groups.is_empty() {
                 out.problem(
@@ -491,6 +518,11 @@ pub fn classify(header: &Header<'_>, config: Option<&LoraConfig>, weight_path: &
                     out.variants.push(v);
                 }
             }
+        }
+    }
+    for m in &mut out.modules {
+        if m.kind == ModuleKind::Expert2d {
+            m.num_experts = Some(out.num_experts);
         }
     }
     out.variants.sort();
@@ -536,19 +568,14 @@ fn unsorted_tensor(out: &mut Classification, name: &str, config: Option<&LoraCon
 }
 
 /// Which module the inner (`experts.base_layer`) and outer (`experts`) PEFT ParamWrappers hold.
+/// PEFT nests the wrappers in the model's parameter order, so with both targeted the inner one is
+/// `gate_up_proj` whatever order the config lists them in.
 fn target_parameter_leaves(config: Option<&LoraConfig>) -> (&'static str, &'static str) {
-    let leaf_of = |p: &String| -> &'static str {
-        match p.rsplit('.').next().unwrap_or("") {
-            "gate_up_proj" => "gate_up_proj",
-            "down_proj" => "down_proj",
-            "w13_weight" | "w1" => "gate_up_proj",
-            _ => "down_proj",
-        }
-    };
     match config.map(|c| c.target_parameters.as_slice()) {
-        // PEFT wraps targets in order; the first becomes the inner wrapper (`base_layer`).
-        Some([first, second, ..]) => (leaf_of(first), leaf_of(second)),
-        Some([only]) => (leaf_of(only), leaf_of(only)),
+        Some([only]) => {
+            let leaf = if only.ends_with("down_proj") || only.ends_with("w2") { "down_proj" } else { "gate_up_proj" };
+            (leaf, leaf)
+        }
         _ => ("gate_up_proj", "down_proj"),
     }
 }
@@ -571,18 +598,36 @@ fn dims(
     }
 }
 
-/// LoHa rank is `hada_w1_b.shape[0]`; LoKr's comes from a factorised side (scale 1 when none).
-fn variant_rank(v: Variant, g: &Group<'_>, header: &Header<'_>) -> Option<u64> {
-    let find = |suffix: &str| {
-        g.variant_tensors.iter().find(|&&i| header.tensors[i as usize].name.ends_with(suffix)).map(|&i| {
-            let t = &header.tensors[i as usize];
-            header.shape(t).first().copied()
-        })
+/// (rank, in, out) of a LyCORIS/PEFT variant module from its factor shapes. LoHa: `w1_a (out, r)`,
+/// `w1_b (r, in)`. LoKr: the delta is `kron(w1, w2)`, each side given whole or as `a @ b`; the rank
+/// comes from a factorised side (None, meaning scale 1, when neither is).
+fn variant_dims(v: Variant, g: &Group<'_>, header: &Header<'_>) -> (Option<u64>, Option<u64>, Option<u64>) {
+    let shape = |suffix: &str| {
+        g.variant_tensors
+            .iter()
+            .map(|&i| &header.tensors[i as usize])
+            .find(|t| t.name.ends_with(suffix))
+            .map(|t| header.shape(t))
     };
+    let dim = |s: Option<&[u64]>, i: usize| s.and_then(|s| s.get(i).copied());
     match v {
-        Variant::Loha => find(".hada_w1_b").flatten(),
-        Variant::Lokr => find(".lokr_w2_b").flatten().or_else(|| find(".lokr_w1_b").flatten()),
-        _ => None,
+        Variant::Loha => {
+            let (w1a, w1b) = (shape(".hada_w1_a"), shape(".hada_w1_b"));
+            let input = w1b.and_then(|s| s.get(1..)).map(|rest| rest.iter().product());
+            (dim(w1b, 0), input, dim(w1a, 0))
+        }
+        Variant::Lokr => {
+            // (rows, cols) of one Kronecker side, and its rank when factorised.
+            let side = |whole: &str, a: &str, b: &str| match shape(whole) {
+                Some(s) => (dim(Some(s), 0), dim(Some(s), 1), None),
+                None => (dim(shape(a), 0), dim(shape(b), 1), dim(shape(b), 0)),
+            };
+            let (r1, c1, k1) = side(".lokr_w1", ".lokr_w1_a", ".lokr_w1_b");
+            let (r2, c2, k2) = side(".lokr_w2", ".lokr_w2_a", ".lokr_w2_b");
+            let mul = |x: Option<u64>, y: Option<u64>| x.zip(y).and_then(|(x, y)| x.checked_mul(y));
+            (k2.or(k1), mul(c1, c2), mul(r1, r2))
+        }
+        _ => (None, None, None),
     }
 }
 

@@ -92,7 +92,8 @@ impl LoraConfig {
         LoraConfig {
             peft_type: get("peft_type").and_then(Value::as_str).map(str::to_owned),
             r: get("r").and_then(Value::as_u64),
-            lora_alpha: get("lora_alpha").and_then(Value::as_f64),
+            // PEFT's LoHa/LoKr configs call it `alpha`.
+            lora_alpha: get("lora_alpha").or_else(|| get("alpha")).and_then(Value::as_f64),
             use_rslora: flag("use_rslora"),
             use_dora: flag("use_dora"),
             rank_pattern: patterns(get("rank_pattern"), &mut bad_patterns),

@@ -10,7 +10,6 @@
 
 use std::borrow::Cow;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use crate::error::{Error, HeaderError};
@@ -175,15 +174,27 @@ impl<'a> Header<'a> {
 }
 
 fn syntax(e: SyntaxError) -> HeaderError {
+    if e.message == crate::json::INVALID_UTF8 {
+        return HeaderError::InvalidUtf8(e.offset);
+    }
     HeaderError::InvalidJson { message: e.message, offset: e.offset }
 }
 
 /// Parses and validates header bytes (the N bytes after the length prefix) of a file of `file_size` bytes.
 pub fn parse_header(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> {
-    let header_size = bytes.len() as u64;
-    if let Err(e) = std::str::from_utf8(bytes) {
-        return Err(HeaderError::InvalidUtf8(e.valid_up_to()));
+    // Strings are UTF-8-checked as they are read; on a syntax error, report bad UTF-8 first,
+    // as the safetensors crate (which validates the whole header up front) would.
+    match parse_inner(bytes, file_size) {
+        Err(HeaderError::InvalidJson { message, offset }) => match std::str::from_utf8(bytes) {
+            Err(e) => Err(HeaderError::InvalidUtf8(e.valid_up_to())),
+            Ok(_) => Err(HeaderError::InvalidJson { message, offset }),
+        },
+        other => other,
     }
+}
+
+fn parse_inner(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> {
+    let header_size = bytes.len() as u64;
     let mut cur = Cursor::new(bytes);
     if cur.peek() != Some(b'{') {
         return Err(if cur.peek().is_none() {
@@ -269,7 +280,16 @@ fn parse_entry<'a>(
     let mut offsets: Option<(u64, u64)> = None;
     if cur.object_start().map_err(syntax)? {
         loop {
-            let field = cur.key().map_err(syntax)?;
+            // The three known keys are matched in place; anything else goes through the full reader.
+            let field = if cur.known_key(b"dtype") {
+                Cow::Borrowed("dtype")
+            } else if cur.known_key(b"shape") {
+                Cow::Borrowed("shape")
+            } else if cur.known_key(b"data_offsets") {
+                Cow::Borrowed("data_offsets")
+            } else {
+                cur.key().map_err(syntax)?
+            };
             match field.as_ref() {
                 "dtype" => {
                     if dtype.is_some() {
@@ -448,11 +468,21 @@ pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Resu
     match mode {
         ReadMode::Pread => {
             let mut prefix = [0u8; 8];
-            read_exact_at(&file, &mut prefix, 0).map_err(|e| Error::io(path, e))?;
+            std::io::Read::read_exact(&mut &file, &mut prefix).map_err(|e| Error::io(path, e))?;
             let n = check_length(prefix, file_size).map_err(header_err)?;
             // n is bounded by MAX_HEADER_SIZE and by the file size before we allocate for it.
-            buf.resize(n as usize, 0);
-            read_exact_at(&file, buf, N_LEN).map_err(|e| Error::io(path, e))?;
+            // read_to_end fills spare capacity without zeroing it first.
+            buf.reserve(n as usize);
+            let got = std::io::Read::read_to_end(&mut std::io::Read::take(&file, n), buf).map_err(|e| Error::io(path, e))?;
+            if got as u64 != n {
+                return Err(Error::io(
+                    path,
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "file ended before the header did (was it truncated while being read?)",
+                    ),
+                ));
+            }
         }
         ReadMode::Mmap => {
             // SAFETY: the map is read-only and dropped before returning. The length was checked just
@@ -468,26 +498,6 @@ pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Resu
         }
     }
     Ok(file_size)
-}
-
-fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
-    while !buf.is_empty() {
-        match file.read_at(buf, offset) {
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "file ended before the header did (was it truncated while being read?)",
-                ))
-            }
-            Ok(n) => {
-                buf = &mut buf[n..];
-                offset += n as u64;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// Reads and validates the header of one file; the result borrows from `buf`.

@@ -16,6 +16,9 @@ pub struct SyntaxError {
 
 pub type Result<T> = std::result::Result<T, SyntaxError>;
 
+/// The message of the one syntax error that is really an encoding error (see header.rs).
+pub const INVALID_UTF8: &str = "invalid UTF-8 in string";
+
 /// Nesting limit for values we skip, as serde_json's default recursion limit.
 const MAX_DEPTH: u32 = 128;
 
@@ -25,8 +28,9 @@ pub struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    /// `src` must already be valid UTF-8 (checked once for the whole header).
     pub fn new(src: &'a [u8]) -> Self {
+        // Callers need not pre-validate UTF-8: strings are checked as they are read, and the
+        // grammar outside strings is ASCII, so any other high byte is a syntax error.
         Cursor { src, pos: 0 }
     }
 
@@ -104,6 +108,22 @@ impl<'a> Cursor<'a> {
         Ok(true)
     }
 
+    /// If the next key is exactly `"word"` (no escapes), consumes it and its `:`.
+    #[inline]
+    pub fn known_key(&mut self, word: &[u8]) -> bool {
+        self.skip_ws();
+        let rest = &self.src[self.pos..];
+        if rest.len() > word.len() + 1 && rest[0] == b'"' && &rest[1..=word.len()] == word && rest[word.len() + 1] == b'"' {
+            let save = self.pos;
+            self.pos += word.len() + 2;
+            if self.expect(b':', "expected ':'").is_ok() {
+                return true;
+            }
+            self.pos = save;
+        }
+        false
+    }
+
     /// Reads `"key" :` inside an object.
     #[inline]
     pub fn key(&mut self) -> Result<Cow<'a, str>> {
@@ -118,30 +138,43 @@ impl<'a> Cursor<'a> {
         self.expect(b'"', "expected a string")?;
         let start = self.pos;
         let src = self.src;
-        let mut i = start;
-        while i < src.len() {
-            let b = src[i];
-            if b == b'"' {
-                self.pos = i + 1;
-                // SAFETY-free: the header was validated as UTF-8 and we split only at ASCII bytes.
-                return Ok(Cow::Borrowed(as_str(&src[start..i])));
-            }
-            if b == b'\\' {
-                self.pos = i;
-                return self.string_escaped(start).map(Cow::Owned);
-            }
-            if b < 0x20 {
-                self.pos = i;
-                return self.err("control character in string");
-            }
-            i += 1;
+        let Some(len) = memchr::memchr2(b'"', b'\\', &src[start..]) else {
+            self.pos = src.len();
+            return self.err("unterminated string");
+        };
+        let end = start + len;
+        let body = &src[start..end];
+        // One OR-reduction (it vectorises) tells whether any byte is a control or non-ASCII byte.
+        let odd = body.iter().fold(0u8, |acc, &b| acc | u8::from(b < 0x20) | (b & 0x80));
+        if odd & 1 != 0 {
+            self.pos = start + body.iter().position(|&b| b < 0x20).unwrap_or(0);
+            return self.err("control character in string");
         }
-        self.pos = src.len();
-        self.err("unterminated string")
+        if src[end] == b'\\' {
+            self.pos = end;
+            return self.string_escaped(start).map(Cow::Owned);
+        }
+        let text = if odd & 0x80 != 0 {
+            match std::str::from_utf8(body) {
+                Ok(t) => t,
+                Err(e) => {
+                    self.pos = start + e.valid_up_to();
+                    return self.err(INVALID_UTF8);
+                }
+            }
+        } else {
+            as_str(body)
+        };
+        self.pos = end + 1;
+        Ok(Cow::Borrowed(text))
     }
 
     fn string_escaped(&mut self, start: usize) -> Result<String> {
-        let mut out = String::from(as_str(&self.src[start..self.pos]));
+        let head = std::str::from_utf8(&self.src[start..self.pos]).map_err(|e| SyntaxError {
+            message: INVALID_UTF8,
+            offset: start + e.valid_up_to(),
+        })?;
+        let mut out = String::from(head);
         loop {
             let Some(&b) = self.src.get(self.pos) else {
                 return self.err("unterminated string");
@@ -181,7 +214,13 @@ impl<'a> Cursor<'a> {
                     while i < self.src.len() && !matches!(self.src[i], b'"' | b'\\' | 0..=0x1f) {
                         i += 1;
                     }
-                    out.push_str(as_str(&self.src[run_start..i]));
+                    match std::str::from_utf8(&self.src[run_start..i]) {
+                        Ok(t) => out.push_str(t),
+                        Err(e) => {
+                            self.pos = run_start + e.valid_up_to();
+                            return self.err(INVALID_UTF8);
+                        }
+                    }
                     self.pos = i;
                 }
             }
@@ -377,11 +416,12 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// The input is validated UTF-8 and slices are cut only at ASCII bytes, so this cannot fail;
-/// a failure would be a bug, reported as an empty string rather than a panic.
+/// For slices already checked to be ASCII (every byte < 0x80).
 #[inline]
 fn as_str(bytes: &[u8]) -> &str {
-    std::str::from_utf8(bytes).unwrap_or_default()
+    debug_assert!(bytes.is_ascii());
+    // SAFETY: callers pass only slices whose bytes are all < 0x80, which is valid UTF-8.
+    unsafe { std::str::from_utf8_unchecked(bytes) }
 }
 
 #[cfg(test)]

@@ -178,7 +178,7 @@ pub fn strip_prefix(key: &str) -> &str {
 #[inline]
 fn number_after(name: &str, marker: &str) -> Option<u32> {
     let mut search = 0;
-    while let Some(found) = name[search..].find(marker) {
+    while let Some(found) = memchr::memmem::find(&name.as_bytes()[search..], marker.as_bytes()) {
         let start = search + found + marker.len();
         let digits = name[start..].bytes().take_while(u8::is_ascii_digit).count();
         if digits > 0 && digits <= 9 {
@@ -192,18 +192,42 @@ fn number_after(name: &str, marker: &str) -> Option<u32> {
     None
 }
 
+fn is_index(part: &str) -> bool {
+    !part.is_empty() && part.len() <= 9 && part.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// (layer, expert) indices of a module key in one pass over its dotted parts: the number after
+/// `layers` / `layer` / `h` / `*blocks`, and after `experts` / `shared_experts`.
+pub fn indices(key: &str) -> (Option<u32>, Option<u32>) {
+    let (mut layer, mut expert) = (None, None);
+    let mut prev = "";
+    for part in key.split('.') {
+        if is_index(part) {
+            if layer.is_none() && matches!(prev, "layers" | "layer" | "h" | "blocks" | "transformer_blocks"
+                | "double_blocks" | "single_blocks" | "single_transformer_blocks")
+            {
+                layer = part.parse().ok();
+            } else if expert.is_none() && prev.ends_with("experts") {
+                expert = part.parse().ok();
+            }
+        }
+        prev = part;
+    }
+    if layer.is_none() && !key.contains('.') {
+        // kohya joins the path with underscores: `lora_unet_double_blocks_7_img_attn_qkv`.
+        layer = number_after(key, "blocks_").or_else(|| number_after(key, "layers_"));
+    }
+    (layer, expert)
+}
+
 /// The decoder layer (or diffusion block) index of a module.
 pub fn layer_index(key: &str) -> Option<u32> {
-    number_after(key, "layers.")
-        .or_else(|| number_after(key, "blocks."))
-        .or_else(|| number_after(key, "blocks_"))
-        .or_else(|| number_after(key, ".h."))
-        .or_else(|| number_after(key, "layer."))
+    indices(key).0
 }
 
 /// The numbered expert of a per-expert module (`experts.N.`).
 pub fn expert_index(key: &str) -> Option<u32> {
-    number_after(key, "experts.")
+    indices(key).1
 }
 
 /// Pieces that, in kohya's underscore-joined names, belong to the leaf (`to_q`, `q_proj`, `to_out_0`).

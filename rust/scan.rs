@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
-use crate::classify::{classify, Classification, Options};
+use crate::classify::{classify, Classification, Configs, Options};
 use crate::config::LoraConfig;
 use crate::error::Error;
 use crate::header::{read_header, Header, ReadMode};
@@ -178,13 +178,17 @@ fn read_config(path: &Path) -> Result<(String, LoraConfig), Error> {
 }
 
 /// diffusers keeps the PEFT config of each component in `lora_adapter_metadata`, keys prefixed
-/// by the component (`transformer.r`); use the first component's.
-fn metadata_config(header: &Header<'_>) -> Option<(String, LoraConfig)> {
+/// by the component (`unet.r`, `text_encoder.r`): one config per component.
+fn metadata_configs(header: &Header<'_>) -> Option<(String, Vec<(String, LoraConfig)>)> {
     let text = header.metadata_value("lora_adapter_metadata")?;
     let value: serde_json::Value = serde_json::from_str(text).ok()?;
     let map = value.as_object()?;
-    let prefix = map.keys().find_map(|k| k.strip_suffix("r").filter(|p| p.ends_with('.')))?.to_owned();
-    Some((text.to_owned(), LoraConfig::from_map(map, &prefix)))
+    let configs: Vec<(String, LoraConfig)> = map
+        .keys()
+        .filter_map(|k| k.strip_suffix("r").filter(|p| p.ends_with('.')))
+        .map(|prefix| (prefix.to_owned(), LoraConfig::from_map(map, prefix)))
+        .collect();
+    (!configs.is_empty()).then(|| (text.to_owned(), configs))
 }
 
 thread_local! {
@@ -201,14 +205,17 @@ pub fn load(target: Target, opts: ScanOptions) -> Result<AdapterResult, Error> {
     BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
         let header = read_header(&target.weights, opts.mode, &mut buf)?;
-        let meta_config = if config.is_none() { metadata_config(&header) } else { None };
-        let cfg = config.as_ref().or(meta_config.as_ref()).map(|(_, c)| c);
-        let class = classify(&header, cfg, &target.weights, Options { keep_modules: opts.keep_modules });
+        let meta_config = if config.is_none() { metadata_configs(&header) } else { None };
+        let configs = Configs {
+            file: config.as_ref().map(|(_, c)| c),
+            components: meta_config.as_ref().map_or(&[], |(_, c)| c.as_slice()),
+        };
+        let class = classify(&header, configs, &target.weights, Options { keep_modules: opts.keep_modules });
         let content_hash = if opts.content_hash { Some(hash_data(&target.weights, header.data_start())?) } else { None };
         let metadata = header.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
         Ok(AdapterResult {
             config_json: config.map(|(text, _)| text).or(meta_config.map(|(text, _)| text)),
-            metadata,
+            metadata: if opts.keep_modules { metadata } else { None },
             header_size: header.header_size,
             file_size: header.file_size,
             class,

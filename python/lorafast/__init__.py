@@ -1,6 +1,7 @@
 """lorafast: header-only scanning, engine checks, merge planning and merging for LoRA adapter fleets.
 
-`import lorafast` is cheap: numpy and torch load only when a call needs them.
+`import lorafast` is cheap (no numpy, no torch, no dataclasses): each feature's module loads on
+first use of the name that needs it.
 """
 
 from __future__ import annotations
@@ -8,15 +9,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._core import HEADER_ERROR_CODES
-from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
 from .errors import AdapterError, HeaderError, LorafastError
-from .header import Header, TensorInfo, read_header
-from .scan import ScanReport, inspect, inspect_many, scan
 
 __version__ = "0.1.0"
 
-# Features built on torch or on the planner load on first use.
-_LAZY = {
+# public name -> (module, attribute or None for the module itself)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "Adapter": ("adapter", "Adapter"),
+    "AdapterFormat": ("adapter", "AdapterFormat"),
+    "LoraModule": ("adapter", "LoraModule"),
+    "MoeLayout": ("adapter", "MoeLayout"),
+    "Problem": ("adapter", "Problem"),
+    "Header": ("header", "Header"),
+    "TensorInfo": ("header", "TensorInfo"),
+    "read_header": ("header", "read_header"),
+    "ScanReport": ("scanner", "ScanReport"),
+    "inspect": ("scanner", "inspect"),
+    "inspect_many": ("scanner", "inspect_many"),
+    "scan": ("scanner", "scan"),
     "plan": ("plan", "plan"),
     "LoraRequest": ("plan", "LoraRequest"),
     "Plan": ("plan", "Plan"),
@@ -28,36 +38,31 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from . import compat as compat
+    from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
+    from .groups import plan_groups
+    from .header import Header, TensorInfo, read_header
+    from .merge import MergeHandle, merge
+    from .plan import LoraRequest, Plan, plan
+    from .scanner import ScanReport, inspect, inspect_many, scan
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'lorafast' has no attribute {name!r}")
+    import importlib
 
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(f".{module_name}", __name__)
-        value = module if attr is None else getattr(module, attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lorafast' has no attribute {name!r}")
+    module = importlib.import_module(f".{target[0]}", __name__)
+    # Bind every public name of that module at once: importing a submodule named like one of
+    # its functions (plan, merge) would otherwise leave the module object under that name.
+    for other, (mod, attr) in _LAZY.items():
+        if mod == target[0]:
+            globals()[other] = module if attr is None else getattr(module, attr)
+    return globals()[name]
 
 
-__all__ = [
-    "HEADER_ERROR_CODES",
-    "Adapter",
-    "AdapterError",
-    "AdapterFormat",
-    "Header",
-    "HeaderError",
-    "LoraModule",
-    "LorafastError",
-    "MoeLayout",
-    "Problem",
-    "ScanReport",
-    "TensorInfo",
-    "inspect",
-    "inspect_many",
-    "read_header",
-    "scan",
-    *_LAZY,
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = ["HEADER_ERROR_CODES", "AdapterError", "HeaderError", "LorafastError", *_LAZY]

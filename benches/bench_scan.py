@@ -1,0 +1,193 @@
+"""Scan throughput: lorafast.scan against the Python ways people read adapter headers today.
+
+Generates 2,000 dense PEFT adapters (32 layers x 7 modules x A/B = 448 tensors, BF16) and 500 MoE
+adapters in a temp folder, then times, in this one run:
+  lorafast.scan (full validation + classification, all cores),
+  B1 safetensors.torch.load_file + shapes (dense subset only: it reads every tensor),
+  B2 safe_open + get_slice().get_shape(), B3 struct + json.loads, B4 orjson,
+  and the floor: an open/read/close loop of the header bytes.
+Each method computes the max lora_A rank and whether any gate_up_proj lora_A is 3D with shape[0] == 1.
+Prints adapters/s and the ratio to lorafast. Usage: python benches/bench_scan.py [--dense N] [--moe N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import lorafast
+from lorafast.testing import write_safetensors
+
+LLAMA = {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (64, 64),
+         "gate_proj": (64, 172), "up_proj": (64, 172), "down_proj": (172, 64)}  # fmt: skip
+
+
+def make_dense(root: str, n: int) -> list[str]:
+    paths = []
+    for i in range(n):
+        r = (8, 16, 32, 64)[i % 4]
+        d = os.path.join(root, f"dense-{i:05d}")
+        os.makedirs(d)
+        tensors = {}
+        for layer in range(32):
+            for m, (fin, fout) in LLAMA.items():
+                kind = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{kind}.{m}"
+                tensors[f"{key}.lora_A.weight"] = ("BF16", (r, fin))
+                tensors[f"{key}.lora_B.weight"] = ("BF16", (fout, r))
+        write_safetensors(os.path.join(d, "adapter_model.safetensors"), tensors)
+        cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(LLAMA),
+               "base_model_name_or_path": "meta-llama/Llama-2-7b-hf", "task_type": "CAUSAL_LM"}  # fmt: skip
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+        paths.append(d)
+    return paths
+
+
+def make_moe(root: str, n: int) -> list[str]:
+    paths = []
+    for i in range(n):
+        r, e, h, inter = 16, 8, 64, 32
+        d = os.path.join(root, f"moe-{i:05d}")
+        os.makedirs(d)
+        tensors = {}
+        layout = i % 3
+        for layer in range(16):
+            p = f"base_model.model.model.layers.{layer}.mlp.experts"
+            if layout == 0:  # per-expert 2D
+                for x in range(e):
+                    for m, (fin, fout) in {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}.items():
+                        tensors[f"{p}.{x}.{m}.lora_A.weight"] = ("BF16", (r, fin))
+                        tensors[f"{p}.{x}.{m}.lora_B.weight"] = ("BF16", (fout, r))
+            else:  # stacked 3D (1) or shared-outer (2)
+                outer = 1 if layout == 2 else e
+                tensors[f"{p}.gate_up_proj.lora_A.weight"] = ("BF16", (outer, r, h))
+                tensors[f"{p}.gate_up_proj.lora_B.weight"] = ("BF16", (e, 2 * inter, r))
+                tensors[f"{p}.down_proj.lora_A.weight"] = ("BF16", (e, r, inter))
+                tensors[f"{p}.down_proj.lora_B.weight"] = ("BF16", (outer, h, r))
+        write_safetensors(os.path.join(d, "adapter_model.safetensors"), tensors)
+        cfg = {"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": ["gate_proj", "up_proj", "down_proj",
+               "gate_up_proj"]}  # fmt: skip
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump(cfg, f)
+        paths.append(d)
+    return paths
+
+
+def _digest(header: dict) -> tuple[int, bool]:
+    rank, shared = 0, False
+    for name, info in header.items():
+        if name == "__metadata__" or ".lora_A." not in name:
+            continue
+        shape = info["shape"] if isinstance(info, dict) else info
+        rank = max(rank, shape[-2] if len(shape) == 3 else shape[0])
+        if "gate_up_proj" in name and len(shape) == 3 and shape[0] == 1:
+            shared = True
+    return rank, shared
+
+
+def b1_load_file(dirs: list[str]) -> None:
+    from safetensors.torch import load_file
+
+    for d in dirs:
+        sd = load_file(os.path.join(d, "adapter_model.safetensors"))
+        _digest({k: list(v.shape) for k, v in sd.items()})
+
+
+def b2_safe_open(dirs: list[str]) -> None:
+    from safetensors import safe_open
+
+    for d in dirs:
+        with safe_open(os.path.join(d, "adapter_model.safetensors"), "pt") as f:
+            _digest({k: f.get_slice(k).get_shape() for k in f.keys()})  # noqa: SIM118
+
+
+def _read_header(path: str) -> bytes:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n)
+
+
+def b3_json(dirs: list[str]) -> None:
+    for d in dirs:
+        _digest(json.loads(_read_header(os.path.join(d, "adapter_model.safetensors"))))
+
+
+def b4_orjson(dirs: list[str]) -> None:
+    import orjson
+
+    for d in dirs:
+        _digest(orjson.loads(_read_header(os.path.join(d, "adapter_model.safetensors"))))
+
+
+def floor_read(dirs: list[str]) -> None:
+    for d in dirs:
+        _read_header(os.path.join(d, "adapter_model.safetensors"))
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up pass (page cache, imports)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dense", type=int, default=2000)
+    ap.add_argument("--moe", type=int, default=500)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--b1-subset", type=int, default=200, help="B1 reads all data; time it on this many")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lorafast-bench-") as root:
+        dense_root, moe_root = os.path.join(root, "dense"), os.path.join(root, "moe")
+        os.makedirs(dense_root)
+        os.makedirs(moe_root)
+        t = time.perf_counter()
+        dense = make_dense(dense_root, args.dense)
+        moe = make_moe(moe_root, args.moe)
+        print(f"generated {len(dense)} dense + {len(moe)} MoE adapters in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+
+        report = lorafast.scan([dense_root])
+        assert len(report) == len(dense) and not report.errors, report.errors[:3]
+        cols = report.columns()
+        assert int(cols["rank"].max()) == 64 and int((cols["status"] != 0).sum()) == 0
+
+        rows = []
+        for label, dirs, sroot in (("dense", dense, dense_root), ("MoE", moe, moe_root)):
+            t_lf = best_of(lambda sroot=sroot: lorafast.scan([sroot], progress=False), args.repeat)
+            t_lf1 = best_of(lambda sroot=sroot: lorafast.scan([sroot], threads=1, progress=False), args.repeat)
+            sub = dirs[: args.b1_subset]
+            results = {
+                "lorafast.scan (all cores)": (t_lf, len(dirs)),
+                "lorafast.scan (1 thread)": (t_lf1, len(dirs)),
+                "B1 load_file + shapes": (best_of(lambda sub=sub: b1_load_file(sub), 1), len(sub)),
+                "B2 safe_open + get_shape": (best_of(lambda dirs=dirs: b2_safe_open(dirs), 2), len(dirs)),
+                "B3 struct + json.loads": (best_of(lambda dirs=dirs: b3_json(dirs), args.repeat), len(dirs)),
+                "B4 orjson": (best_of(lambda dirs=dirs: b4_orjson(dirs), args.repeat), len(dirs)),
+                "floor: open/read/close": (best_of(lambda dirs=dirs: floor_read(dirs), args.repeat), len(dirs)),
+            }
+            lf_rate = len(dirs) / t_lf
+            for name, (secs, n) in results.items():
+                rate = n / secs
+                rows.append((label, name, rate, lf_rate / rate))
+        print(f"\n{'set':<6} {'method':<28} {'adapters/s':>12} {'lorafast is x faster':>22}")
+        for label, name, rate, ratio in rows:
+            print(f"{label:<6} {name:<28} {rate:>12,.0f} {ratio:>22.1f}")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"\npeak RSS of this process: {rss:.0f} MB; cores: {os.cpu_count()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
