@@ -1,0 +1,61 @@
+# Every developer command lives here; .ci/run calls `make test`.
+.DEFAULT_GOAL := help
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+.PHONY: setup
+setup: $(BIN)/python ## venv + editable debug build with test and dev extras (torch included)
+	$(BIN)/pip install -q -e ".[test,dev]"
+
+.PHONY: build-release
+build-release: $(BIN)/python ## optimised build of the extension into the venv (fat LTO: slow to compile)
+	$(BIN)/pip install -q maturin
+	$(BIN)/maturin develop --release -q
+
+.PHONY: demo
+demo: $(BIN)/python ## the main job: write 2,000 sample adapters and scan them
+	$(BIN)/pip install -q .
+	rm -rf sample-adapters
+	$(BIN)/lorafast sample --out sample-adapters -n 2000
+	$(BIN)/lorafast scan sample-adapters
+
+.PHONY: format
+format: ## rustfmt + ruff format
+	cargo fmt
+	$(BIN)/ruff format python tests benches
+	$(BIN)/ruff check --fix python tests benches
+
+.PHONY: lint
+lint: ## rustfmt check, clippy -D warnings, ruff, mypy
+	cargo fmt --check
+	cargo clippy --no-default-features --all-targets -- -D warnings
+	$(BIN)/ruff check python tests benches
+	$(BIN)/mypy python/lorafast --ignore-missing-imports
+
+.PHONY: test-rust
+test-rust: ## cargo tests (pure core, no libpython)
+	cargo test --no-default-features
+
+.PHONY: test-python
+test-python: ## pytest against the installed build
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+.PHONY: test
+test: setup test-rust test-python ## set everything up, then run the whole suite
+
+.PHONY: bench
+bench: build-release ## benchmarks (ratios against baselines measured in the same run)
+	$(BIN)/python benches/bench_header.py
+	$(BIN)/python benches/bench_scan.py
+	$(BIN)/python benches/bench_preflight.py
+	$(BIN)/python benches/bench_merge.py

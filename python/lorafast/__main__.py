@@ -1,0 +1,3 @@
+from lorafast.cli import main
+
+raise SystemExit(main())

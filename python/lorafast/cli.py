@@ -1,0 +1,163 @@
+"""The `lorafast` command (also `python -m lorafast`).
+
+Subcommands: `scan`, `inspect`, `header`, `sample`, and from their own modules `plan`, `groups` and
+`merge`. Exit codes: 0 all fine, 1 some adapter failed (or a check failed), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+#: Modules that add their own subcommands through `register_cli(subparsers)`.
+_PLUGINS = ("lorafast.plan", "lorafast.groups", "lorafast.merge.cli")
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
+    cells = [tuple(str(c) for c in header), *[tuple(str(c) for c in r) for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_scan(args: argparse.Namespace) -> int:
+    from .scanner import scan
+
+    progress = False if args.quiet else None
+    report = scan(args.paths, recursive=not args.no_recursive, threads=args.threads, progress=progress,
+                  content_hash=args.hash)  # fmt: skip
+    if args.json:
+        sys.stdout.write(report.to_json(indent=2, records=not args.summary_only) + "\n")
+        return 1 if report.errors else 0
+    s = report.summary()
+    print(f"{s['adapters']} adapters: {s['ok']} clean, {s['with_problems']} with problems, {s['failed']} failed")
+    if s["formats"]:
+        print("\n" + _table(sorted(s["formats"].items()), ("format", "adapters")))
+    if s["moe_layouts"]:
+        print("\n" + _table(sorted(s["moe_layouts"].items()), ("moe layout", "adapters")))
+    if s["rank_histogram"]:
+        ranks = sorted(s["rank_histogram"].items(), key=lambda kv: int(kv[0]))
+        print("\n" + _table(ranks, ("rank", "adapters")))
+    if s["flags"]:
+        print("\n" + _table(sorted(s["flags"].items()), ("flag", "adapters")))
+    if s["target_modules"]:
+        print("\ntarget modules: " + ", ".join(s["target_modules"]))
+    if report.errors:
+        shown = report.errors[:20]
+        print("\n" + _table([(p, c, m[:100]) for p, c, m in shown], ("failed adapter", "code", "message")))
+        if len(report.errors) > len(shown):
+            print(f"... and {len(report.errors) - len(shown)} more (use --json for all)")
+    return 1 if report.errors else 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .scanner import inspect
+
+    adapter = inspect(args.path, content_hash=args.hash)
+    if args.json:
+        d = asdict(adapter)
+        d["flags"] = sorted(adapter.flags)
+        if not args.modules:
+            d.pop("modules")
+        _print_json(d)
+    else:
+        print(f"{adapter.path}\n  format {adapter.format.value}, peft_type {adapter.peft_type}, "
+              f"{adapter.num_tensors} tensors, {len(adapter.modules)} modules, rank {adapter.rank}")  # fmt: skip
+        print(f"  moe layout {adapter.moe_layout.value}, experts {adapter.num_experts}, layers {len(adapter.layers)}")
+        print(f"  targets {', '.join(adapter.target_modules)}; flags {', '.join(sorted(adapter.flags)) or '-'}")
+        for p in adapter.problems:
+            print(f"  problem {p.code}: {p.message}")
+    return 0
+
+
+def cmd_header(args: argparse.Namespace) -> int:
+    from .header import read_header
+
+    h = read_header(args.path, mode=args.mode)
+    if args.json:
+        _print_json({"tensors": {k: vars(v) for k, v in h.tensors.items()}, "metadata": h.metadata,
+                     "header_size": h.header_size, "file_size": h.file_size, "warnings": h.warnings})  # fmt: skip
+    else:
+        rows = [(name, t.dtype, list(t.shape), f"{t.data_offsets[0]}..{t.data_offsets[1]}") for name, t in h.tensors.items()]
+        print(_table(rows, ("tensor", "dtype", "shape", "bytes")))
+        print(f"\n{len(h.tensors)} tensors, header {h.header_size} bytes, file {h.file_size} bytes")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from .sample import write_samples
+
+    paths = write_samples(args.out, args.n, seed=args.seed)
+    if args.json:
+        _print_json({"out": os.fspath(args.out), "written": len(paths)})
+    else:
+        print(f"wrote {len(paths)} sample adapters to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lorafast", description="Header-only tools for LoRA adapter fleets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("scan", help="classify every adapter under the given files and folders")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--threads", type=int, default=None, help="worker threads (default: LORAFAST_NUM_THREADS or cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-recursive", action="store_true", help="do not descend into sub-folders")
+    p.add_argument("--hash", action="store_true", help="add the sha256 of each data section (reads all data)")
+    p.add_argument("--summary-only", action="store_true", help="with --json: leave out per-adapter records")
+    p.set_defaults(func=cmd_scan)
+
+    p = sub.add_parser("inspect", help="everything about one adapter")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--modules", action="store_true", help="with --json: include per-module records")
+    p.add_argument("--hash", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("header", help="print the validated header of one safetensors file")
+    p.add_argument("path")
+    p.add_argument("--mode", choices=("pread", "mmap"), default="pread")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_header)
+
+    p = sub.add_parser("sample", help="write realistic sample adapters of every format and MoE layout")
+    p.add_argument("--out", required=True)
+    p.add_argument("-n", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_sample)
+
+    for name in _PLUGINS:
+        importlib.import_module(name).register_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import LorafastError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (LorafastError, OSError) as e:
+        print(f"lorafast: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `lorafast scan ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
