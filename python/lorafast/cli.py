@@ -153,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (LorafastError, OSError) as e:
-        print(f"lorafast: {e}", file=sys.stderr)
+        code = getattr(e, "code", None)
+        print(f"lorafast: {f'[{code}] ' if code else ''}{e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `lorafast scan ... | head`
         return 0
