@@ -28,6 +28,10 @@ FLAGS: tuple[str, ...] = tuple(_core.FLAGS)
 PROGRESS_THRESHOLD = 5000
 
 
+def _number(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _adapter(raw: dict[str, Any]) -> Adapter:
     config = json.loads(raw["config_json"]) if raw.get("config_json") else None
     if config is not None and not isinstance(config, dict):
@@ -51,7 +55,7 @@ def _adapter(raw: dict[str, Any]) -> Adapter:
         target_modules=tuple(raw["target_modules"]),
         config=config,
         r=cfg.get("r") if isinstance(cfg.get("r"), int) else None,
-        lora_alpha=cfg.get("lora_alpha") if isinstance(cfg.get("lora_alpha"), (int, float)) else None,
+        lora_alpha=_number(cfg.get("lora_alpha", cfg.get("alpha"))),  # PEFT LoHa/LoKr call it `alpha`
         use_rslora=bool(cfg.get("use_rslora", False)),
         rank_pattern=dict(cfg.get("rank_pattern") or {}),
         alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
