@@ -11,15 +11,14 @@ import subprocess
 import sys
 import threading
 
+import lorafast
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import lorafast
 from lorafast.testing import DTYPE_BITS, write_raw, write_safetensors
 
 sys.path.insert(0, os.path.dirname(__file__))
-import malformed  # noqa: E402
+import malformed
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +221,7 @@ def test_differential_against_safetensors(tmp_path, case):
         ours = None
     try:
         with safe_open(str(path), "numpy") as f:
-            theirs = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}  # noqa: SIM118
+            theirs = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
             their_meta = f.metadata()
     except Exception:
         theirs = None

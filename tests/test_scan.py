@@ -7,12 +7,11 @@ import os
 import subprocess
 import sys
 
+import lorafast
 import numpy as np
 import pytest
-
-import lorafast
 from lorafast.cli import main as cli_main
-from lorafast.scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK, STATUS_PROBLEMS
+from lorafast.scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK
 from lorafast.testing import write_raw, write_safetensors
 
 
@@ -37,16 +36,21 @@ def peft(dir_, r=8, layers=2, modules=("q_proj", "v_proj"), config=None, extra=N
 def fleet(tmp_path):
     root = tmp_path / "fleet"
     peft(root / "team-a" / "good", r=16)
-    peft(root / "team-a" / "dora", extra={
-        f"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": ("BF16", (32,))})
+    peft(
+        root / "team-a" / "dora",
+        extra={"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": ("BF16", (32,))},
+    )
     peft(root / "team-b" / "nested" / "deep", r=4)
     kohya = root / "kohya"
     kohya.mkdir()
-    write_safetensors(kohya / "style.safetensors", {
-        "lora_unet_mid_block_attentions_0_proj_in.lora_down.weight": ("F16", (4, 8)),
-        "lora_unet_mid_block_attentions_0_proj_in.lora_up.weight": ("F16", (8, 4)),
-        "lora_unet_mid_block_attentions_0_proj_in.alpha": np.array(2.0, dtype=np.float32),
-    })
+    write_safetensors(
+        kohya / "style.safetensors",
+        {
+            "lora_unet_mid_block_attentions_0_proj_in.lora_down.weight": ("F16", (4, 8)),
+            "lora_unet_mid_block_attentions_0_proj_in.lora_up.weight": ("F16", (8, 4)),
+            "lora_unet_mid_block_attentions_0_proj_in.alpha": np.array(2.0, dtype=np.float32),
+        },
+    )
     broken = root / "broken"
     broken.mkdir()
     write_raw(broken / "bad.safetensors", b'{"t": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}', 4)
@@ -196,7 +200,9 @@ def test_python_dash_m_and_sample_round_trip(tmp_path):
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)["summary"]
     assert summary["adapters"] == 60 and summary["failed"] == 0
-    assert {"peft", "kohya", "diffusers", "lycoris", "xlabs", "ai_toolkit", "diffusers_legacy"} <= set(summary["formats"])
+    assert {"peft", "kohya", "diffusers", "lycoris", "xlabs", "ai_toolkit", "diffusers_legacy"} <= set(
+        summary["formats"]
+    )
     assert {"dense", "per_expert_2d", "stacked_3d", "shared_outer", "peft_target_parameters"} <= set(
         summary["moe_layouts"]
     )

@@ -65,4 +65,28 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["HEADER_ERROR_CODES", "AdapterError", "HeaderError", "LorafastError", *_LAZY]
+__all__ = [
+    "HEADER_ERROR_CODES",
+    "Adapter",
+    "AdapterError",
+    "AdapterFormat",
+    "Header",
+    "HeaderError",
+    "LoraModule",
+    "LoraRequest",
+    "LorafastError",
+    "MergeHandle",
+    "MoeLayout",
+    "Plan",
+    "Problem",
+    "ScanReport",
+    "TensorInfo",
+    "compat",
+    "inspect",
+    "inspect_many",
+    "merge",
+    "plan",
+    "plan_groups",
+    "read_header",
+    "scan",
+]

@@ -119,9 +119,13 @@ class Adapter:
     rank: int  # max over modules (0 when none)
     moe_layout: MoeLayout
     num_experts: int
-    flags: frozenset[str]  # dora, embeddings, modules_to_save, lora_bias, trainable_tokens, full_weights, conv, kohya_alpha
+    flags: frozenset[
+        str
+    ]  # dora, embeddings, modules_to_save, lora_bias, trainable_tokens, full_weights, conv, kohya_alpha
     variants: tuple[str, ...]  # non-LoRA families present: loha, lokr, oft, boft, ia3, glora, diff
-    full_weight_tensors: tuple[str, ...]  # tensors that are whole weights, not factors (modules_to_save, saved embeddings)
+    full_weight_tensors: tuple[
+        str, ...
+    ]  # tensors that are whole weights, not factors (modules_to_save, saved embeddings)
     problems: tuple[Problem, ...]
     content_hash: str | None = None
     metadata: Mapping[str, str] | None = None

@@ -25,7 +25,7 @@ def _print_json(obj: Any) -> None:
 def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
     cells = [tuple(str(c) for c in header), *[tuple(str(c) for c in r) for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -90,7 +90,9 @@ def cmd_header(args: argparse.Namespace) -> int:
         _print_json({"tensors": {k: vars(v) for k, v in h.tensors.items()}, "metadata": h.metadata,
                      "header_size": h.header_size, "file_size": h.file_size, "warnings": h.warnings})  # fmt: skip
     else:
-        rows = [(name, t.dtype, list(t.shape), f"{t.data_offsets[0]}..{t.data_offsets[1]}") for name, t in h.tensors.items()]
+        rows = [
+            (name, t.dtype, list(t.shape), f"{t.data_offsets[0]}..{t.data_offsets[1]}") for name, t in h.tensors.items()
+        ]
         print(_table(rows, ("tensor", "dtype", "shape", "bytes")))
         print(f"\n{len(h.tensors)} tensors, header {h.header_size} bytes, file {h.file_size} bytes")
     return 0

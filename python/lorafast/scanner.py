@@ -140,9 +140,7 @@ class ScanReport:
         fmt = Counter(FORMATS[c] for c in cols["format"][ok].tolist())
         moe = Counter(MOE_LAYOUTS[c] for c in cols["moe_layout"][ok].tolist())
         ranks = Counter(int(r) for r in cols["rank"][ok].tolist())
-        flag_counts = {
-            name: int(((cols["flags"][ok] >> bit) & 1).sum()) for bit, name in enumerate(FLAGS)
-        }
+        flag_counts = {name: int(((cols["flags"][ok] >> bit) & 1).sum()) for bit, name in enumerate(FLAGS)}
         names, per_row = self._result.target_modules()
         used = sorted({names[i] for row in per_row for i in row})
         return {
