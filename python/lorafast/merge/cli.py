@@ -1,0 +1,133 @@
+"""`lorafast merge`: base checkpoint + adapters -> merged checkpoint, streamed, with a progress bar."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """`268435456`, `256M`, `256MiB`, `1g` -> bytes (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 256M or 1G)")
+    unit = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    n = int(float(m.group(1)) * unit)
+    if n <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return n
+
+
+def parse_adapter(text: str) -> tuple[str, float]:
+    """`path` or `path:strength` (the strength is the part after the last colon, when it is a number)."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+class _Bar:
+    """A one-line progress bar on stderr (drawn only when stderr is a terminal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        width = 30
+        filled = int(frac * width)
+        rate = done / max(now - self.start, 1e-9) / 1e9
+        sys.stderr.write(
+            f"\rmerging [{'#' * filled}{'.' * (width - filled)}] {frac:6.1%} "
+            f"{done / 1e9:.2f}/{total / 1e9:.2f} GB {rate:.2f} GB/s"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lorafast.merge.errors import MergeError
+    from lorafast.merge.stream import merge_file
+
+    try:
+        chunk = parse_size(args.chunk_bytes) if isinstance(args.chunk_bytes, str) else int(args.chunk_bytes)
+    except ValueError as exc:
+        print(f"lorafast merge: error: {exc}", file=sys.stderr)
+        return 2
+    requests = [parse_adapter(a) for a in args.adapter]
+    bar = _Bar(enabled=not args.quiet and not args.json and sys.stderr.isatty())
+    try:
+        summary: dict[str, Any] = merge_file(
+            args.base, requests, args.out, device=args.device, chunk_bytes=chunk, safe=not args.unsafe, progress=bar
+        )
+    except MergeError as exc:
+        if args.json:
+            print(
+                json.dumps(
+                    {"ok": False, "code": exc.code, "error": str(exc), "module": exc.module, "adapter": exc.adapter}
+                )
+            )
+        print(f"lorafast merge: error: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"lorafast merge: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"ok": True, **summary}))
+    elif not args.quiet:
+        gbps = summary["bytes"] / max(summary["seconds"], 1e-9) / 1e9
+        names = ", ".join(f"{a['nickname']}@{a['strength']:g}" for a in summary["adapters"])
+        print(
+            f"wrote {summary['out']}: {summary['targets']} of {summary['tensors']} tensors merged "
+            f"({names}) in {summary['seconds']:.2f}s, {gbps:.2f} GB/s"
+        )
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add `lorafast merge` to an argparse subparsers object."""
+    from lorafast.merge.engine import DEFAULT_CHUNK_BYTES
+
+    p = subparsers.add_parser(
+        "merge",
+        help="merge LoRA adapters into a base safetensors checkpoint (streamed)",
+        description="Write a merged checkpoint: W += Σ strength·scale·(B@A), accumulated in fp32, cast once. "
+        "Streams tensor by tensor, so memory stays bounded by --chunk-bytes.",
+    )
+    p.add_argument("--base", required=True, help="base checkpoint (.safetensors)")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        required=True,
+        metavar="PATH[:STRENGTH]",
+        help="adapter folder or .safetensors file, with an optional strength (default 1.0); repeat to add more",
+    )
+    p.add_argument("--out", required=True, help="merged checkpoint to write (.safetensors)")
+    p.add_argument("--device", default=None, help="compute device (default cpu), e.g. cuda or cuda:1")
+    p.add_argument(
+        "--chunk-bytes", default=str(DEFAULT_CHUNK_BYTES), help="bound on working memory, e.g. 256M (default 256M)"
+    )
+    p.add_argument("--unsafe", action="store_true", help="skip the NaN/Inf check of merged tensors")
+    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    p.add_argument("--quiet", action="store_true", help="print nothing on success")
+    p.set_defaults(func=_run)

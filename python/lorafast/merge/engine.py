@@ -1,0 +1,556 @@
+"""`merge(model, requests)`: adapters into live weights, transactionally, with an exact `unmerge`.
+
+Order of work: resolve every module onto a weight from shapes alone (`targets.preflight`; nothing is touched if
+that fails), then merge weight by weight. Each weight's original bits are copied to a snapshot block by block
+just before the block is written. If anything fails half-way (a NaN, a read error, an interrupt), every block
+written so far is restored from its snapshot, so the weights end bit-identical to before, and the `MergeError`
+names the module and the adapter. `MergeHandle.unmerge()` restores the snapshots the same way.
+
+`snapshot="subtract"` keeps no snapshot: unmerge (and a failure's rollback) subtract the delta again, which is
+lossy by up to an ulp per element but needs no memory beyond the factors.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lorafast.merge import kernel
+from lorafast.merge.errors import MergeError
+from lorafast.merge.sources import Source, normalize
+from lorafast.merge.targets import NameIndex, Target, WeightSpec, bias_factors, factors, preflight, stack_shape
+from lorafast.tensors import TensorFile, TensorReadError
+
+if TYPE_CHECKING:
+    import torch
+
+#: Default bound on the extra working memory of a merge, in bytes (snapshots not counted; see docs/merge.md).
+DEFAULT_CHUNK_BYTES = 256 << 20
+SNAPSHOT_MODES = ("cpu", "device", "subtract")
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class MergedTerm:
+    """One adapter module merged into one weight."""
+
+    adapter: str
+    module: str
+    strength: float
+    coefficient: float  # strength × alpha / r (or / √r)
+    form: str  # how the factors met the weight: BA, AtBt, stacked, tp, bias, dora, ...
+
+
+@dataclass(frozen=True)
+class MergedTarget:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    terms: tuple[MergedTerm, ...]
+
+
+@dataclass
+class _Record:
+    target: Target
+    tensor: Any  # the Parameter / tensor merged into
+    view: Any  # (E, R, C) view of its data
+    snap: Any  # snapshot tensor (E, R, C) or None
+    done: list[tuple[int, int, int, int]] = field(default_factory=list)
+    segments: list[kernel.Segment] | None = None  # kept for subtract mode
+    version: int = -1
+    data_ptr: int = 0
+    complete: bool = False
+
+
+class MergeHandle:
+    """What `merge()` did, and the means to undo it. Also a context manager that unmerges on exit."""
+
+    def __init__(self, sources: list[Source], snapshot: str, device: str | None, chunk_bytes: int) -> None:
+        self.sources = tuple(sources)
+        self.snapshot = snapshot
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self.merged = False
+        self.seconds = 0.0
+        self.bytes_merged = 0  # bytes of weights rewritten
+        self.peak_workspace_bytes = 0
+        self._records: list[_Record] = []
+        self._budget = chunk_bytes
+        self._workspaces: dict[str, kernel.Workspace] = {}
+
+    # -- what was merged ----------------------------------------------------------------------------------------
+    @property
+    def targets(self) -> tuple[MergedTarget, ...]:
+        out = []
+        for r in self._records:
+            t = r.target
+            terms = tuple(
+                MergedTerm(x.source.nickname, x.module.name, x.source.strength, x.coef, x.form) for x in t.terms
+            )
+            out.append(MergedTarget(t.name, tuple(t.spec.shape), str(t.spec.dtype).removeprefix("torch."), terms))
+        return tuple(out)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(r.snap.numel() * r.snap.element_size() for r in self._records if r.snap is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "merged": self.merged,
+            "snapshot": self.snapshot,
+            "adapters": [
+                {"nickname": s.nickname, "path": s.adapter.path, "strength": s.strength, "alpha": s.alpha}
+                for s in self.sources
+            ],
+            "targets": [
+                {
+                    "name": t.name,
+                    "shape": list(t.shape),
+                    "dtype": t.dtype,
+                    "terms": [vars(x) for x in t.terms],
+                }
+                for t in self.targets
+            ],
+            "seconds": self.seconds,
+            "bytes_merged": self.bytes_merged,
+            "peak_workspace_bytes": self.peak_workspace_bytes,
+            "snapshot_bytes": self.snapshot_bytes,
+        }
+
+    def __repr__(self) -> str:
+        state = "merged" if self.merged else "unmerged"
+        names = ", ".join(f"{s.nickname}@{s.strength:g}" for s in self.sources)
+        return f"<MergeHandle {state}: {names} into {len(self._records)} weights, snapshot={self.snapshot}>"
+
+    def __enter__(self) -> MergeHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.merged:
+            self.unmerge()
+
+    # -- undo ---------------------------------------------------------------------------------------------------
+    def unmerge(self, *, force: bool = False) -> None:
+        """Restore every merged weight, bit for bit from the snapshots (or by subtraction in subtract mode).
+
+        Refuses (`MergeError` code "stale", nothing touched) when a weight changed after the merge, since
+        restoring would silently drop that change; `force=True` restores anyway.
+        """
+        import torch
+
+        if not self.merged:
+            raise MergeError("this merge is not applied (already unmerged or committed)", "not_merged")
+        stale = [r.target.name for r in self._records if _changed(r)]
+        if stale and not force:
+            raise MergeError(
+                f"weight {stale[0]!r} changed after the merge (or was replaced), so unmerging would drop that "
+                f"change; {len(stale)} weight(s) affected. Pass force=True to restore anyway",
+                "stale",
+                module=stale[0],
+                restored=False,
+            )
+        with torch.no_grad():
+            self._restore_all()
+        self.merged = False
+        self._records_release()
+
+    def commit(self) -> None:
+        """Keep the merged weights and free the snapshots; the merge can no longer be undone."""
+        if not self.merged:
+            raise MergeError("this merge is not applied (already unmerged or committed)", "not_merged")
+        self.merged = False
+        self._records_release()
+
+    def _records_release(self) -> None:
+        for r in self._records:
+            r.snap = None
+            r.segments = None
+
+    def _restore_all(self) -> None:
+        for r in reversed(self._records):
+            self._restore(r)
+
+    def _restore(self, r: _Record) -> None:
+        if r.snap is not None:
+            if r.complete:
+                r.view.copy_(r.snap)
+            else:
+                for e0, e1, r0, r1 in r.done:
+                    r.view[e0:e1, r0:r1].copy_(r.snap[e0:e1, r0:r1])
+        elif r.segments is not None and r.done:
+            ws = self._workspace(r.segments[0].L.device)
+            for e0, e1, r0, r1 in r.done:
+                sub = [_slice_segment(s, e0, e1, r0, r1) for s in r.segments]
+                kernel.run(r.view[e0:e1, r0:r1], sub, ws=ws, budget=self._budget, sign=-1.0, safe=False)
+
+    def _workspace(self, device: torch.device) -> kernel.Workspace:
+        key = str(device)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = kernel.Workspace(device)
+        return ws
+
+
+def _changed(r: _Record) -> bool:
+    t = r.tensor
+    return int(t._version) != r.version or t.data_ptr() != r.data_ptr
+
+
+def _slice_segment(s: kernel.Segment, e0: int, e1: int, r0: int, r1: int) -> kernel.Segment:
+    L = s.L[e0:e1, r0:r1] if s.L.shape[0] != 1 else s.L[:, r0:r1]
+    R = s.R[e0:e1] if s.R.shape[0] != 1 else s.R
+    return kernel.Segment(s.kind, L, R, None if s.m is None else s.m[r0:r1], s.label)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model side
+
+
+def _is_module(x: Any) -> bool:
+    try:
+        import torch
+
+        return isinstance(x, torch.nn.Module)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _module_tensors(model: Any) -> tuple[dict[str, Any], dict[str, WeightSpec]]:
+    """Every parameter of a module under every name it has (tied weights appear twice), with its owner's traits."""
+    tensors: dict[str, Any] = {}
+    specs: dict[str, WeightSpec] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        fifo = type(mod).__name__ == "Conv1D"  # transformers Conv1D stores (in, out); PEFT forces fan_in_fan_out
+        transposed = getattr(mod, "is_transposed", None)
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            tensors[name] = p
+            specs[name] = WeightSpec(
+                tuple(p.shape),
+                p.dtype,
+                p.device.type,
+                fan_in_fan_out=fifo and pname == "weight",
+                is_transposed=transposed if isinstance(transposed, bool) else None,
+            )
+    return tensors, specs
+
+
+def _collect(model: Any) -> tuple[dict[str | None, dict[str, Any]], dict[str | None, NameIndex]]:
+    import torch
+
+    if _is_module(model):
+        tensors, specs = _module_tensors(model)
+        return {None: tensors}, {None: NameIndex(specs)}
+    if isinstance(model, Mapping):
+        values = list(model.values())
+        if values and all(_is_module(v) for v in values):
+            all_t: dict[str | None, dict[str, Any]] = {}
+            idx: dict[str | None, NameIndex] = {}
+            for comp, mod in model.items():
+                tensors, specs = _module_tensors(mod)
+                all_t[str(comp)] = tensors
+                idx[str(comp)] = NameIndex(specs)
+            return all_t, idx
+        tensors = {str(k): v for k, v in model.items() if isinstance(v, torch.Tensor)}
+        specs = {k: WeightSpec(tuple(v.shape), v.dtype, v.device.type) for k, v in tensors.items()}
+        return {None: tensors}, {None: NameIndex(specs)}
+    raise MergeError(
+        f"cannot merge into a {type(model).__name__}: pass a torch.nn.Module, a state dict of tensors, "
+        "or a dict of pipeline components",
+        "bad_request",
+    )
+
+
+def _as_stack(t: Any) -> Any:
+    """The (E, R, C) view of a weight's data, sharing its storage (and version counter)."""
+    w = t.detach()
+    e, rows, cols = stack_shape(tuple(w.shape))
+    if w.dim() == 1:
+        return w.unsqueeze(0).unsqueeze(-1)
+    if w.dim() == 2:
+        return w.unsqueeze(0)
+    if w.dim() == 3:
+        return w
+    if not w.is_contiguous():
+        raise MergeError(f"cannot merge into a non-contiguous {w.dim()}-D weight", "unsupported")
+    return w.view(e, rows, cols)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Factors
+
+
+class _Files:
+    """Adapter weight files opened once per merge."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self._stack = stack
+        self._open: dict[str, TensorFile] = {}
+
+    def get(self, path: str) -> TensorFile:
+        tf = self._open.get(path)
+        if tf is None:
+            tf = self._stack.enter_context(TensorFile(path))
+            self._open[path] = tf
+        return tf
+
+
+def build_segments(
+    target: Target, files: _Files, device: torch.device, dtype: torch.dtype, *, safe: bool
+) -> list[kernel.Segment]:
+    """Load a target's factors (copied out of the maps at once) and group them: consecutive plain terms become
+    one `add` segment with the ranks concatenated; each DoRA term is its own step."""
+    import torch
+
+    stack = target.stack
+    segs: list[kernel.Segment] = []
+    Ls: list[torch.Tensor] = []
+    Rs: list[torch.Tensor] = []
+    labels: list[str] = []
+
+    def flush() -> None:
+        if not Ls:
+            return
+        e = max(x.shape[0] for x in Ls + Rs)
+        Lc = torch.cat([x.expand(e, -1, -1) for x in Ls], dim=2) if len(Ls) > 1 else Ls[0]
+        Rc = torch.cat([x.expand(e, -1, -1) for x in Rs], dim=1) if len(Rs) > 1 else Rs[0]
+        segs.append(kernel.Segment("add", Lc.contiguous(), Rc.contiguous(), label="+".join(labels)))
+        Ls.clear()
+        Rs.clear()
+        labels.clear()
+
+    for term in target.terms:
+        mod = term.module
+        try:
+            tf = files.get(mod.weight_file)
+            if term.form == "bias":
+                assert mod.bias_key is not None
+                L, R = bias_factors(term, tf.load(mod.bias_key, device=device, dtype=dtype))
+                Ls.append(L)
+                Rs.append(R)
+                labels.append(term.label)
+                continue
+            assert mod.a_key is not None and mod.b_key is not None
+            a = tf.load(mod.a_key, device=device, dtype=dtype)
+            b = tf.load(mod.b_key, device=device, dtype=dtype)
+            m = None
+            if term.form == "dora":
+                assert mod.magnitude_key is not None
+                m = tf.load(mod.magnitude_key, device=device, dtype=dtype).reshape(-1)
+        except TensorReadError as exc:
+            raise MergeError(
+                f"cannot read {term.label}: {exc}", "read_error", module=mod.name, adapter=term.source.nickname
+            ) from exc
+        if safe and not (kernel.finite(a) and kernel.finite(b)):
+            raise MergeError(
+                f"{term.label} has NaN or Inf in its lora_A/lora_B factors; the adapter seems to be broken",
+                "non_finite",
+                module=mod.name,
+                adapter=term.source.nickname,
+            )
+        L, R = factors(term, a, b, stack)
+        if m is None:
+            Ls.append(L)
+            Rs.append(R)
+            labels.append(term.label)
+            continue
+        if m.numel() != stack[1]:
+            raise MergeError(
+                f"{term.label}: DoRA magnitude has {m.numel()} values for {stack[1]} output rows",
+                "shape_mismatch",
+                module=mod.name,
+                adapter=term.source.nickname,
+            )
+        flush()
+        segs.append(kernel.Segment("dora", L.contiguous(), R.contiguous(), m, term.label))
+    flush()
+    return segs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge()
+
+
+def merge(
+    model: Any,
+    plan_or_requests: Any,
+    *,
+    device: str | torch.device | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    safe: bool = True,
+    snapshot: str = "cpu",
+    progress: ProgressFn | None = None,
+) -> MergeHandle:
+    """Merge adapters into `model`'s weights in place and return a `MergeHandle` that can undo it exactly.
+
+    `model`: a `torch.nn.Module`, a state dict (`dict[str, Tensor]`), or a dict of pipeline components
+    (`{"transformer": module, ...}`). Adapter module paths are matched to weight names with PEFT/diffusers/kohya
+    prefixes stripped. `plan_or_requests`: a `lorafast.plan.Plan`, or a list of `LoraRequest`s,
+    `(path, strength)` pairs, paths or `Adapter`s, applied in order.
+
+    Math: W += Σ strength·scale·(B @ A) per weight, accumulated in fp32 and rounded to W's dtype once.
+    `device`: where to compute (default: where each weight lives). `chunk_bytes`: bound on the work buffers.
+    `safe`: refuse NaN/Inf results. `snapshot`: "cpu" (default) or "device" keep the original bits for an exact
+    unmerge; "subtract" keeps none and unmerges by subtracting (lossy).
+    """
+    import torch
+
+    if snapshot not in SNAPSHOT_MODES:
+        raise MergeError(f"snapshot must be one of {SNAPSHOT_MODES}, not {snapshot!r}", "bad_request")
+    if chunk_bytes <= 0:
+        raise MergeError(f"chunk_bytes must be positive, not {chunk_bytes}", "bad_request")
+    started = time.perf_counter()
+    sources = normalize(plan_or_requests)
+    tensors, indexes = _collect(model)
+    targets = preflight(sources, indexes, allow_dora=snapshot != "subtract")
+    handle = MergeHandle(sources, snapshot, None if device is None else str(device), chunk_bytes)
+    total = sum(_nbytes(t.spec) for t in targets)
+    done_bytes = [0]
+
+    def tick(n: int) -> None:
+        done_bytes[0] += n
+        if progress is not None:
+            progress(done_bytes[0], total)
+
+    _warn_tied(targets, tensors)
+    current: Target | None = None
+    try:
+        with ExitStack() as stack, torch.no_grad():
+            files = _Files(stack)
+            for target in targets:
+                current = target
+                tensor = tensors[target.component][target.key]
+                _apply(handle, target, tensor, files, device, chunk_bytes, safe, snapshot, tick)
+    except BaseException as exc:
+        with torch.no_grad():
+            handle._restore_all()
+        exact = snapshot != "subtract"
+        handle._records_release()
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt & co: weights restored, the interrupt goes on as it was
+        raise _wrap(exc, current, exact) from exc
+    handle.merged = True
+    for r in handle._records:
+        r.complete = True
+        r.version = int(r.tensor._version)
+        r.data_ptr = r.tensor.data_ptr()
+        if snapshot != "subtract":
+            r.segments = None
+    handle.seconds = time.perf_counter() - started
+    handle.bytes_merged = total
+    handle.peak_workspace_bytes = max((w.peak_bytes for w in handle._workspaces.values()), default=0)
+    return handle
+
+
+def _apply(
+    handle: MergeHandle,
+    target: Target,
+    tensor: Any,
+    files: _Files,
+    device: Any,
+    chunk_bytes: int,
+    safe: bool,
+    snapshot: str,
+    tick: Callable[[int], None],
+) -> None:
+    import torch
+
+    view = _as_stack(tensor)
+    dev = torch.device(device) if device is not None else view.device
+    adt = kernel.acc_dtype(view.dtype)
+    segments = build_segments(target, files, dev, adt, safe=safe)
+    snap = None
+    if snapshot == "cpu":
+        snap = torch.empty(view.shape, dtype=view.dtype, device="cpu")
+    elif snapshot == "device":
+        snap = torch.empty_like(view)
+    record = _Record(target, tensor, view, snap, segments=segments if snapshot == "subtract" else None)
+    handle._records.append(record)
+    budget = min(chunk_bytes, kernel.CPU_BLOCK_BYTES) if dev.type == "cpu" else chunk_bytes
+    handle._budget = budget
+    fused = None
+    if (
+        dev.type in kernel.FUSED_DEVICES
+        and view.device == dev
+        and view.dtype == torch.bfloat16
+        and not (safe and snapshot == "subtract")  # that mode must test each block before it is written
+    ):
+        fused = kernel.fused_factors(segments, view.dtype)
+    try:
+        if fused is not None:
+            ok = kernel.run_fused(view, fused, budget=budget, snap3=snap, safe=safe, done=record.done, progress=tick)
+        else:
+            ok = kernel.run(
+                view,
+                segments,
+                ws=handle._workspace(dev),
+                budget=budget,
+                snap3=snap,
+                safe=safe,
+                check_before_write=safe and snapshot == "subtract",
+                done=record.done,
+                progress=tick,
+            )
+        bad = not ok and not kernel.finite(view)  # the per-block test is a cheap range test; confirm exactly
+    except kernel.NonFinite:
+        bad = True  # caught before the block was written
+    if not bad:
+        record.complete = True
+        return
+    raise MergeError(
+        f"NaN or Inf in merged weight {target.name!r} (adapters {', '.join(map(repr, target.adapters))}); "
+        "the merge was undone",
+        "non_finite",
+        module=target.name,
+        adapter=", ".join(target.adapters),
+    )
+
+
+def _wrap(exc: Exception, target: Target | None, exact: bool) -> MergeError:
+    how = "restored bit for bit" if exact else "restored by subtraction (subtract mode: not bit-exact)"
+    if isinstance(exc, MergeError):
+        exc.restored = True
+        if exc.module is None and target is not None:
+            exc.module = target.name
+        err = MergeError(
+            f"{exc.args[0]}; weights {how}", exc.code, module=exc.module, adapter=exc.adapter, problems=exc.problems
+        )
+        return err
+    name = target.name if target is not None else None
+    adapters = ", ".join(target.adapters) if target is not None else None
+    listed = ", ".join(map(repr, target.adapters)) if target is not None else "?"
+    return MergeError(
+        f"merging into {name!r} (adapters {listed}) failed: {type(exc).__name__}: {exc}; weights {how}",
+        "failed",
+        module=name,
+        adapter=adapters,
+    )
+
+
+def _nbytes(spec: WeightSpec) -> int:
+    import torch
+
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n * torch.empty((), dtype=spec.dtype).element_size()
+
+
+def _warn_tied(targets: list[Target], tensors: Mapping[str | None, Mapping[str, Any]]) -> None:
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    for t in targets:
+        ten = tensors[t.component][t.key]
+        key = (ten.data_ptr(), tuple(ten.shape))
+        if ten.device.type != "meta" and key in seen:
+            warnings.warn(
+                f"weights {seen[key]!r} and {t.name!r} are tied (one tensor); both targets are merged into it",
+                stacklevel=3,
+            )
+        seen.setdefault(key, t.name)

@@ -1,0 +1,540 @@
+"""Where each adapter module goes, and in which layout its factors meet the weight.
+
+Every target weight is seen as a 3-D matrix stack `(E, R, C)`: a bias is `(1, n, 1)`, a linear or embedding
+weight `(1, out, in)`, a conv weight `(1, out, in·kh·kw)`, an expert stack `(E, ., .)` as it is. Every adapter
+term becomes `L @ R` in that layout, with `L` `(E|1, R, k)` and `R` `(E|1, k, C)`, so one chunked kernel merges
+all of them, and the terms on one weight are concatenated along `k` into a single matmul.
+
+`preflight` does all of this from shapes alone, before any weight is touched: a missing module, a shape that
+does not fit, an unsupported variant or dtype all fail here, naming the module and the adapter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from lorafast.adapter import LoraModule
+from lorafast.merge.errors import MergeError
+from lorafast.merge.sources import Source, peft_pattern_value
+
+if TYPE_CHECKING:
+    import torch
+
+_COMPONENT_PREFIXES = ("unet.", "transformer.", "text_encoder_2.", "text_encoder.", "prior.", "decoder.")
+_KOHYA_PREFIXES = ("lora_unet_", "lora_te1_", "lora_te2_", "lora_te_", "lora_transformer_", "lora_prior_unet_")
+
+
+def strip_prefixes(key: str) -> str:
+    """A module path without PEFT's `base_model.model.` or a diffusers/kohya component prefix."""
+    for p in ("peft_model.base_model.model.", "base_model.model."):
+        if key.startswith(p):
+            key = key[len(p) :]
+            break
+    for p in _COMPONENT_PREFIXES + _KOHYA_PREFIXES:
+        if key.startswith(p):
+            return key[len(p) :]
+    return key.removeprefix("diffusion_model.")
+
+
+#: adapter factor dtypes the engine reads (safetensors names)
+FLOAT_FACTOR_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+#: module kinds the engine merges
+MERGEABLE_KINDS = frozenset({"linear", "conv", "embedding", "expert_2d", "stacked_3d", "target_parameters"})
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """What preflight needs to know about one weight: shape, dtype, device, and its owning module's traits."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str = "cpu"
+    fan_in_fan_out: bool = False  # owned by a transformers Conv1D (weight stored (in, out))
+    is_transposed: bool | None = None  # an experts module's `is_transposed` flag, when it has one
+
+
+def stack_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """The `(E, R, C)` view of a weight shape."""
+    if len(shape) == 0:
+        return (1, 1, 1)
+    if len(shape) == 1:
+        return (1, shape[0], 1)
+    if len(shape) == 2:
+        return (1, shape[0], shape[1])
+    if len(shape) == 3:
+        return (shape[0], shape[1], shape[2])
+    c = 1
+    for d in shape[1:]:
+        c *= d
+    return (1, shape[0], c)
+
+
+@dataclass
+class Term:
+    """One adapter module's contribution to one weight."""
+
+    source: Source
+    module: LoraModule
+    form: str  # BA | AtBt | stacked | stacked_t | tp | tp_t | bias | dora
+    coef: float  # strength × scale
+    rank: int
+    experts: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"module {self.module.name!r} of adapter {self.source.nickname!r}"
+
+
+@dataclass
+class Target:
+    """One weight to merge into, with its terms in application order."""
+
+    name: str  # the tensor name, qualified as "component:name" in a dict of pipeline components
+    spec: WeightSpec
+    component: str | None = None
+    key: str = ""  # the tensor name inside its component
+    terms: list[Term] = field(default_factory=list)
+
+    @property
+    def stack(self) -> tuple[int, int, int]:
+        return stack_shape(self.spec.shape)
+
+    @property
+    def adapters(self) -> list[str]:
+        seen: list[str] = []
+        for t in self.terms:
+            if t.source.nickname not in seen:
+                seen.append(t.source.nickname)
+        return seen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Matching adapter module names to tensor names
+
+
+class NameIndex:
+    """Tensor names of one model (or component), and the rules that map adapter module paths onto them."""
+
+    def __init__(self, specs: Mapping[str, WeightSpec]) -> None:
+        self.specs = specs
+        self._parents: dict[str, list[str]] | None = None
+        self._flat: dict[str, dict[str, list[str]]] = {}
+
+    def find(self, module_name: str, suffix: str) -> str | None:
+        """The tensor `<module path><suffix>` for an adapter module path, or None.
+
+        Tried in order: the exact path; the path with leading components dropped (an adapter made on
+        `LlamaForCausalLM`, merged into its inner `LlamaModel`); a unique tensor whose name ends with the path (the
+        other way round); kohya's underscore form (`lora_unet_down_blocks_0_...`). Several hits raise.
+        """
+        hit = self._match(self.specs, module_name, suffix)
+        bare = strip_prefixes(module_name)
+        if hit is None and bare != module_name:
+            hit = self._match(self.specs, bare, suffix)
+        return hit
+
+    def find_module(self, module_name: str) -> str | None:
+        """The module path (a parent of some tensor) for an adapter module path, by the same rules."""
+        if self._parents is None:
+            self._parents = {}
+            for n in self.specs:
+                if "." in n:
+                    self._parents.setdefault(n.rsplit(".", 1)[0], []).append(n)
+        return self._match(self._parents, module_name, "", table="<module>")
+
+    def children(self, module_path: str) -> list[str]:
+        """Direct tensors of a module path (`<path>.<leaf>`)."""
+        self.find_module(module_path)  # builds the parent table
+        assert self._parents is not None
+        return list(self._parents.get(module_path, []))
+
+    def _match(self, names: Mapping[str, Any], module_name: str, suffix: str, table: str | None = None) -> str | None:
+        exact = module_name + suffix
+        if exact in names:
+            return exact
+        parts = module_name.split(".")
+        for i in range(1, len(parts) - 1):
+            cand = ".".join(parts[i:]) + suffix
+            if cand in names:
+                return cand
+        tail = "." + exact
+        hits = [n for n in names if n.endswith(tail)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise _Ambiguous(hits)
+        key = table or suffix
+        flat_table = self._flat.get(key)
+        if flat_table is None:
+            flat_table = {}
+            for n in names:
+                if n.endswith(suffix):
+                    flat_table.setdefault(n[: len(n) - len(suffix)].replace(".", "_"), []).append(n)
+            self._flat[key] = flat_table
+        flat = module_name.replace(".", "_")
+        hits = list(flat_table.get(flat, []))
+        if not hits:
+            hits = [n for k, ns in flat_table.items() if k.endswith("_" + flat) for n in ns]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise _Ambiguous(hits)
+        return None
+
+
+class _Ambiguous(Exception):
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.names = names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preflight
+
+
+def _refusal(source: Source) -> str | None:
+    """Why a whole adapter cannot be merged, or None."""
+    adapter = source.adapter
+    variants = [v for v in adapter.variants if v != "dora"]
+    if variants:
+        return (
+            f"adapter {source.nickname!r} contains {', '.join(variants)} modules; only plain LoRA (and PEFT DoRA) "
+            "can be merged by lorafast"
+        )
+    flags = set(adapter.flags)
+    if "modules_to_save" in flags:
+        return (
+            f"adapter {source.nickname!r} has modules_to_save (whole replacement modules), which cannot be merged "
+            "at a strength; merge it with PEFT or drop them from the adapter"
+        )
+    if "trainable_tokens" in flags:
+        return f"adapter {source.nickname!r} has trainable tokens, which lorafast does not merge"
+    init = (adapter.config or {}).get("init_lora_weights")
+    if isinstance(init, str) and init.lower().split("_")[0] in ("pissa", "olora", "corda", "loftq"):
+        return (
+            f"adapter {source.nickname!r} was initialised with {init}, which changes the base weights; it is not "
+            "a plain delta and cannot be merged into the original model"
+        )
+    return None
+
+
+def _fan_in_fan_out(source: Source, spec: WeightSpec) -> bool:
+    cfg = source.adapter.config or {}
+    return bool(cfg.get("fan_in_fan_out", False)) or spec.fan_in_fan_out
+
+
+def _plan_linear(term_kind: str, m: LoraModule, spec: WeightSpec, fifo: bool) -> tuple[str | None, str]:
+    """Form for a 2-D-factor module on `spec`, or (None, why)."""
+    a, b = m.a_shape or (), m.b_shape or ()
+    e, rows, cols = stack_shape(spec.shape)
+    if e != 1 or len(spec.shape) < 2:
+        return None, f"the weight has shape {list(spec.shape)}, not a matrix"
+    r = a[0] if a else 0
+    a_cols = _prod(a[1:])
+    if term_kind == "embedding":
+        # PEFT: A (r, num_embeddings), B (embedding_dim, r); weight (num_embeddings, embedding_dim)
+        if len(a) == 2 and len(b) == 2 and (a[1], b[0]) == (rows, cols) and b[1] == r:
+            return "AtBt", ""
+        return None, f"lora_embedding_A {list(a)} and lora_embedding_B {list(b)} do not fit weight {list(spec.shape)}"
+    if len(b) > 2 and any(d != 1 for d in b[2:]):
+        return None, f"lora_B has a {list(b[2:])} kernel; only 1x1 up-projections are merged"
+    b_rows = b[0] if b else 0
+    b_r = b[1] if len(b) > 1 else 0
+    if b_r != r:
+        return None, f"lora_A {list(a)} and lora_B {list(b)} disagree on the rank"
+    if term_kind == "conv" and len(spec.shape) != len(a):
+        return None, f"conv factors {list(a)} do not fit weight {list(spec.shape)}"
+    if term_kind == "conv" and tuple(spec.shape[2:]) != tuple(a[2:]):
+        return None, f"lora_A kernel {list(a[2:])} differs from the weight's {list(spec.shape[2:])}"
+    if fifo:
+        if (a_cols, b_rows) == (rows, cols):
+            return "AtBt", ""
+        return None, f"lora_A {list(a)} / lora_B {list(b)} do not fit fan_in_fan_out weight {list(spec.shape)}"
+    if (b_rows, a_cols) == (rows, cols):
+        return "BA", ""
+    if (a_cols, b_rows) == (rows, cols) and len(spec.shape) == 2:
+        return None, (
+            f"lora_A {list(a)} / lora_B {list(b)} fit weight {list(spec.shape)} only transposed; "
+            "set fan_in_fan_out=true if the base stores (in, out)"
+        )
+    return None, f"lora_A {list(a)} / lora_B {list(b)} do not fit weight {list(spec.shape)}"
+
+
+def _plan_stacked(m: LoraModule, spec: WeightSpec) -> tuple[str | None, str]:
+    a, b = m.a_shape or (), m.b_shape or ()
+    if len(spec.shape) != 3 or len(a) != 3 or len(b) != 3:
+        return None, f"stacked factors {list(a)} / {list(b)} need a 3-D expert weight, got {list(spec.shape)}"
+    e, d1, d2 = spec.shape
+    if a[0] not in (1, e) or b[0] not in (1, e) or a[1] != b[2]:
+        return None, f"stacked factors {list(a)} / {list(b)} do not fit {e} experts of weight {list(spec.shape)}"
+    fits = (b[1], a[2]) == (d1, d2)
+    fits_t = (a[2], b[1]) == (d1, d2)
+    if fits and (spec.is_transposed is not True or not fits_t):
+        return "stacked", ""
+    if fits_t:
+        return "stacked_t", ""
+    return None, f"stacked factors {list(a)} / {list(b)} do not fit weight {list(spec.shape)}"
+
+
+def _plan_target_parameters(m: LoraModule, spec: WeightSpec) -> tuple[str | None, str, int]:
+    """PEFT ParamWrapper: A (r·E, in), B (out, r·E) against a 3-D (E, out, in) weight (or (E, in, out))."""
+    a, b = m.a_shape or (), m.b_shape or ()
+    if len(spec.shape) != 3 or len(a) != 2 or len(b) != 2:
+        return None, f"factors {list(a)} / {list(b)} need a 3-D expert weight, got {list(spec.shape)}", 0
+    e, d1, d2 = spec.shape
+    if a[0] != b[1] or a[0] % e:
+        return None, f"lora_A {list(a)} / lora_B {list(b)} rows are not a multiple of {e} experts", 0
+    r = a[0] // e
+    fits = (b[0], a[1]) == (d1, d2)  # (E, out, in): PEFT's default, in/out swapped
+    fits_t = (a[1], b[0]) == (d1, d2)  # (E, in, out): is_transposed=True
+    if fits and (spec.is_transposed is not True or not fits_t):
+        return "tp", "", r
+    if fits_t:
+        return "tp_t", "", r
+    return None, f"lora_A {list(a)} / lora_B {list(b)} do not fit expert weight {list(spec.shape)}", r
+
+
+def _tp_candidates(index: NameIndex, m: LoraModule) -> list[str]:
+    """The 3-D parameters a target_parameters module may wrap: `<experts>.<leaf>` first, then its siblings."""
+    path = re.sub(r"\.base_layer\b", "", m.name)
+    owner = path
+    if m.leaf and m.leaf != "experts" and path.endswith("." + m.leaf):
+        owner = path[: -len(m.leaf) - 1]
+    try:
+        parent = index.find_module(owner)
+    except _Ambiguous:
+        return []
+    if parent is None:
+        return []
+    kids = [n for n in index.children(parent) if len(index.specs[n].shape) == 3]
+    preferred = [n for n in kids if m.leaf and n.endswith("." + m.leaf)]
+    return preferred + [n for n in kids if n not in preferred]
+
+
+class _Problem(Exception):
+    def __init__(self, code: str, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+        self.why = why
+
+
+def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, int, int]:
+    """(weight name, form, rank, experts) for one module, or `_Problem`."""
+    try:
+        if m.kind == "target_parameters":
+            cands = _tp_candidates(index, m)
+            last = "no 3-D expert parameter matches this module"
+            for c in cands:
+                form, last, rank = _plan_target_parameters(m, index.specs[c])
+                if form is not None:
+                    bad = _check_weight(index.specs[c])
+                    if bad:
+                        raise _Problem(bad[0], f"weight {c!r}: {bad[1]}")
+                    return c, form, rank, index.specs[c].shape[0]
+            raise _Problem("shape_mismatch" if cands else "missing_module", last)
+        weight = index.find(m.name, ".weight")
+        if weight is None and m.kind == "stacked_3d":
+            weight = index.find(m.name, "")  # a fused expert parameter (`experts.gate_up_proj`)
+    except _Ambiguous as amb:
+        raise _Problem("ambiguous_module", f"several weights match: {amb.names[:4]}") from None
+    if weight is None:
+        raise _Problem("missing_module", "no weight in the model matches this module")
+    spec = index.specs[weight]
+    bad = _check_weight(spec)
+    if bad:
+        raise _Problem(bad[0], f"weight {weight!r}: {bad[1]}")
+    if m.kind == "stacked_3d":
+        form, why = _plan_stacked(m, spec)
+        experts = spec.shape[0] if len(spec.shape) == 3 else 1
+    else:
+        fifo = m.kind in ("linear", "expert_2d") and _fan_in_fan_out(src, spec)
+        form, why = _plan_linear(m.kind, m, spec, fifo)
+        experts = 1
+    if form is None:
+        raise _Problem("shape_mismatch", f"weight {weight!r}: {why}")
+    return weight, form, m.rank or 0, experts
+
+
+def _tp_module(src: Source, m: LoraModule, weight: str, rank: int) -> LoraModule:
+    """A target_parameters module as PEFT scales it: r = rows / E, alpha_pattern matched on the parameter path."""
+    cfg = src.adapter.config or {}
+    alpha = m.alpha
+    hit = peft_pattern_value(cfg.get("alpha_pattern") or {}, weight)
+    if hit is not None:
+        alpha = float(hit)
+    elif "lora_alpha" in cfg:
+        alpha = float(cfg["lora_alpha"])
+    return replace(m, name=weight, rank=rank, alpha=alpha)
+
+
+def preflight(
+    sources: list[Source], indexes: Mapping[str | None, NameIndex], *, allow_dora: bool = True
+) -> list[Target]:
+    """Resolve every adapter module of every source onto a weight; raise one `MergeError` listing all problems.
+
+    `indexes` maps a component name to its `NameIndex` (`None` for a plain model or state dict).
+    """
+    problems: list[tuple[str, str, str, str]] = []  # (code, module, adapter, message)
+    targets: dict[str, Target] = {}
+
+    def fail(code: str, m: LoraModule | None, src: Source, why: str) -> None:
+        mod = m.name if m is not None else "*"
+        problems.append((code, mod, src.nickname, f"{why} (module {mod!r} of adapter {src.nickname!r})"))
+
+    def add(comp: str | None, key: str, spec: WeightSpec, term: Term) -> None:
+        qual = f"{comp}:{key}" if comp is not None else key
+        t = targets.get(qual)
+        if t is None:
+            t = targets[qual] = Target(qual, spec, comp, key)
+        t.terms.append(term)
+
+    for src in sources:
+        why = _refusal(src)
+        if why:
+            problems.append(("unsupported", "*", src.nickname, why))
+            continue
+        comps = _components_for(src, indexes)
+        if not comps:
+            fail("missing_module", None, src, f"none of the components {list(src.components or ())} exist here")
+            continue
+        for m in src.adapter.modules:
+            if m.kind not in MERGEABLE_KINDS:
+                fail("unsupported", m, src, f"a {m.kind} module cannot be merged")
+                continue
+            if m.a_key is None or m.b_key is None or m.a_shape is None or m.b_shape is None:
+                fail("unsupported", m, src, "the module lacks a lora_A/lora_B pair")
+                continue
+            if m.dtype is not None and m.dtype not in FLOAT_FACTOR_DTYPES:
+                fail("dtype", m, src, f"factor dtype {m.dtype} is not a float type")
+                continue
+            found: list[tuple[str | None, NameIndex, str, str, int, int]] = []
+            first: _Problem | None = None
+            for comp in _components_of(m, comps):
+                index = indexes[comp]
+                try:
+                    found.append((comp, index, *_resolve(src, m, index)))
+                except _Problem as p:
+                    first = first or p
+            if not found:
+                assert first is not None
+                fail(first.code, m, src, first.why)
+                continue
+            for comp, index, weight, form, rank, experts in found:
+                spec = index.specs[weight]
+                scaled = _tp_module(src, m, weight, rank) if m.kind == "target_parameters" else m
+                coef = src.coefficient(scaled)
+                if m.magnitude_key is not None:
+                    if m.magnitude_key.endswith("dora_scale"):
+                        fail("unsupported", m, src, "kohya/LyCORIS DoRA (dora_scale, per-column) is not merged")
+                        break
+                    if not allow_dora:
+                        fail("unsupported", m, src, "DoRA cannot be unmerged by subtraction; use a snapshot mode")
+                        break
+                    if form != "BA":
+                        fail("unsupported", m, src, f"DoRA is merged only into plain linear/conv weights, not {form}")
+                        break
+                    form = "dora"
+                add(comp, weight, spec, Term(src, m, form, coef, rank, experts))
+                if m.bias_key is not None:
+                    bias = weight.removesuffix(".weight") + ".bias"
+                    out_dim = stack_shape(spec.shape)[2 if form == "AtBt" else 1]
+                    if bias not in index.specs:
+                        fail("missing_module", m, src, "the adapter has lora_B.bias but the base module has no bias")
+                        break
+                    bspec = index.specs[bias]
+                    if tuple(bspec.shape) != (out_dim,):
+                        why = f"bias {bias!r} has shape {list(bspec.shape)}, expected [{out_dim}]"
+                        fail("shape_mismatch", m, src, why)
+                        break
+                    add(comp, bias, bspec, Term(src, m, "bias", coef, rank))
+    if problems:
+        code, mod, adapter, message = problems[0]
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise MergeError(
+            f"cannot merge: {message}{more}; no weight was changed",
+            code,
+            module=mod,
+            adapter=adapter,
+            problems=tuple(p[3] for p in problems),
+        )
+    return list(targets.values())
+
+
+def _check_weight(spec: WeightSpec) -> tuple[str, str] | None:
+    import torch
+
+    if spec.device == "meta":
+        return "meta_device", "it is on the meta device (no data to merge into; load the weights first)"
+    if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return "dtype", f"dtype {spec.dtype} cannot be merged into (only float16, bfloat16, float32, float64)"
+    return None
+
+
+def _components_for(src: Source, indexes: Mapping[str | None, NameIndex]) -> list[str | None]:
+    if None in indexes:
+        # a single model: it is the "transformer" of a pipeline, and the target of "all"
+        if src.components is None or "transformer" in src.components:
+            return [None]
+        return []
+    names = list(indexes)
+    if src.components is None:
+        return names
+    return [c for c in names if c in src.components]
+
+
+def _components_of(m: LoraModule, comps: list[str | None]) -> list[str | None]:
+    """The components a module goes into: the one its key names (`transformer.…`, `lora_transformer_…`), else
+    every candidate (SGLang's "all" applies an adapter to each pipeline component that has the module)."""
+    for comp in comps:
+        if comp is not None and (m.key.startswith(comp + ".") or m.key.startswith("lora_" + comp + "_")):
+            return [comp]
+    return comps
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Factors in the weight's layout
+
+
+def factors(term: Term, a: torch.Tensor, b: torch.Tensor, stack: tuple[int, int, int]) -> tuple[Any, Any]:
+    """`(L, R)` for a term, in fp32, with the coefficient folded into L: `L @ R` is the term's delta."""
+    e = stack[0]
+    form = term.form
+    if form in ("BA", "dora"):
+        L = b.reshape(b.shape[0], -1).unsqueeze(0)
+        R = a.reshape(a.shape[0], -1).unsqueeze(0)
+    elif form == "AtBt":
+        L = a.reshape(a.shape[0], -1).t().unsqueeze(0)
+        R = b.reshape(b.shape[0], -1).t().unsqueeze(0)
+    elif form == "stacked":
+        L, R = b, a
+    elif form == "stacked_t":
+        L, R = a.transpose(1, 2), b.transpose(1, 2)
+    elif form in ("tp", "tp_t"):
+        r = term.rank
+        a3 = a.reshape(e, r, a.shape[-1])  # rows of A are expert-major: row = e*r + j
+        b3 = b.reshape(b.shape[0], r, e)  # columns of B are rank-major: col = j*E + e
+        if form == "tp":
+            L, R = b3.permute(2, 0, 1), a3  # (E, out, r), (E, r, in)
+        else:
+            L, R = a3.transpose(1, 2), b3.permute(2, 1, 0)  # (E, in, r), (E, r, out)
+    else:
+        raise AssertionError(form)
+    return L * term.coef, R
+
+
+def bias_factors(term: Term, bias: torch.Tensor) -> tuple[Any, Any]:
+    import torch
+
+    L = (bias.reshape(1, -1, 1) * term.coef).contiguous()
+    R = torch.ones((1, 1, 1), dtype=L.dtype, device=L.device)
+    return L, R
