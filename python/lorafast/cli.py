@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
-_PLUGINS = ("lorafast.plan", "lorafast.groups", "lorafast.merge.cli")
+_PLUGINS = ("lorafast.plan", "lorafast.groups", "lorafast.merge.cli", "lorafast.compat.cli")
 
 
 def _print_json(obj: Any) -> None:

@@ -1,0 +1,197 @@
+"""SGLang start-up checks for 1,000 MoE adapters: lorafast's header-only preflight vs loading everything.
+
+Generates N MoE PEFT adapters (default 1,000; BF16, 4 layers, 8 experts, hidden 512, expert intermediate 256,
+rank 8, plus attention LoRA): half per-expert numbered 2D (`experts.N.gate_proj/up_proj/down_proj`, 208 tensors
+each), half stacked 3D (`experts.gate_up_proj` [E, r, H], 32 tensors each). Then times, on a warm page cache:
+
+  lorafast   `lorafast.compat.sglang.preflight(paths, base_config=...)`: every check of an SGLang start-up
+             (config, validation, target modules, max rank, shared-outer detection, buffer shapes, first-use
+             checks), reading headers only; also timed from a `lorafast.scan` report (Adapter objects);
+  reference  what SGLang does: read every tensor of every adapter to CPU (safetensors, in `safe_open().keys()`
+             order), route by layer, normalize (q/k/v and gate/up `torch.cat`, fused lora_A `repeat`), then run
+             the shared-outer detection on the loaded tensors.
+
+Both must reach the same decision (target modules, max rank, shared-outer mode). Prints the times and the ratio.
+Usage: python benches/bench_preflight.py [--n 1000] [--hidden 512] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import lorafast
+import lorafast._core
+from lorafast.compat import sglang as sg
+from lorafast.testing import write_safetensors
+
+LAYERS, EXPERTS, RANK = 4, 8, 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def base_config(hidden: int) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": hidden, "intermediate_size": 4 * hidden,
+        "moe_intermediate_size": hidden // 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": hidden // 8, "num_hidden_layers": LAYERS, "num_experts": EXPERTS, "vocab_size": 32000,
+        "torch_dtype": "bfloat16",
+    }  # fmt: skip
+
+
+def make_adapters(root: str, n: int, hidden: int) -> list[str]:
+    inter, head = hidden // 2, hidden // 8
+    paths = []
+    for i in range(n):
+        folder = os.path.join(root, f"moe-{i:05d}")
+        os.makedirs(folder)
+        t: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for layer in range(LAYERS):
+            p = f"base_model.model.model.layers.{layer}."
+            for proj, out in (("q_proj", 8 * head), ("k_proj", 4 * head), ("v_proj", 4 * head)):
+                t[p + f"self_attn.{proj}.lora_A.weight"] = ("BF16", (RANK, hidden))
+                t[p + f"self_attn.{proj}.lora_B.weight"] = ("BF16", (out, RANK))
+            t[p + "self_attn.o_proj.lora_A.weight"] = ("BF16", (RANK, 8 * head))
+            t[p + "self_attn.o_proj.lora_B.weight"] = ("BF16", (hidden, RANK))
+            if i % 2 == 0:  # per-expert, numbered 2D
+                for e in range(EXPERTS):
+                    x = f"{p}mlp.experts.{e}."
+                    for proj in ("gate_proj", "up_proj"):
+                        t[x + f"{proj}.lora_A.weight"] = ("BF16", (RANK, hidden))
+                        t[x + f"{proj}.lora_B.weight"] = ("BF16", (inter, RANK))
+                    t[x + "down_proj.lora_A.weight"] = ("BF16", (RANK, inter))
+                    t[x + "down_proj.lora_B.weight"] = ("BF16", (hidden, RANK))
+            else:  # stacked 3D, fused gate_up
+                x = f"{p}mlp.experts."
+                t[x + "gate_up_proj.lora_A.weight"] = ("BF16", (EXPERTS, RANK, hidden))
+                t[x + "gate_up_proj.lora_B.weight"] = ("BF16", (EXPERTS, 2 * inter, RANK))
+                t[x + "down_proj.lora_A.weight"] = ("BF16", (EXPERTS, RANK, inter))
+                t[x + "down_proj.lora_B.weight"] = ("BF16", (EXPERTS, hidden, RANK))
+        write_safetensors(os.path.join(folder, "adapter_model.safetensors"), t)
+        cfg = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": TARGETS}
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(cfg, f)
+        paths.append(folder)
+    return paths
+
+
+# --- the load-everything reference (what SGLang's LoRAAdapter.initialize_weights does) ------------------------
+
+
+def load_everything(folder: str, num_layers: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    import torch
+    from safetensors import safe_open
+
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        config = json.load(f)
+    layers: list[dict[str, Any]] = [{} for _ in range(num_layers)]
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, file), framework="pt") as handle:
+            for name in handle.keys():
+                match = re.search(r"layers\.(\d+)\.", name)
+                if match:
+                    layers[int(match.group(1))][name] = handle.get_tensor(name).cpu()
+    for w in layers:
+        names = list(w)
+        for n in names:
+            if "q_proj" in n:
+                k, v = n.replace("q_proj", "k_proj"), n.replace("q_proj", "v_proj")
+                w[n.replace("q_proj", "qkv_proj")] = torch.cat((w[n], w[k], w[v]), 0)
+                del w[n], w[k], w[v]
+        for n in list(w):
+            if "gate_proj" in n:
+                up = n.replace("gate_proj", "up_proj")
+                w[n.replace("gate_proj", "gate_up_proj")] = torch.cat((w[n], w[up]), w[n].dim() - 2)
+                del w[n], w[up]
+            elif "gate_up_proj" in n and "lora_A" in n:
+                reps = [1] * w[n].dim()
+                reps[-2] = 2
+                w[n] = w[n].repeat(*reps)
+    return config, layers
+
+
+def reference(paths: list[str], num_layers: int) -> tuple[set[str], int, bool]:
+    targets: set[str] = set()
+    rank = 0
+    shared: bool | None = None
+    for folder in paths:
+        config, layers = load_everything(folder, num_layers)
+        targets |= sg.get_normalized_target_modules(config["target_modules"])
+        rank = max(rank, config["r"])
+        for layer in layers:
+            for name, weight in layer.items():
+                if "gate_up_proj" not in name or "lora_A" not in name:
+                    continue
+                if weight.dim() == 3:
+                    is_shared = weight.shape[0] == 1
+                elif re.search(r"(?:shared_)?experts\.\d+\.", name):
+                    is_shared = False
+                else:
+                    continue
+                if shared is None:
+                    shared = is_shared
+                elif shared != is_shared:
+                    raise RuntimeError(f"mixed in {folder}")
+    return targets, rank, bool(shared)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--keep", help="write the adapters here and keep them")
+    parser.add_argument("--no-scan", action="store_true", help="skip the lorafast.scan + preflight(report) timing")
+    args = parser.parse_args()
+    build = getattr(lorafast._core, "build_profile", "?")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; lorafast._core build: {build}")
+
+    root = args.keep or tempfile.mkdtemp(prefix="lorafast-bench-preflight-")
+    try:
+        t0 = time.perf_counter()
+        paths = make_adapters(root, args.n, args.hidden)
+        size = sum(os.path.getsize(os.path.join(p, "adapter_model.safetensors")) for p in paths)
+        print(f"wrote {len(paths)} MoE adapters ({size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s")
+        cfg = base_config(args.hidden)
+
+        # lorafast is timed three times (best run); the reference once (tens of seconds). Both read warm files.
+        fast = fast_paths = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            plan_from_paths = sg.preflight(paths, base_config=cfg, collect=True)
+            fast_paths = min(fast_paths, time.perf_counter() - t0)
+            if not args.no_scan:
+                t0 = time.perf_counter()
+                plan = sg.preflight(list(lorafast.scan(paths)), base_config=cfg, collect=True)
+                fast = min(fast, time.perf_counter() - t0)
+        if args.no_scan:
+            plan = plan_from_paths
+
+        t0 = time.perf_counter()
+        ref = reference(paths, LAYERS)
+        slow = time.perf_counter() - t0
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    mine = (set(plan.target_modules), plan.max_lora_rank, plan.experts_shared_outer)
+    same = mine == ref and plan.errors == [] and plan_from_paths.target_modules == plan.target_modules
+    print(f"decision: target_modules={sorted(mine[0])} max_lora_rank={mine[1]} shared_outer={mine[2]} "
+          f"buffers={(plan.buffer_bytes or 0) / 2**20:.1f} MiB  (reference agrees: {same})")  # fmt: skip
+    print(f"lorafast preflight(paths)          {fast_paths:8.3f} s  {fast_paths / args.n * 1e6:9.0f} us/adapter")
+    if not args.no_scan:
+        print(f"lorafast scan + preflight(report)  {fast:8.3f} s  {fast / args.n * 1e6:9.0f} us/adapter")
+    print(f"load-everything reference          {slow:8.3f} s  {slow / args.n * 1e6:9.0f} us/adapter")
+    print(f"ratio reference / preflight(paths):         {slow / fast_paths:8.1f}x")
+    if not args.no_scan:
+        print(f"ratio reference / scan + preflight(report): {slow / fast:8.1f}x")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Engine checks answered from safetensors headers: drop-in replacements for SGLang's and vLLM's LoRA checks.
+
+* `lorafast.compat.sglang`: SGLang's LLM server (`sglang.srt.lora`): shared-outer detection, target-module
+  and rank inference, adapter validation, memory-pool planning, and `preflight` for a whole set;
+* `lorafast.compat.diffusion`: SGLang's diffusion pipeline (format detection, PEFT key and config checks);
+* `lorafast.compat.vllm`: vLLM's adapter checks.
+
+They return the engine's answers and raise the engine's exceptions (same type, same message) without
+loading a tensor. Importing this package imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from lorafast.compat._common import CompatProblem, LoraRef, lora_id
+from lorafast.compat._inputs import AdapterView, resolve_adapters
+
+__all__ = ["AdapterView", "CompatProblem", "LoraRef", "lora_id", "resolve_adapters"]

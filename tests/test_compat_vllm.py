@@ -1,0 +1,138 @@
+"""lorafast.compat.vllm: vLLM's adapter checks from headers, with vLLM's messages as literal strings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lorafast.compat import AdapterView
+from lorafast.compat import vllm as vl
+from lorafast.testing import write_safetensors
+
+P = "base_model.model.model.layers.0."
+
+
+def peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], **config: Any) -> str:
+    folder = root / name
+    folder.mkdir(parents=True)
+    write_safetensors(folder / "adapter_model.safetensors", {k: ("BF16", s) for k, s in tensors.items()})
+    cfg = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], **config}
+    (folder / "adapter_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return str(folder)
+
+
+ATTN = {
+    P + "self_attn.q_proj.lora_A.weight": (8, 32), P + "self_attn.q_proj.lora_B.weight": (32, 8),
+    P + "self_attn.v_proj.lora_A.weight": (8, 32), P + "self_attn.v_proj.lora_B.weight": (16, 8),
+}  # fmt: skip
+EXPECTED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"]
+
+
+def test_parse_fine_tuned_lora_name() -> None:
+    assert vl.parse_fine_tuned_lora_name(P + "self_attn.q_proj.lora_A.weight") == (
+        "model.layers.0.self_attn.q_proj",
+        True,
+    )
+    assert vl.parse_fine_tuned_lora_name("model.embed_tokens.lora_embedding_B") == ("model.embed_tokens", False)
+    mapped = vl.parse_fine_tuned_lora_name(P + "mlp.w1.lora_B.weight", lambda n: n.replace(".w1.", ".gate_proj."))
+    assert mapped == ("model.layers.0.mlp.gate_proj", False)
+    with pytest.raises(ValueError) as info:
+        vl.parse_fine_tuned_lora_name("base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector")
+    assert (
+        str(info.value)
+        == "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector is unsupported LoRA weight"
+    )
+    with pytest.raises(ValueError) as info:
+        vl.parse_fine_tuned_lora_name("base_model.model.lm_head.weight")
+    assert str(info.value) == "base_model.model.lm_head.weight is unsupported LoRA weight"
+
+
+def test_check_unexpected_modules(tmp_path: Path) -> None:
+    vision = {**ATTN, "base_model.model.visual.blocks.0.attn.qkv.lora_A.weight": (8, 32),
+              "base_model.model.visual.blocks.0.attn.qkv.lora_B.weight": (96, 8)}  # fmt: skip
+    path = peft(tmp_path, "vl", vision)
+    vl.check_unexpected_modules(peft(tmp_path, "ok", ATTN), EXPECTED)
+    with pytest.raises(ValueError) as info:
+        vl.check_unexpected_modules(path, EXPECTED)
+    assert str(info.value) == (
+        f"While loading {path}, expected target modules in ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
+        "'up_proj', 'down_proj', 'embed_tokens', 'lm_head'] but received ['visual.blocks.0.attn.qkv', "
+        "'visual.blocks.0.attn.qkv']. Please verify that the loaded LoRA module is correct"
+    )
+    # Experts compare from `experts` on; base_layer keys (PEFT target_parameters, saved embeddings) are skipped.
+    moe = {P + "mlp.experts.0.gate_proj.lora_A.weight": (8, 32), P + "mlp.experts.base_layer.lora_A.weight": (32, 32),
+           P + "mlp.experts.7.w1.lora_A.weight": (8, 32)}  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        vl.check_unexpected_modules(AdapterView.from_tensors(moe, path="/moe"), ["experts.0.gate_proj"])
+    assert "but received ['model.layers.0.mlp.experts.7.w1']." in str(info.value)
+    with pytest.raises(ValueError) as info:
+        vl.check_unexpected_modules(
+            AdapterView.from_tensors({**ATTN, "base_model.model.x.lora_magnitude_vector": (8,)}), EXPECTED
+        )
+    assert str(info.value) == "base_model.model.x.lora_magnitude_vector is unsupported LoRA weight"
+
+
+def test_expected_lora_modules() -> None:
+    assert vl.expected_lora_modules(["qkv_proj", "o_proj", "gate_up_proj"]) == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+    ]  # fmt: skip
+
+
+def test_validate_legal_messages() -> None:
+    def v(**cfg: Any) -> AdapterView:
+        return AdapterView.from_tensors(ATTN, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **cfg})
+
+    vl.validate_legal(v(), 16)
+    with pytest.raises(ValueError) as info:
+        vl.validate_legal(v(r=64), 16)
+    assert str(info.value) == "LoRA rank 64 is greater than max_lora_rank 16."
+    with pytest.raises(ValueError) as info:
+        vl.validate_legal(v(use_dora=True), 16)
+    assert str(info.value) == "vLLM does not yet support DoRA."
+    with pytest.raises(ValueError) as info:
+        vl.validate_legal(v(modules_to_save=["lm_head"]), 16)
+    assert str(info.value) == "vLLM only supports modules_to_save being None."
+    with pytest.raises(ValueError) as info:
+        vl.validate_legal(v(modules_to_save=["score"], use_dora=True, r=32, bias="lora_only"), 16)
+    assert str(info.value) == (
+        "vLLM only supports modules_to_save being None. vLLM does not yet support DoRA. "
+        "LoRA rank 32 is greater than max_lora_rank 16. Adapter bias is not supported."
+    )
+    with pytest.raises(ValueError) as info:
+        vl.validate_legal(v(bias="all"), 16, bias_enabled=False)
+    assert str(info.value) == "Adapter bias cannot be used without bias_enabled."
+    vl.validate_legal(v(bias="all"), 16, bias_enabled=True)
+
+
+def test_peft_helper_and_ranks(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        vl.check_peft_helper(peft(tmp_path, "no-r", ATTN, r=None))
+    assert str(info.value) == "Missing required configuration fields: {'r'}"
+    with pytest.raises(ValueError) as info:
+        vl.check_peft_helper(peft(tmp_path, "zero", ATTN, r=0))
+    assert str(info.value) == "LoRA rank `r` must be a positive integer, got 0."
+    assert vl.VLLM_MAX_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    a, b = peft(tmp_path, "a", ATTN, r=8), peft(tmp_path, "b", ATTN, r=300)
+    assert vl.smallest_max_lora_rank([a]) == 8
+    assert vl.smallest_max_lora_rank([a, b]) == 320
+    assert vl.smallest_max_lora_rank([peft(tmp_path, "huge", ATTN, r=1024)]) is None
+
+
+def test_preflight(tmp_path: Path) -> None:
+    good = peft(tmp_path, "good", ATTN, r=8)
+    big = peft(tmp_path, "big", ATTN, r=64)
+    dora = peft(tmp_path, "dora", ATTN, use_dora=True)
+    plan = vl.preflight([good], expected_lora_modules=EXPECTED)
+    assert plan.ok and plan.max_rank == 8 and plan.suggested_max_lora_rank == 8
+    with pytest.raises(ValueError) as info:
+        vl.preflight([good, big, dora], max_lora_rank=16)
+    assert str(info.value) == "LoRA rank 64 is greater than max_lora_rank 16."
+    plan = vl.preflight([good, big, dora], max_lora_rank=12, collect=True)
+    assert [p.message for p in plan.problems] == [
+        "lorafast: vLLM accepts --max-lora-rank in [1, 8, 16, 32, 64, 128, 256, 320, 512], not 12",
+        "LoRA rank 64 is greater than max_lora_rank 12.",
+        "vLLM does not yet support DoRA.",
+    ]
+    assert plan.suggested_max_lora_rank == 64 and not plan.ok
