@@ -59,3 +59,8 @@ bench: build-release ## benchmarks (ratios against baselines measured in the sam
 	$(BIN)/python benches/bench_scan.py
 	$(BIN)/python benches/bench_preflight.py
 	$(BIN)/python benches/bench_merge.py
+
+.PHONY: bench-fleet
+bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
+	$(BIN)/python benches/bench_remote.py
+	$(BIN)/python benches/bench_ray.py

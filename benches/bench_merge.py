@@ -113,7 +113,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from lorafast.merge import merge
+    from lorafast.merging import merge
 
     device = args.device
     cuda = device.startswith("cuda")

@@ -2,14 +2,13 @@
 //! format, modules with ranks and scales, MoE layout, flags and every inconsistency found.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use rustc_hash::FxHashMap;
-
-use crate::config::{LoraConfig, TargetModules};
-use crate::header::{Dtype, Header};
+use crate::config::{same_tagged, short_tag, LoraConfig, TargetModules};
+use crate::header::{Dtype, Header, TensorEntry};
 use crate::names::{self, Role, Spelling, Variant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,8 +25,16 @@ pub enum Format {
 }
 
 impl Format {
-    pub const NAMES: [&'static str; 8] =
-        ["peft", "diffusers", "diffusers_legacy", "kohya", "lycoris", "xlabs", "ai_toolkit", "unknown"];
+    pub const NAMES: [&'static str; 8] = [
+        "peft",
+        "diffusers",
+        "diffusers_legacy",
+        "kohya",
+        "lycoris",
+        "xlabs",
+        "ai_toolkit",
+        "unknown",
+    ];
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
     }
@@ -45,8 +52,14 @@ pub enum MoeLayout {
 }
 
 impl MoeLayout {
-    pub const NAMES: [&'static str; 6] =
-        ["dense", "per_expert_2d", "stacked_3d", "shared_outer", "peft_target_parameters", "mixed"];
+    pub const NAMES: [&'static str; 6] = [
+        "dense",
+        "per_expert_2d",
+        "stacked_3d",
+        "shared_outer",
+        "peft_target_parameters",
+        "mixed",
+    ];
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
     }
@@ -163,12 +176,24 @@ pub struct Classification {
     pub full_weight_tensors: Vec<String>,
     pub problems: Vec<Problem>,
     pub modules: Vec<ModuleInfo>,
+    /// A tensor name that appears twice, found while grouping a header read with
+    /// `parse_header_unchecked_names` (the scan then reports it as a `duplicate_tensor` header
+    /// error; nothing else here is meaningful). Always None for a fully checked header.
+    pub duplicate_tensor: Option<String>,
 }
 
 impl Classification {
-    fn problem(&mut self, code: &'static str, message: String, tensor: Option<&str>) {
+    /// Out of line and cold: problems are rare, and keeping their formatting out of the module
+    /// loop keeps that loop's registers for the common path.
+    #[cold]
+    #[inline(never)]
+    fn problem(&mut self, code: &'static str, message: fmt::Arguments<'_>, tensor: Option<&str>) {
         if self.problems.len() < MAX_PROBLEMS {
-            self.problems.push(Problem { code, message, tensor: tensor.map(str::to_owned) });
+            self.problems.push(Problem {
+                code,
+                message: message.to_string(),
+                tensor: tensor.map(str::to_owned),
+            });
         } else if self.problems.len() == MAX_PROBLEMS {
             self.problems.push(Problem {
                 code: "too_many_problems",
@@ -195,6 +220,40 @@ struct Group<'h> {
     variant_tensors: Vec<u32>,
 }
 
+/// Module key -> group index, by open addressing sized once for the whole header: cheaper than
+/// a general hash map for the one lookup per module.
+struct KeyIndex {
+    /// Group index + 1; 0 is an empty slot.
+    slots: Vec<u32>,
+    mask: usize,
+}
+
+impl KeyIndex {
+    fn new(keys: usize) -> KeyIndex {
+        let size = (keys * 2).next_power_of_two().max(16);
+        KeyIndex {
+            slots: vec![0; size],
+            mask: size - 1,
+        }
+    }
+
+    /// The group of `key`, or `next` after recording it as a new one.
+    #[inline]
+    fn get_or_insert(&mut self, key: &str, groups: &[Group<'_>], next: usize) -> usize {
+        let mut slot = names::hash_bytes(key.as_bytes()) as usize & self.mask;
+        loop {
+            match self.slots[slot] {
+                0 => {
+                    self.slots[slot] = next as u32 + 1;
+                    return next;
+                }
+                g if groups[g as usize - 1].key == key => return g as usize - 1,
+                _ => slot = (slot + 1) & self.mask,
+            }
+        }
+    }
+}
+
 /// Options for one classification.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Options {
@@ -216,7 +275,13 @@ impl<'c> Configs<'c> {
     fn for_key(&self, key: &str) -> Option<&'c LoraConfig> {
         self.file.or_else(|| {
             let by_prefix = self.components.iter().find(|(p, _)| key.starts_with(p.as_str()));
-            by_prefix.or(if self.components.len() == 1 { self.components.first() } else { None }).map(|(_, c)| c)
+            by_prefix
+                .or(if self.components.len() == 1 {
+                    self.components.first()
+                } else {
+                    None
+                })
+                .map(|(_, c)| c)
         })
     }
 
@@ -244,57 +309,28 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         full_weight_tensors: Vec::new(),
         problems: Vec::new(),
         modules: Vec::new(),
+        duplicate_tensor: None,
     };
     for w in &header.warnings {
-        out.problem(w.code, w.message.clone(), None);
+        out.problem(w.code, format_args!("{}", w.message), None);
     }
 
     // 1. Group tensors by module key.
-    let mut index: FxHashMap<&str, u32> = FxHashMap::default();
-    index.reserve(tensors.len() / 2 + 1);
-    let mut groups: Vec<Group<'_>> = Vec::with_capacity(tensors.len() / 2 + 1);
-    let mut spelling_seen = [false; 5];
-    let mut dtype_mask: u32 = 0;
-    for (i, t) in tensors.iter().enumerate() {
-        dtype_mask |= 1 << (t.dtype as u32);
-        let Some((key, role, spelling)) = names::split(&t.name) else {
-            unsorted_tensor(&mut out, &t.name, config);
-            continue;
-        };
-        spelling_seen[spelling as usize] = true;
-        if role == Role::TrainableTokens {
-            out.flags |= flags::TRAINABLE_TOKENS;
-            continue;
-        }
-        let next = groups.len() as u32;
-        let g = *index.entry(key).or_insert(next);
-        if g == next {
-            groups.push(Group { key, ..Group::default() });
-        }
-        let group = &mut groups[g as usize];
-        let i = i as u32;
-        let slot = match role {
-            Role::A => &mut group.a,
-            Role::B => &mut group.b,
-            Role::Bias => &mut group.bias,
-            Role::Magnitude => &mut group.magnitude,
-            Role::Alpha => &mut group.alpha,
-            Role::Mid => &mut group.mid,
-            Role::EmbeddingA => &mut group.emb_a,
-            Role::EmbeddingB => &mut group.emb_b,
-            Role::TrainableTokens => continue,
-            Role::Variant(v) => {
-                group.variant = Some(v);
-                group.variant_tensors.push(i);
-                continue;
-            }
-        };
-        if slot.replace(i).is_some() {
-            // Two spellings of the same factor (e.g. `.lora_A` and `.lora_A.weight`).
-            out.problem("duplicate_factor", format!("module {key:?} has two tensors for the same factor"), Some(&t.name));
-        }
+    let Grouping {
+        groups,
+        spelling_seen,
+        dtype_mask,
+        repeat,
+    } = group_tensors(tensors, header.names_checked, &mut out, config);
+    if let Some(i) = repeat {
+        out.duplicate_tensor = Some(tensors[i].name.to_string());
+        return out;
     }
-    out.dtypes = Dtype::ALL.iter().copied().filter(|d| dtype_mask & (1 << (*d as u32)) != 0).collect();
+    out.dtypes = Dtype::ALL
+        .iter()
+        .copied()
+        .filter(|d| dtype_mask & (1 << (*d as u32)) != 0)
+        .collect();
     out.format = detect_format(header, configs.file, &spelling_seen, &groups);
     let kohya_names = matches!(out.format, Format::Kohya | Format::Lycoris);
 
@@ -304,27 +340,39 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
     // 2. Resolve every module.
     let inner_outer = target_parameter_leaves(config);
     let mut layer_mask: Vec<u64> = Vec::new();
-    let mut leaves: Vec<&str> = Vec::new();
+    let mut leaves: Vec<(u64, &str)> = Vec::new();
     let mut layouts: u8 = 0;
-    let mut matched_targets: Vec<bool> = match configs.file.and_then(|c| c.target_modules.as_ref()) {
-        Some(TargetModules::List(list)) => vec![false; list.len()],
-        _ => Vec::new(),
+    let mut tally = TargetTally {
+        matched: match configs.file.and_then(|c| c.target_modules.as_ref()) {
+            Some(TargetModules::List(list)) => vec![false; list.len()],
+            _ => Vec::new(),
+        },
+        memo: Vec::new(),
+        // With one config for every module, hits that depend on the last component alone repeat.
+        memo_ok: configs.file.is_some_and(|c| c.last_only_hits("").is_some()),
     };
     for (gi, g) in groups.iter().enumerate() {
         let shape = |i: Option<u32>| i.map(|i| header.shape(&tensors[i as usize]));
-        let (a, b) = if g.emb_a.is_some() || g.emb_b.is_some() { (g.emb_a, g.emb_b) } else { (g.a, g.b) };
+        let (a, b) = if g.emb_a.is_some() || g.emb_b.is_some() {
+            (g.emb_a, g.emb_b)
+        } else {
+            (g.a, g.b)
+        };
         let (a_shape, b_shape) = (shape(a), shape(b));
-        let is_target_param = g.key.ends_with("experts.base_layer")
-            || (g.key.ends_with(".experts") && a_shape.is_some_and(|s| s.len() == 2))
-            || (g.key.ends_with(".experts") && b_shape.is_some_and(|s| s.len() == 2));
-        let (layer, expert) = names::indices(g.key);
+        let is_target_param = || {
+            g.key.ends_with("experts.base_layer")
+                || (g.key.ends_with(".experts") && a_shape.is_some_and(|s| s.len() == 2))
+                || (g.key.ends_with(".experts") && b_shape.is_some_and(|s| s.len() == 2))
+        };
+        let parts = names::parts(g.key);
+        let (layer, expert) = (parts.layer, parts.expert);
         let kind = if let Some(v) = g.variant {
             ModuleKind::Variant(v)
         } else if a.is_none() || b.is_none() {
             ModuleKind::Incomplete
         } else if g.emb_a.is_some() {
             ModuleKind::Embedding
-        } else if is_target_param {
+        } else if is_target_param() {
             ModuleKind::TargetParameters
         } else {
             match a_shape.map_or(0, <[u64]>::len) {
@@ -336,15 +384,21 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         };
         let mut name: Cow<'_, str> = Cow::Borrowed(names::strip_prefix(g.key));
         let leaf: &str = if kind == ModuleKind::TargetParameters {
-            let leaf = if g.key.ends_with("base_layer") { inner_outer.0 } else { inner_outer.1 };
+            let leaf = if g.key.ends_with("base_layer") {
+                inner_outer.0
+            } else {
+                inner_outer.1
+            };
             let base = name.trim_end_matches(".base_layer").to_owned();
             name = Cow::Owned(format!("{base}.{leaf}"));
             leaf
         } else {
-            names::leaf(g.key, kohya_names)
+            names::leaf_of(g.key, &parts, kohya_names)
         };
-        if !leaves.contains(&leaf) {
-            leaves.push(leaf);
+        // Leaves repeat in every layer: compare tags before text.
+        let leaf_tag = short_tag(leaf);
+        if !leaves.iter().any(|&(tag, l)| tag == leaf_tag && same_tagged(leaf, l)) {
+            leaves.push((leaf_tag, leaf));
         }
         if let Some(l) = layer {
             let word = (l / 64) as usize;
@@ -366,7 +420,9 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                 } else {
                     out.problem(
                         "moe_rank_not_divisible",
-                        format!("module {name:?}: lora_A has {rows} rows, not a multiple of the configured rank {r}"),
+                        format_args!(
+                            "module {name:?}: lora_A has {rows} rows, not a multiple of the configured rank {r}"
+                        ),
                         None,
                     );
                 }
@@ -375,8 +431,6 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         if let ModuleKind::Variant(v) = kind {
             (rank, in_f, out_f) = variant_dims(v, g, header);
         }
-        let use_rslora = config.is_some_and(|c| c.use_rslora);
-        let alpha = alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(&name)));
 
         // Consistency checks.
         match kind {
@@ -388,24 +442,39 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                 } else {
                     ("orphan_tensor", "has no lora_A/lora_B pair")
                 };
-                out.problem(what.0, format!("module {:?} {}", g.key, what.1), None);
+                out.problem(what.0, format_args!("module {:?} {}", g.key, what.1), None);
             }
             ModuleKind::Variant(_) => {}
             _ => {
-                if let (Some(ra), Some(rb)) = (if kind == ModuleKind::TargetParameters { a_shape.map(|s| s[0]) } else { rank }, b_rank) {
+                if let (Some(ra), Some(rb)) = (
+                    if kind == ModuleKind::TargetParameters {
+                        a_shape.map(|s| s[0])
+                    } else {
+                        rank
+                    },
+                    b_rank,
+                ) {
                     if ra != rb {
                         out.problem(
                             "rank_mismatch",
-                            format!("module {:?}: lora_A rank {ra} but lora_B rank {rb}", g.key),
+                            format_args!("module {:?}: lora_A rank {ra} but lora_B rank {rb}", g.key),
                             None,
                         );
                     }
                 }
-                let (da, db) = (tensors[a.unwrap_or(0) as usize].dtype, tensors[b.unwrap_or(0) as usize].dtype);
+                let (da, db) = (
+                    tensors[a.unwrap_or(0) as usize].dtype,
+                    tensors[b.unwrap_or(0) as usize].dtype,
+                );
                 if da != db {
                     out.problem(
                         "dtype_mismatch",
-                        format!("module {:?}: lora_A is {} but lora_B is {}", g.key, da.name(), db.name()),
+                        format_args!(
+                            "module {:?}: lora_A is {} but lora_B is {}",
+                            g.key,
+                            da.name(),
+                            db.name()
+                        ),
                         None,
                     );
                 }
@@ -414,7 +483,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                         if r != cr && out.format == Format::Peft {
                             out.problem(
                                 "config_rank_mismatch",
-                                format!("module {name:?}: rank {r} in the tensors but the config (r / rank_pattern) gives {cr}"),
+                                format_args!("module {name:?}: rank {r} in the tensors but the config (r / rank_pattern) gives {cr}"),
                                 None,
                             );
                         }
@@ -423,8 +492,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             }
         }
         if let Some(c) = config {
-            let matched: &mut [bool] = if configs.file.is_some() { &mut matched_targets } else { &mut [] };
-            check_target(c, kind, &name, leaf, matched, &mut out);
+            check_target(c, kind, &name, parts.last, leaf, &mut tally, &mut out);
         }
 
         // Flags and MoE layout.
@@ -440,16 +508,17 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         match kind {
             ModuleKind::Embedding => out.flags |= flags::EMBEDDINGS,
             ModuleKind::Conv => out.flags |= flags::CONV,
-            ModuleKind::Variant(v) => {
-                if !out.variants.contains(&v) {
-                    out.variants.push(v);
-                }
-            }
+            ModuleKind::Variant(v) if !out.variants.contains(&v) => out.variants.push(v),
             ModuleKind::Expert2d => layouts |= 1 << MoeLayout::PerExpert2d as u8,
             ModuleKind::TargetParameters => layouts |= 1 << MoeLayout::PeftTargetParameters as u8,
             ModuleKind::Stacked3d if g.key.contains("experts") => {
                 let outer = a_shape.is_some_and(|s| s[0] == 1) || b_shape.is_some_and(|s| s[0] == 1);
-                layouts |= 1 << if outer { MoeLayout::SharedOuter as u8 } else { MoeLayout::Stacked3d as u8 };
+                layouts |= 1
+                    << if outer {
+                        MoeLayout::SharedOuter as u8
+                    } else {
+                        MoeLayout::Stacked3d as u8
+                    };
             }
             _ => {}
         }
@@ -460,8 +529,14 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         out.rank = out.rank.max(rank.unwrap_or(0));
 
         if opts.keep_modules {
+            let use_rslora = config.is_some_and(|c| c.use_rslora);
+            let alpha = alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(&name)));
             let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.to_string());
-            let mut extra: Vec<String> = g.variant_tensors.iter().map(|&i| tensors[i as usize].name.to_string()).collect();
+            let mut extra: Vec<String> = g
+                .variant_tensors
+                .iter()
+                .map(|&i| tensors[i as usize].name.to_string())
+                .collect();
             if let Some(m) = g.mid {
                 extra.push(tensors[m as usize].name.to_string());
             }
@@ -492,11 +567,11 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         }
     }
     if let Some(Some(TargetModules::List(list))) = configs.file.map(|c| c.target_modules.as_ref()) {
-        for (t, matched) in list.iter().zip(&matched_targets) {
+        for (t, matched) in list.iter().zip(&tally.matched) {
             if !matched && !groups.is_empty() {
                 out.problem(
                     "target_modules_mismatch",
-                    format!("config target_modules entry {t:?} matches no tensor in the file"),
+                    format_args!("config target_modules entry {t:?} matches no tensor in the file"),
                     None,
                 );
             }
@@ -504,7 +579,11 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
     }
     if let Some(c) = config {
         for p in &c.bad_patterns {
-            out.problem("unsupported_pattern", format!("pattern {p:?} is not a regex lorafast can evaluate"), None);
+            out.problem(
+                "unsupported_pattern",
+                format_args!("pattern {p:?} is not a regex lorafast can evaluate"),
+                None,
+            );
         }
         if !c.unsupported_features.is_empty() {
             out.flags |= flags::UNSUPPORTED_FEATURES;
@@ -546,22 +625,148 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             bits &= bits - 1;
         }
     }
-    out.target_modules = leaves.into_iter().map(str::to_owned).collect();
+    out.target_modules = leaves.into_iter().map(|(_, l)| l.to_owned()).collect();
     out
+}
+
+/// Tensors grouped by module key, and what the grouping saw on the way.
+struct Grouping<'h> {
+    groups: Vec<Group<'h>>,
+    spelling_seen: [bool; 5],
+    dtype_mask: u32,
+    /// The first tensor whose name repeats an earlier one (only looked for when the header's
+    /// names are unchecked).
+    repeat: Option<usize>,
+}
+
+/// Groups tensors by module key; problems of single tensors (unknown names, two spellings of
+/// one factor) go to `out`. Its own function: a loop small enough to keep its state in registers.
+#[inline(never)]
+fn group_tensors<'h>(
+    tensors: &'h [TensorEntry<'_>],
+    names_checked: bool,
+    out: &mut Classification,
+    config: Option<&LoraConfig>,
+) -> Grouping<'h> {
+    let mut index = KeyIndex::new(tensors.len());
+    let mut groups: Vec<Group<'_>> = Vec::with_capacity(tensors.len() / 2 + 1);
+    let mut spelling_seen = [false; 5];
+    let mut dtype_mask: u32 = 0;
+    // For a header whose names are unchecked: tensors outside any factor slot, the first repeat
+    // seen, and whether a slot changed hands (then only a full check is exact).
+    let find_repeats = !names_checked;
+    let mut loose: Vec<u32> = Vec::new();
+    let mut repeat: Option<u32> = None;
+    let mut slot_changed = false;
+    for (i, t) in tensors.iter().enumerate() {
+        dtype_mask |= 1 << (t.dtype as u32);
+        let Some((key, role, spelling)) = names::split(&t.name) else {
+            loose.push(i as u32);
+            unsorted_tensor(out, &t.name, config);
+            continue;
+        };
+        spelling_seen[spelling as usize] = true;
+        if role == Role::TrainableTokens {
+            loose.push(i as u32);
+            out.flags |= flags::TRAINABLE_TOKENS;
+            continue;
+        }
+        // A module's tensors are usually adjacent (A then B): only a new key costs a lookup.
+        let g = match groups.last() {
+            Some(last) if last.key == key => groups.len() - 1,
+            _ => {
+                let next = groups.len();
+                let g = index.get_or_insert(key, &groups, next);
+                if g == next {
+                    groups.push(Group {
+                        key,
+                        ..Group::default()
+                    });
+                }
+                g
+            }
+        };
+        let group = &mut groups[g];
+        let i = i as u32;
+        let slot = match role {
+            Role::A => &mut group.a,
+            Role::B => &mut group.b,
+            Role::Bias => &mut group.bias,
+            Role::Magnitude => &mut group.magnitude,
+            Role::Alpha => &mut group.alpha,
+            Role::Mid => &mut group.mid,
+            Role::EmbeddingA => &mut group.emb_a,
+            Role::EmbeddingB => &mut group.emb_b,
+            Role::TrainableTokens => continue,
+            Role::Variant(v) => {
+                if find_repeats
+                    && group
+                        .variant_tensors
+                        .iter()
+                        .any(|&j| tensors[j as usize].name == t.name)
+                {
+                    repeat = repeat.or(Some(i));
+                }
+                group.variant = Some(v);
+                group.variant_tensors.push(i);
+                continue;
+            }
+        };
+        if let Some(before) = slot.replace(i) {
+            if find_repeats && tensors[before as usize].name == t.name {
+                repeat = repeat.or(Some(i));
+            } else {
+                slot_changed = true;
+                // Two spellings of the same factor (e.g. `.lora_A` and `.lora_A.weight`).
+                out.problem(
+                    "duplicate_factor",
+                    format_args!("module {key:?} has two tensors for the same factor"),
+                    Some(&t.name),
+                );
+            }
+        }
+    }
+    if find_repeats {
+        // Equal names always land in the same slot, list or group, so each check above sees
+        // every repeat of its own kind; only a slot that changed hands can hide one.
+        let first = if slot_changed {
+            crate::header::first_repeat(tensors.iter().map(|t| t.name.as_ref())).map(|i| i as u32)
+        } else {
+            let in_loose = crate::header::first_repeat(loose.iter().map(|&i| tensors[i as usize].name.as_ref()));
+            match (repeat, in_loose.map(|k| loose[k])) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        };
+        repeat = first;
+    }
+    Grouping {
+        groups,
+        spelling_seen,
+        dtype_mask,
+        repeat: repeat.map(|i| i as usize),
+    }
 }
 
 /// A tensor whose name has no LoRA role: a full weight PEFT saved on purpose, or something unknown.
 fn unsorted_tensor(out: &mut Classification, name: &str, config: Option<&LoraConfig>) {
-    let saved_embedding = name.ends_with("embed_tokens.base_layer.weight") || name.ends_with("lm_head.base_layer.weight");
+    let saved_embedding =
+        name.ends_with("embed_tokens.base_layer.weight") || name.ends_with("lm_head.base_layer.weight");
     let in_modules_to_save = config.is_some_and(|c| {
-        c.modules_to_save.iter().any(|m| name.contains(&format!(".{m}.")) || name.starts_with(&format!("{m}.")))
+        c.modules_to_save
+            .iter()
+            .any(|m| name.contains(&format!(".{m}.")) || name.starts_with(&format!("{m}.")))
     });
     if saved_embedding {
         out.flags |= flags::FULL_WEIGHTS;
     } else if in_modules_to_save {
         out.flags |= flags::MODULES_TO_SAVE | flags::FULL_WEIGHTS;
     } else {
-        out.problem("unknown_tensor", format!("no rule understands tensor name {name:?}"), Some(name));
+        out.problem(
+            "unknown_tensor",
+            format_args!("no rule understands tensor name {name:?}"),
+            Some(name),
+        );
         return;
     }
     out.full_weight_tensors.push(name.to_owned());
@@ -573,7 +778,11 @@ fn unsorted_tensor(out: &mut Classification, name: &str, config: Option<&LoraCon
 fn target_parameter_leaves(config: Option<&LoraConfig>) -> (&'static str, &'static str) {
     match config.map(|c| c.target_parameters.as_slice()) {
         Some([only]) => {
-            let leaf = if only.ends_with("down_proj") || only.ends_with("w2") { "down_proj" } else { "gate_up_proj" };
+            let leaf = if only.ends_with("down_proj") || only.ends_with("w2") {
+                "down_proj"
+            } else {
+                "gate_up_proj"
+            };
             (leaf, leaf)
         }
         _ => ("gate_up_proj", "down_proj"),
@@ -642,59 +851,108 @@ fn variant_of_peft_type(peft_type: &str) -> Option<Variant> {
     }
 }
 
-fn check_target(
+/// What the module loop learns about the `target_modules` list entries.
+struct TargetTally<'k> {
+    /// Per entry of the adapter_config.json list: matched by some module. Empty for diffusers
+    /// component configs (no unmatched-entry report there).
+    matched: Vec<bool>,
+    /// Hit masks by last component (`LoraConfig::last_only_hits`), when `memo_ok`.
+    memo: Vec<(u64, &'k str, u64)>,
+    memo_ok: bool,
+}
+
+impl<'k> TargetTally<'k> {
+    /// Records which list entries match the module `name` (last component `last`); returns
+    /// whether any does.
+    fn hits(&mut self, c: &LoraConfig, name: &str, last: &'k str) -> bool {
+        if self.memo_ok {
+            let tag = short_tag(last);
+            let known = self
+                .memo
+                .iter()
+                .find(|e| e.0 == tag && same_tagged(last, e.1))
+                .map(|e| e.2);
+            if let Some(mask) = known.or_else(|| c.last_only_hits(last)) {
+                if known.is_none() {
+                    self.memo.push((tag, last, mask));
+                }
+                let mut bits = mask;
+                while bits != 0 {
+                    self.matched[bits.trailing_zeros() as usize] = true;
+                    bits &= bits - 1;
+                }
+                return mask != 0;
+            }
+        }
+        let matched = &mut self.matched;
+        c.list_hits(name, last, |i| {
+            if let Some(m) = matched.get_mut(i) {
+                *m = true;
+            }
+        })
+    }
+}
+
+fn check_target<'k>(
     c: &LoraConfig,
     kind: ModuleKind,
     name: &str,
+    last: &'k str,
     leaf: &str,
-    matched: &mut [bool],
+    tally: &mut TargetTally<'k>,
     out: &mut Classification,
 ) {
     if kind == ModuleKind::TargetParameters {
         if !c.target_parameters.is_empty() && !c.target_parameters.iter().any(|p| p.ends_with(leaf)) {
             out.problem(
                 "target_modules_mismatch",
-                format!("module {name:?} has expert tensors but {leaf:?} is not in config target_parameters"),
+                format_args!("module {name:?} has expert tensors but {leaf:?} is not in config target_parameters"),
                 None,
             );
         }
         return;
     }
-    if let Some(TargetModules::List(list)) = &c.target_modules {
-        let mut any = false;
-        for (t, m) in list.iter().zip(matched.iter_mut()) {
-            let hit = name == t
-                || (name.len() > t.len() && name.ends_with(t.as_str()) && name.as_bytes()[name.len() - t.len() - 1] == b'.');
-            if hit {
-                *m = true;
-                any = true;
-            }
-        }
+    if let Some(TargetModules::List(_)) = &c.target_modules {
+        let any = tally.hits(c, name, last);
         // Embeddings saved under `modules_to_save`-style names and trainable tokens are not targets.
         if !any && kind != ModuleKind::Incomplete {
             out.problem(
                 "target_modules_mismatch",
-                format!("module {name:?} has LoRA tensors but is not matched by config target_modules"),
+                format_args!("module {name:?} has LoRA tensors but is not matched by config target_modules"),
                 None,
             );
         }
     } else if c.targets(name) == Some(false) && kind != ModuleKind::Incomplete {
         out.problem(
             "target_modules_mismatch",
-            format!("module {name:?} has LoRA tensors but does not match the config target_modules pattern"),
+            format_args!("module {name:?} has LoRA tensors but does not match the config target_modules pattern"),
             None,
         );
     }
 }
 
 /// Picks the format from the spellings seen, key prefixes and the presence of a config.
-fn detect_format(header: &Header<'_>, config: Option<&LoraConfig>, spelling: &[bool; 5], groups: &[Group<'_>]) -> Format {
+fn detect_format(
+    header: &Header<'_>,
+    config: Option<&LoraConfig>,
+    spelling: &[bool; 5],
+    groups: &[Group<'_>],
+) -> Format {
     let has = |s: Spelling| spelling[s as usize];
     let any_key = |pred: &dyn Fn(&str) -> bool| groups.iter().any(|g| pred(g.key));
     let kohya_prefix = |k: &str| {
-        ["lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_prior_", "lora_transformer_", "lycoris_"]
-            .iter()
-            .any(|p| k.starts_with(p))
+        [
+            "lora_unet_",
+            "lora_te_",
+            "lora_te1_",
+            "lora_te2_",
+            "lora_te3_",
+            "lora_prior_",
+            "lora_transformer_",
+            "lycoris_",
+        ]
+        .iter()
+        .any(|p| k.starts_with(p))
     };
     let lycoris = groups.iter().any(|g| g.variant.is_some());
     if config.is_some() && (has(Spelling::Peft) || groups.iter().any(|g| g.emb_a.is_some() || g.variant.is_some())) {
@@ -719,9 +977,16 @@ fn detect_format(header: &Header<'_>, config: Option<&LoraConfig>, spelling: &[b
             return Format::AiToolkit;
         }
         let component = |k: &str| {
-            ["unet.", "transformer.", "text_encoder.", "text_encoder_2.", "prior.", "diffusion_model."]
-                .iter()
-                .any(|p| k.starts_with(p))
+            [
+                "unet.",
+                "transformer.",
+                "text_encoder.",
+                "text_encoder_2.",
+                "prior.",
+                "diffusion_model.",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
         };
         if header.metadata_value("lora_adapter_metadata").is_some() || any_key(&component) {
             return Format::Diffusers;
@@ -749,7 +1014,11 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) => {
-            out.problem("invalid_alpha", format!("cannot reopen the file to read alpha values: {e}"), None);
+            out.problem(
+                "invalid_alpha",
+                format_args!("cannot reopen the file to read alpha values: {e}"),
+                None,
+            );
             return alphas;
         }
     };
@@ -758,7 +1027,11 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
         let t = &header.tensors[i as usize];
         let nelem: u64 = header.shape(t).iter().product();
         if nelem != 1 {
-            out.problem("invalid_alpha", format!("alpha tensor {:?} has {nelem} elements, expected 1", t.name), Some(&t.name));
+            out.problem(
+                "invalid_alpha",
+                format_args!("alpha tensor {:?} has {nelem} elements, expected 1", t.name),
+                Some(&t.name),
+            );
             continue;
         }
         let mut buf = [0u8; 8];
@@ -769,10 +1042,16 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
             Err(_) => None,
         };
         match value {
+            // sd-scripts treats alpha 0 as "no alpha": alpha = rank, scale 1.
+            Some(v) if v == 0.0 => {}
             Some(v) if v.is_finite() => *slot = Some(v),
             _ => out.problem(
                 "invalid_alpha",
-                format!("alpha tensor {:?} ({}) is not a readable finite number", t.name, t.dtype.name()),
+                format_args!(
+                    "alpha tensor {:?} ({}) is not a readable finite number",
+                    t.name,
+                    t.dtype.name()
+                ),
                 Some(&t.name),
             ),
         }

@@ -1,8 +1,17 @@
 //! The parts of a PEFT `adapter_config.json` (or diffusers `lora_adapter_metadata`) that decide
 //! ranks and scales, with PEFT's first-match pattern rule (lora-formats.md §1.3-§1.5).
+//!
+//! A config is read with the header's JSON cursor, keeping only the fields used here; serde_json
+//! reads it only when the cursor refuses it, so that errors carry serde_json's message. Both
+//! routes reduce a value to a `Field` and share one interpretation (`LoraConfig::from_fields`).
+
+use std::borrow::Cow;
 
 use regex::Regex;
+use rustc_hash::FxHashMap;
 use serde_json::{Map, Value};
+
+use crate::json::{Cursor, Number};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum TargetModules {
@@ -38,79 +47,378 @@ pub struct LoraConfig {
     pub unsupported_features: Vec<String>,
     /// Patterns our regex engine cannot compile (Python-only syntax); reported as problems.
     pub bad_patterns: Vec<String>,
+    /// `target_modules` prepared once for the per-module checks.
+    targets: TargetIndex,
+}
+
+/// `target_modules` ready for matching. A list entry without dots matches a module exactly when
+/// it equals the module's last component; `tags` compares those without touching the text.
+#[derive(Debug, Clone, Default)]
+struct TargetIndex {
+    /// (`short_tag`, position) of the list entries without a dot.
+    dotless: Vec<(u64, usize)>,
+    /// Positions of the list entries with a dot (`to_out.0`), matched by the full rule.
+    dotted: Vec<usize>,
+    /// The compiled `target_modules` regex (None: not a pattern, or one we cannot compile).
+    regex: Option<Regex>,
+}
+
+/// Length and first seven bytes of a string: equal tags mean equal strings for strings of up to
+/// seven bytes, and almost always otherwise.
+#[inline]
+pub fn short_tag(s: &str) -> u64 {
+    let b = s.as_bytes();
+    let head = match b.first_chunk::<8>() {
+        Some(w) => u64::from_le_bytes(*w) & 0x00FF_FFFF_FFFF_FFFF,
+        // Short strings byte by byte: a variable-length copy would cost a `memcpy` call.
+        None => b.iter().rev().fold(0u64, |v, &c| v << 8 | u64::from(c)),
+    };
+    head | (b.len() as u64) << 56
+}
+
+/// Equal strings, given their tags are equal.
+#[inline]
+pub fn same_tagged(a: &str, b: &str) -> bool {
+    a.len() <= 7 || a == b
 }
 
 fn compile(key: &str) -> Option<Regex> {
     Regex::new(&format!(r"^(?:.*\.)?(?:{key})$")).ok()
 }
 
-fn patterns(value: Option<&Value>, bad: &mut Vec<String>) -> Vec<Pattern> {
-    let Some(Value::Object(map)) = value else { return Vec::new() };
-    map.iter()
-        .filter_map(|(key, v)| {
-            let value = v.as_f64()?;
-            let regex = compile(key);
-            if regex.is_none() {
-                bad.push(key.clone());
-            }
-            Some(Pattern { key: key.clone(), regex, value })
-        })
-        .collect()
+/// PEFT's suffix rule for a `target_modules` list entry.
+fn list_entry_matches(name: &str, t: &str) -> bool {
+    name == t || (name.len() > t.len() && name.ends_with(t) && name.as_bytes()[name.len() - t.len() - 1] == b'.')
 }
 
-fn strings(value: Option<&Value>) -> Vec<String> {
-    match value {
-        Some(Value::Array(items)) => items.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect(),
-        Some(Value::String(s)) => vec![s.clone()],
-        _ => Vec::new(),
+/// A JSON value reduced to what the config fields need.
+#[derive(Debug, Clone, PartialEq)]
+enum Field {
+    Null,
+    Bool(bool),
+    Number(Number),
+    Str(String),
+    /// An array; only its string items are kept.
+    List(Vec<String>),
+    /// An object: keys in first-seen order, each with its (last) value as a number, if it is one.
+    Object(Vec<(String, Option<f64>)>),
+}
+
+impl Field {
+    fn from_value(v: &Value) -> Field {
+        match v {
+            Value::Null => Field::Null,
+            Value::Bool(b) => Field::Bool(*b),
+            Value::Number(n) => Field::Number(match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => Number::U64(u),
+                (None, Some(i)) => Number::I64(i),
+                _ => Number::F64(n.as_f64().unwrap_or(f64::NAN)),
+            }),
+            Value::String(s) => Field::Str(s.clone()),
+            Value::Array(items) => Field::List(items.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()),
+            Value::Object(map) => Field::Object(map.iter().map(|(k, v)| (k.clone(), v.as_f64())).collect()),
+        }
+    }
+
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Field::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn as_bool(&self) -> Option<bool> {
+        match self {
+            Field::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+
+    fn as_number(&self) -> Option<Number> {
+        match self {
+            Field::Number(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    /// The strings of a list, or the one string; anything else is no strings.
+    fn strings(&self) -> Vec<String> {
+        match self {
+            Field::List(items) => items.clone(),
+            Field::Str(s) => vec![s.clone()],
+            _ => Vec::new(),
+        }
     }
 }
 
+/// The config fields lorafast reads, in `Fields` slot order.
+const KNOWN: [&str; 19] = [
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "alpha",
+    "use_rslora",
+    "use_dora",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_modules",
+    "target_parameters",
+    "base_model_name_or_path",
+    "modules_to_save",
+    "lora_bias",
+    "init_lora_weights",
+    "alora_invocation_tokens",
+    "layer_replication",
+    "use_bdlora",
+    "use_qalora",
+    "trainable_token_indices",
+];
+
+/// Fields whose presence (anything but null or false) means "not a plain LoRA delta".
+const UNSUPPORTED: [&str; 5] = [
+    "alora_invocation_tokens",
+    "layer_replication",
+    "use_bdlora",
+    "use_qalora",
+    "trainable_token_indices",
+];
+
+fn known_slot(key: &str) -> Option<usize> {
+    KNOWN.iter().position(|k| *k == key)
+}
+
+/// One value per known field (the last one given), borrowed from wherever they were read.
+#[derive(Default)]
+struct Fields<'f>([Option<&'f Field>; KNOWN.len()]);
+
+impl<'f> Fields<'f> {
+    /// The fields of the entries whose key is `prefix` + a known name.
+    fn from_entries(entries: &'f [(Cow<'_, str>, Field)], prefix: &str) -> Self {
+        let mut fields = Fields::default();
+        for (key, value) in entries {
+            if let Some(slot) = key.strip_prefix(prefix).and_then(known_slot) {
+                fields.0[slot] = Some(value);
+            }
+        }
+        fields
+    }
+
+    fn get(&self, name: &str) -> Option<&'f Field> {
+        self.0[known_slot(name)?]
+    }
+}
+
+/// Reads a top-level JSON object into (key, value) entries, first position and last value for a
+/// repeated key (as serde_json's order-preserving map does). Values of keys `keep` refuses are
+/// skipped (validated, not kept). None if the text is not valid JSON or not an object.
+fn read_object<'t>(text: &'t str, keep: impl Fn(&str) -> bool) -> Option<Vec<(Cow<'t, str>, Field)>> {
+    let mut cur = Cursor::new(text.as_bytes());
+    if cur.peek() != Some(b'{') {
+        return None;
+    }
+    let mut entries: Vec<(Cow<'t, str>, Field)> = Vec::new();
+    // Repeated keys are found by a scan while the object is small, by an index once it is not.
+    let mut index: FxHashMap<Cow<'t, str>, usize> = FxHashMap::default();
+    if cur.object_start().ok()? {
+        loop {
+            let key = cur.key().ok()?;
+            if keep(&key) {
+                let value = read_field(&mut cur, 1).ok()?;
+                let seen = if entries.len() < 32 {
+                    entries.iter().position(|(k, _)| *k == key)
+                } else {
+                    if index.is_empty() {
+                        index.extend(entries.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)));
+                    }
+                    index.get(&key).copied()
+                };
+                match seen {
+                    Some(i) => entries[i].1 = value,
+                    None => {
+                        if !index.is_empty() {
+                            index.insert(key.clone(), entries.len());
+                        }
+                        entries.push((key, value));
+                    }
+                }
+            } else {
+                cur.skip_value(1).ok()?;
+            }
+            if !cur.object_next().ok()? {
+                break;
+            }
+        }
+    }
+    cur.finish().ok()?;
+    Some(entries)
+}
+
+/// Reads one value inside `open` containers as a `Field`.
+fn read_field(cur: &mut Cursor<'_>, open: u32) -> crate::json::Result<Field> {
+    Ok(match cur.peek() {
+        Some(b'"') => Field::Str(cur.string()?.into_owned()),
+        Some(b'-' | b'0'..=b'9') => Field::Number(cur.number()?),
+        Some(b't') => {
+            cur.literal(b"true")?;
+            Field::Bool(true)
+        }
+        Some(b'f') => {
+            cur.literal(b"false")?;
+            Field::Bool(false)
+        }
+        Some(b'[') => {
+            cur.enter(open)?;
+            let mut items = Vec::new();
+            if cur.array_start()? {
+                loop {
+                    if cur.peek() == Some(b'"') {
+                        items.push(cur.string()?.into_owned());
+                    } else {
+                        cur.skip_value(open + 1)?;
+                    }
+                    if !cur.array_next()? {
+                        break;
+                    }
+                }
+            }
+            Field::List(items)
+        }
+        Some(b'{') => {
+            cur.enter(open)?;
+            let mut entries: Vec<(String, Option<f64>)> = Vec::new();
+            if cur.object_start()? {
+                loop {
+                    let key = cur.key()?;
+                    let value = if matches!(cur.peek(), Some(b'-' | b'0'..=b'9')) {
+                        Some(cur.number()?.as_f64())
+                    } else {
+                        cur.skip_value(open + 1)?;
+                        None
+                    };
+                    match entries.iter_mut().find(|(k, _)| *k == key) {
+                        Some(entry) => entry.1 = value,
+                        None => entries.push((key.into_owned(), value)),
+                    }
+                    if !cur.object_next()? {
+                        break;
+                    }
+                }
+            }
+            Field::Object(entries)
+        }
+        _ => {
+            cur.literal(b"null")?;
+            Field::Null
+        }
+    })
+}
+
 impl LoraConfig {
+    /// Reads `adapter_config.json` text; the error is the message a scan reports.
+    pub fn from_json(text: &str) -> Result<LoraConfig, String> {
+        if let Some(entries) = read_object(text, |k| known_slot(k).is_some()) {
+            return Ok(Self::from_fields(&Fields::from_entries(&entries, "")));
+        }
+        // The cursor refused the text: serde_json says why (or reads it, should it disagree).
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| format!("adapter_config.json is not valid JSON: {e}"))?;
+        let map = value
+            .as_object()
+            .ok_or_else(|| "adapter_config.json is not a JSON object".to_owned())?;
+        Ok(Self::from_map(map, ""))
+    }
+
+    /// diffusers' `lora_adapter_metadata`: one config per component prefix (`"unet."`), in key
+    /// order. None if the text is not a JSON object or names no component.
+    pub fn components_from_json(text: &str) -> Option<Vec<(String, LoraConfig)>> {
+        let configs: Vec<(String, LoraConfig)> = match read_object(text, |_| true) {
+            Some(entries) => prefixes(entries.iter().map(|(k, _)| k.as_ref()))
+                .into_iter()
+                .map(|prefix| {
+                    let config = Self::from_fields(&Fields::from_entries(&entries, &prefix));
+                    (prefix, config)
+                })
+                .collect(),
+            None => {
+                let value: Value = serde_json::from_str(text).ok()?;
+                let map = value.as_object()?;
+                prefixes(map.keys().map(String::as_str))
+                    .into_iter()
+                    .map(|prefix| {
+                        let config = Self::from_map(map, &prefix);
+                        (prefix, config)
+                    })
+                    .collect()
+            }
+        };
+        (!configs.is_empty()).then_some(configs)
+    }
+
     /// Reads the fields from a JSON object; `prefix` selects diffusers' component keys (`"transformer."`).
     pub fn from_map(map: &Map<String, Value>, prefix: &str) -> LoraConfig {
-        let get = |k: &str| map.get(&format!("{prefix}{k}"));
-        let flag = |k: &str| get(k).and_then(Value::as_bool).unwrap_or(false);
+        let values: Vec<(Cow<'_, str>, Field)> = KNOWN
+            .iter()
+            .filter_map(|k| {
+                map.get(&format!("{prefix}{k}"))
+                    .map(|v| (Cow::Borrowed(*k), Field::from_value(v)))
+            })
+            .collect();
+        Self::from_fields(&Fields::from_entries(&values, ""))
+    }
+
+    fn from_fields(fields: &Fields<'_>) -> LoraConfig {
+        let get = |k: &str| fields.get(k);
+        let flag = |k: &str| get(k).and_then(Field::as_bool).unwrap_or(false);
         let mut bad_patterns = Vec::new();
         let target_modules = match get("target_modules") {
-            Some(Value::String(s)) => Some(TargetModules::Pattern(s.clone())),
-            Some(v @ Value::Array(_)) => Some(TargetModules::List(strings(Some(v)))),
+            Some(Field::Str(s)) => Some(TargetModules::Pattern(s.clone())),
+            Some(v @ Field::List(_)) => Some(TargetModules::List(v.strings())),
             _ => None,
         };
         let mut unsupported_features = Vec::new();
-        if let Some(Value::String(init)) = get("init_lora_weights") {
+        if let Some(Field::Str(init)) = get("init_lora_weights") {
             let init = init.to_ascii_lowercase();
             if ["pissa", "olora", "corda", "loftq"].iter().any(|m| init.starts_with(m)) {
                 unsupported_features.push(format!("init_lora_weights={init}"));
             }
         }
-        for k in ["alora_invocation_tokens", "layer_replication", "use_bdlora", "use_qalora", "trainable_token_indices"] {
-            if get(k).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
+        for k in UNSUPPORTED {
+            if get(k).is_some_and(|v| !matches!(v, Field::Null | Field::Bool(false))) {
                 unsupported_features.push(k.to_owned());
             }
         }
+        let targets = TargetIndex::new(target_modules.as_ref());
         LoraConfig {
-            peft_type: get("peft_type").and_then(Value::as_str).map(str::to_owned),
-            r: get("r").and_then(Value::as_u64),
+            peft_type: get("peft_type").and_then(Field::as_str).map(str::to_owned),
+            r: get("r").and_then(Field::as_number).and_then(Number::as_u64),
             // PEFT's LoHa/LoKr configs call it `alpha`.
-            lora_alpha: get("lora_alpha").or_else(|| get("alpha")).and_then(Value::as_f64),
+            lora_alpha: get("lora_alpha")
+                .or_else(|| get("alpha"))
+                .and_then(Field::as_number)
+                .map(Number::as_f64),
             use_rslora: flag("use_rslora"),
             use_dora: flag("use_dora"),
             rank_pattern: patterns(get("rank_pattern"), &mut bad_patterns),
             alpha_pattern: patterns(get("alpha_pattern"), &mut bad_patterns),
             target_modules,
-            target_parameters: strings(get("target_parameters")),
-            base_model_name_or_path: get("base_model_name_or_path").and_then(Value::as_str).map(str::to_owned),
-            modules_to_save: strings(get("modules_to_save")),
+            target_parameters: get("target_parameters").map(Field::strings).unwrap_or_default(),
+            base_model_name_or_path: get("base_model_name_or_path")
+                .and_then(Field::as_str)
+                .map(str::to_owned),
+            modules_to_save: get("modules_to_save").map(Field::strings).unwrap_or_default(),
             lora_bias: flag("lora_bias"),
             unsupported_features,
             bad_patterns,
+            targets,
         }
     }
 
     /// PEFT's `get_pattern_key`: the first pattern (in file order) whose regex matches.
     fn resolve(patterns: &[Pattern], name: &str) -> Option<f64> {
-        patterns.iter().find(|p| p.regex.as_ref().is_some_and(|r| r.is_match(name))).map(|p| p.value)
+        patterns
+            .iter()
+            .find(|p| p.regex.as_ref().is_some_and(|r| r.is_match(name)))
+            .map(|p| p.value)
     }
 
     /// The rank this config gives `name` (prefix-free module name).
@@ -137,13 +445,109 @@ impl LoraConfig {
     /// None when it cannot be told (no config, or a regex we cannot compile).
     pub fn targets(&self, name: &str) -> Option<bool> {
         match self.target_modules.as_ref()? {
-            TargetModules::List(list) => Some(list.iter().any(|t| {
-                name == t || (name.len() > t.len() && name.ends_with(t.as_str()) && name.as_bytes()[name.len() - t.len() - 1] == b'.')
-            })),
+            TargetModules::List(list) => Some(list.iter().any(|t| list_entry_matches(name, t))),
             TargetModules::Pattern(p) if p == "all-linear" || p == "all" => Some(true),
-            TargetModules::Pattern(p) => Regex::new(&format!("^(?:{p})$")).ok().map(|r| r.is_match(name)),
+            TargetModules::Pattern(_) => self.targets.regex.as_ref().map(|r| r.is_match(name)),
         }
     }
+
+    /// The `target_modules` list entries matching a module whose last dotted component is `last`,
+    /// as a bit mask, when the answer depends on `last` alone: a list of at most 64 entries, none
+    /// with a dot. None otherwise (use `list_hits`).
+    pub fn last_only_hits(&self, last: &str) -> Option<u64> {
+        let Some(TargetModules::List(list)) = &self.target_modules else {
+            return None;
+        };
+        if list.len() > 64 || !self.targets.dotted.is_empty() {
+            return None;
+        }
+        let last_tag = short_tag(last);
+        let hits = self
+            .targets
+            .dotless
+            .iter()
+            .filter(|&&(tag, i)| tag == last_tag && same_tagged(last, &list[i]));
+        Some(hits.fold(0, |mask, &(_, i)| mask | 1 << i))
+    }
+
+    /// Calls `hit(i)` for each `target_modules` list entry `i` that matches the module `name`,
+    /// whose last dotted component is `last`; returns whether any did.
+    pub fn list_hits(&self, name: &str, last: &str, mut hit: impl FnMut(usize)) -> bool {
+        let Some(TargetModules::List(list)) = &self.target_modules else {
+            return false;
+        };
+        let last_tag = short_tag(last);
+        let mut any = false;
+        for &(tag, i) in &self.targets.dotless {
+            if tag == last_tag && same_tagged(last, &list[i]) {
+                hit(i);
+                any = true;
+            }
+        }
+        for &i in &self.targets.dotted {
+            if list_entry_matches(name, &list[i]) {
+                hit(i);
+                any = true;
+            }
+        }
+        any
+    }
+}
+
+impl TargetIndex {
+    fn new(targets: Option<&TargetModules>) -> TargetIndex {
+        match targets {
+            Some(TargetModules::List(list)) => TargetIndex {
+                dotless: list
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| !t.contains('.'))
+                    .map(|(i, t)| (short_tag(t), i))
+                    .collect(),
+                dotted: list
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.contains('.'))
+                    .map(|(i, _)| i)
+                    .collect(),
+                regex: None,
+            },
+            Some(TargetModules::Pattern(p)) => TargetIndex {
+                dotless: Vec::new(),
+                dotted: Vec::new(),
+                regex: Regex::new(&format!("^(?:{p})$")).ok(),
+            },
+            None => TargetIndex::default(),
+        }
+    }
+}
+
+/// Component prefixes (`"unet."`) from keys such as `unet.r`, in key order.
+fn prefixes<'k>(keys: impl Iterator<Item = &'k str>) -> Vec<String> {
+    keys.filter_map(|k| k.strip_suffix('r').filter(|p| p.ends_with('.')))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn patterns(value: Option<&Field>, bad: &mut Vec<String>) -> Vec<Pattern> {
+    let Some(Field::Object(entries)) = value else {
+        return Vec::new();
+    };
+    entries
+        .iter()
+        .filter_map(|(key, v)| {
+            let value = (*v)?;
+            let regex = compile(key);
+            if regex.is_none() {
+                bad.push(key.clone());
+            }
+            Some(Pattern {
+                key: key.clone(),
+                regex,
+                value,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -152,17 +556,109 @@ mod tests {
 
     #[test]
     fn first_match_in_file_order() {
-        let v: Value = serde_json::from_str(
-            r#"{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4, "layers.0.self_attn.q_proj": 2},
-                "alpha_pattern": {"v_proj": 3}, "target_modules": ["q_proj", "v_proj"]}"#,
+        let text = r#"{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4, "layers.0.self_attn.q_proj": 2},
+                "alpha_pattern": {"v_proj": 3}, "target_modules": ["q_proj", "v_proj"]}"#;
+        let v: Value = serde_json::from_str(text).unwrap();
+        for c in [
+            LoraConfig::from_map(v.as_object().unwrap(), ""),
+            LoraConfig::from_json(text).unwrap(),
+        ] {
+            assert_eq!(c.rank_for("model.layers.0.self_attn.q_proj"), Some(4));
+            assert_eq!(c.rank_for("model.layers.0.self_attn.k_proj"), Some(8));
+            assert_eq!(c.alpha_for("model.layers.0.self_attn.v_proj"), Some(3.0));
+            assert_eq!(c.alpha_for("model.layers.0.self_attn.xv_proj"), Some(16.0));
+            assert_eq!(c.targets("model.layers.0.self_attn.v_proj"), Some(true));
+            assert_eq!(c.targets("model.layers.0.self_attn.o_proj"), Some(false));
+        }
+    }
+
+    /// What the cursor route keeps, next to what serde_json's `Value` gives.
+    fn summary(c: &LoraConfig) -> String {
+        let pats = |p: &[Pattern]| {
+            p.iter()
+                .map(|p| format!("{}={}", p.key, p.value))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        format!(
+            "{:?} {:?} {:?} {} {} [{}] [{}] {:?} {:?} {:?} {:?} {} {:?} {:?}",
+            c.peft_type,
+            c.r,
+            c.lora_alpha.map(f64::to_bits),
+            c.use_rslora,
+            c.use_dora,
+            pats(&c.rank_pattern),
+            pats(&c.alpha_pattern),
+            c.target_modules,
+            c.target_parameters,
+            c.base_model_name_or_path,
+            c.modules_to_save,
+            c.lora_bias,
+            c.unsupported_features,
+            c.bad_patterns
         )
-        .unwrap();
-        let c = LoraConfig::from_map(v.as_object().unwrap(), "");
-        assert_eq!(c.rank_for("model.layers.0.self_attn.q_proj"), Some(4));
-        assert_eq!(c.rank_for("model.layers.0.self_attn.k_proj"), Some(8));
-        assert_eq!(c.alpha_for("model.layers.0.self_attn.v_proj"), Some(3.0));
-        assert_eq!(c.alpha_for("model.layers.0.self_attn.xv_proj"), Some(16.0));
-        assert_eq!(c.targets("model.layers.0.self_attn.v_proj"), Some(true));
-        assert_eq!(c.targets("model.layers.0.self_attn.o_proj"), Some(false));
+    }
+
+    #[test]
+    fn cursor_and_serde_agree() {
+        let texts = [
+            r#"{"r": 8, "r": 16, "lora_alpha": 8.5, "use_rslora": true, "target_modules": "all-linear"}"#,
+            r#"{"r": -1, "alpha": 4, "rank_pattern": {"b": 2, "a": 3, "b": 5, "c": "x"}, "peft_type": "LOHA"}"#,
+            r#"{"r": 8.0, "lora_alpha": 1e3, "target_modules": ["q_proj", 3, "to_out.0"], "modules_to_save": "score"}"#,
+            r#"{"init_lora_weights": "PiSSA_niter_4", "layer_replication": [[0, 4]], "use_qalora": false}"#,
+            r#"{"alora_invocation_tokens": null, "use_bdlora": {}, "trainable_token_indices": 0, "x": {"y": [1]}}"#,
+            r#"{"r": 18446744073709551616, "lora_alpha": -0, "use_dora": 1, "lora_bias": true}"#,
+            r#"{"rank_pattern": {"(": 4}, "alpha_pattern": [], "target_parameters": ["experts.down_proj"]}"#,
+            r#"  {"base_model_name_or_path": "a\u00e9\n", "r": 4} "#,
+        ];
+        for text in texts {
+            let value: Value = serde_json::from_str(text).unwrap();
+            let want = LoraConfig::from_map(value.as_object().unwrap(), "");
+            assert_eq!(summary(&LoraConfig::from_json(text).unwrap()), summary(&want), "{text}");
+        }
+        for bad in [
+            r#"{"r": 1e999}"#,
+            "[]",
+            r#"{"r": 1,}"#,
+            r#"{"a": "\ud800"}"#,
+            r#"{"r": 1} x"#,
+        ] {
+            let serde = serde_json::from_str::<Value>(bad);
+            let ours = LoraConfig::from_json(bad);
+            assert!(ours.is_err(), "{bad}");
+            if let Err(e) = serde {
+                assert_eq!(ours.unwrap_err(), format!("adapter_config.json is not valid JSON: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn components_by_prefix() {
+        let text = r#"{"unet.r": 4, "unet.lora_alpha": 8, "text_encoder.r": 2, "text_encoder.target_modules": ["q_proj"], "format": "pt"}"#;
+        let configs = LoraConfig::components_from_json(text).unwrap();
+        let names: Vec<&str> = configs.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(names, ["unet.", "text_encoder."]);
+        assert_eq!((configs[0].1.r, configs[0].1.lora_alpha), (Some(4), Some(8.0)));
+        assert_eq!(configs[1].1.targets("encoder.layers.0.self_attn.q_proj"), Some(true));
+        assert!(LoraConfig::components_from_json(r#"{"format": "pt"}"#).is_none());
+    }
+
+    #[test]
+    fn list_hits_follow_the_suffix_rule() {
+        let c =
+            LoraConfig::from_json(r#"{"target_modules": ["q_proj", "gate_proj", "to_out.0", "attn.to_k"]}"#).unwrap();
+        let hits = |name: &str| {
+            let last = name.rsplit('.').next().unwrap_or(name);
+            let mut found = Vec::new();
+            c.list_hits(name, last, |i| found.push(i));
+            found
+        };
+        assert_eq!(hits("model.layers.0.self_attn.q_proj"), [0]);
+        assert_eq!(hits("model.layers.0.mlp.gate_proj"), [1]);
+        assert_eq!(hits("up.0.to_out.0"), [2]);
+        assert_eq!(hits("blocks.0.attn.to_k"), [3]);
+        assert_eq!(hits("blocks.0.xattn.to_k"), Vec::<usize>::new());
+        assert_eq!(hits("q_proj"), [0]);
+        assert_eq!(hits("xq_proj"), Vec::<usize>::new());
     }
 }

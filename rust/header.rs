@@ -118,13 +118,37 @@ impl Dtype {
     }
 
     pub fn from_name(name: &str) -> Option<Dtype> {
-        // The common dtypes first: this runs once per tensor.
-        match name {
-            "BF16" => Some(Dtype::BF16),
-            "F16" => Some(Dtype::F16),
-            "F32" => Some(Dtype::F32),
-            _ => Dtype::ALL.iter().copied().find(|d| d.name() == name),
-        }
+        Dtype::from_bytes(name.as_bytes())
+    }
+
+    /// Runs once per tensor: a match on the bytes compiles to length and word compares.
+    #[inline]
+    pub fn from_bytes(name: &[u8]) -> Option<Dtype> {
+        Some(match name {
+            b"BF16" => Dtype::BF16,
+            b"F16" => Dtype::F16,
+            b"F32" => Dtype::F32,
+            b"BOOL" => Dtype::BOOL,
+            b"F4" => Dtype::F4,
+            b"F6_E2M3" => Dtype::F6_E2M3,
+            b"F6_E3M2" => Dtype::F6_E3M2,
+            b"U8" => Dtype::U8,
+            b"I8" => Dtype::I8,
+            b"F8_E5M2" => Dtype::F8_E5M2,
+            b"F8_E4M3" => Dtype::F8_E4M3,
+            b"F8_E8M0" => Dtype::F8_E8M0,
+            b"F8_E4M3FNUZ" => Dtype::F8_E4M3FNUZ,
+            b"F8_E5M2FNUZ" => Dtype::F8_E5M2FNUZ,
+            b"I16" => Dtype::I16,
+            b"U16" => Dtype::U16,
+            b"I32" => Dtype::I32,
+            b"U32" => Dtype::U32,
+            b"C64" => Dtype::C64,
+            b"F64" => Dtype::F64,
+            b"I64" => Dtype::I64,
+            b"U64" => Dtype::U64,
+            _ => return None,
+        })
     }
 }
 
@@ -146,15 +170,20 @@ pub struct Warning {
     pub message: String,
 }
 
+/// `__metadata__` pairs in file order.
+pub type Metadata<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
+
 #[derive(Debug, Clone)]
 pub struct Header<'a> {
     /// In file (JSON) order.
     pub tensors: Vec<TensorEntry<'a>>,
     pub dims: Vec<u64>,
-    pub metadata: Option<Vec<(Cow<'a, str>, Cow<'a, str>)>>,
+    pub metadata: Option<Metadata<'a>>,
     pub header_size: u64,
     pub file_size: u64,
     pub warnings: Vec<Warning>,
+    /// False when the no-duplicate-names rule was left to the caller (`parse_header_unchecked_names`).
+    pub names_checked: bool,
 }
 
 impl<'a> Header<'a> {
@@ -164,7 +193,11 @@ impl<'a> Header<'a> {
     }
 
     pub fn metadata_value(&self, key: &str) -> Option<&str> {
-        self.metadata.as_ref()?.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_ref())
+        self.metadata
+            .as_ref()?
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_ref())
     }
 
     /// Where the data section starts in the file.
@@ -177,14 +210,28 @@ fn syntax(e: SyntaxError) -> HeaderError {
     if e.message == crate::json::INVALID_UTF8 {
         return HeaderError::InvalidUtf8(e.offset);
     }
-    HeaderError::InvalidJson { message: e.message, offset: e.offset }
+    HeaderError::InvalidJson {
+        message: e.message,
+        offset: e.offset,
+    }
 }
 
 /// Parses and validates header bytes (the N bytes after the length prefix) of a file of `file_size` bytes.
 pub fn parse_header(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> {
+    parse_with(bytes, file_size, true)
+}
+
+/// `parse_header` minus the duplicate-name rule when the header is otherwise valid: the scan's
+/// classifier finds repeated names for free while it groups tensors by module (see
+/// `classify::Classification::duplicate_tensor`). `names_checked` is false on the result.
+pub fn parse_header_unchecked_names(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> {
+    parse_with(bytes, file_size, false)
+}
+
+fn parse_with(bytes: &[u8], file_size: u64, check_names: bool) -> Result<Header<'_>, HeaderError> {
     // Strings are UTF-8-checked as they are read; on a syntax error, report bad UTF-8 first,
     // as the safetensors crate (which validates the whole header up front) would.
-    match parse_inner(bytes, file_size) {
+    match parse_inner(bytes, file_size, check_names) {
         Err(HeaderError::InvalidJson { message, offset }) => match std::str::from_utf8(bytes) {
             Err(e) => Err(HeaderError::InvalidUtf8(e.valid_up_to())),
             Ok(_) => Err(HeaderError::InvalidJson { message, offset }),
@@ -193,12 +240,19 @@ pub fn parse_header(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderEr
     }
 }
 
-fn parse_inner(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> {
+/// Containers open around a tensor entry's fields: the header object and the entry itself.
+const ENTRY_DEPTH: u32 = 2;
+
+#[inline(never)]
+fn parse_inner(bytes: &[u8], file_size: u64, check_names: bool) -> Result<Header<'_>, HeaderError> {
     let header_size = bytes.len() as u64;
     let mut cur = Cursor::new(bytes);
     if cur.peek() != Some(b'{') {
         return Err(if cur.peek().is_none() {
-            syntax(SyntaxError { message: "empty header", offset: cur.pos })
+            syntax(SyntaxError {
+                message: "empty header",
+                offset: cur.pos,
+            })
         } else {
             HeaderError::HeaderNotObject
         });
@@ -210,13 +264,34 @@ fn parse_inner(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> 
         header_size,
         file_size,
         warnings: Vec::new(),
+        names_checked: check_names,
     };
+    // While every entry is compact and follows the previous one exactly, `validate` would find
+    // nothing: its checks are done as entries are read, and only the coverage check is left.
+    let (mut in_place, mut data_end) = (true, 0u64);
     if cur.object_start().map_err(syntax)? {
-        // Rough capacity from the header size: PEFT entries take ~130 bytes each.
-        header.tensors.reserve((bytes.len() / 160).min(1 << 20));
-        header.dims.reserve((bytes.len() / 60).min(1 << 21));
+        // Rough capacity from the header size: compact PEFT entries take ~130 bytes each.
+        header.tensors.reserve((bytes.len() / 100).min(1 << 20));
+        header.dims.reserve((bytes.len() / 50).min(1 << 21));
         let mut seen_metadata = false;
         loop {
+            match compact_run(
+                &mut cur,
+                &mut header.tensors,
+                &mut header.dims,
+                &mut data_end,
+                &mut in_place,
+            ) {
+                Run::Closed => break,
+                Run::AfterEntry => {
+                    if !cur.object_next().map_err(syntax)? {
+                        break;
+                    }
+                    continue;
+                }
+                Run::AtEntry => {}
+            }
+            in_place = false;
             let name = cur.key().map_err(syntax)?;
             if name == "__metadata__" {
                 if seen_metadata {
@@ -234,23 +309,68 @@ fn parse_inner(bytes: &[u8], file_size: u64) -> Result<Header<'_>, HeaderError> 
         }
     }
     cur.finish().map_err(syntax)?;
-    validate(&mut header)?;
+    let layout = |header: &mut Header<'_>| {
+        if in_place {
+            check_coverage(header, data_end)
+        } else {
+            validate(header)
+        }
+    };
+    // Duplicates are reported before layout errors: the crate never sees the entry a repeated
+    // name replaces, so that entry's offsets must not decide the verdict.
+    if check_names {
+        check_duplicates(&header.tensors)?;
+        layout(&mut header)?;
+    } else if let Err(e) = layout(&mut header) {
+        check_duplicates(&header.tensors)?;
+        return Err(e);
+    }
     Ok(header)
 }
 
-fn parse_metadata<'a>(cur: &mut Cursor<'a>) -> Result<Option<Vec<(Cow<'a, str>, Cow<'a, str>)>>, HeaderError> {
+/// For an entry read in file order: does it start where the previous one ended (`data_end`),
+/// with the size its dtype and shape give, at an aligned offset? True for every entry means the
+/// entries are in offset order and `validate` has no error or warning to give.
+#[inline]
+fn fits_in_place(t: &TensorEntry<'_>, dims: &[u64], data_end: &mut u64) -> bool {
+    let bits = t.dtype.bits();
+    let shape = &dims[t.shape_start as usize..(t.shape_start + t.shape_len) as usize];
+    let nbits = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .and_then(|n| n.checked_mul(bits));
+    let fits = t.begin == *data_end
+        && t.end >= t.begin
+        && nbits.is_some_and(|n| n % 8 == 0 && t.end - t.begin == n / 8)
+        && t.begin & ((bits / 8).max(1) - 1) == 0;
+    *data_end = t.end;
+    fits
+}
+
+/// The data section holds exactly the tensors' bytes (`validate`'s last check).
+fn check_coverage(header: &Header<'_>, data_end: u64) -> Result<(), HeaderError> {
+    let available = header.file_size.saturating_sub(N_LEN + header.header_size);
+    if data_end != available {
+        return Err(HeaderError::IncompleteBuffer { data_end, available });
+    }
+    Ok(())
+}
+
+fn parse_metadata<'a>(cur: &mut Cursor<'a>) -> Result<Option<Metadata<'a>>, HeaderError> {
     if cur.null() {
         return Ok(None);
     }
     if cur.peek() != Some(b'{') {
         return Err(HeaderError::InvalidMetadata("not an object".into()));
     }
-    let mut pairs: Vec<(Cow<'a, str>, Cow<'a, str>)> = Vec::new();
+    let mut pairs: Metadata<'a> = Vec::new();
     if cur.object_start().map_err(syntax)? {
         loop {
             let key = cur.key().map_err(syntax)?;
             if cur.peek() != Some(b'"') {
-                return Err(HeaderError::InvalidMetadata(format!("value of {key:?} is not a string")));
+                return Err(HeaderError::InvalidMetadata(format!(
+                    "value of {key:?} is not a string"
+                )));
             }
             let value = cur.string().map_err(syntax)?;
             if pairs.iter().any(|(k, _)| *k == key) {
@@ -265,94 +385,291 @@ fn parse_metadata<'a>(cur: &mut Cursor<'a>) -> Result<Option<Vec<(Cow<'a, str>, 
     Ok(Some(pairs))
 }
 
+/// Eight bytes from `s[at..]`, zero-padded past the end (a zero byte is not a digit or quote).
+#[inline(always)]
+fn word_at(s: &[u8], at: usize) -> u64 {
+    // One compare against a bound the caller's loop can hoist, rather than a checked `at + 8`.
+    if at < s.len().saturating_sub(7) {
+        // SAFETY: `at + 8 <= s.len()`, so the eight bytes are inside `s`.
+        return u64::from_le(unsafe { s.as_ptr().add(at).cast::<u64>().read_unaligned() });
+    }
+    let mut w = [0u8; 8];
+    let tail = s.get(at..).unwrap_or_default();
+    w[..tail.len().min(8)].copy_from_slice(&tail[..tail.len().min(8)]);
+    u64::from_le_bytes(w)
+}
+
+/// How many leading bytes of `w` are ASCII digits, and `w` with each byte turned into its value.
+#[inline(always)]
+fn leading_digits(w: u64) -> (usize, u64) {
+    const LO: u64 = 0x0F0F_0F0F_0F0F_0F0F;
+    let v = w ^ 0x3030_3030_3030_3030;
+    // A byte is not a digit if its high nibble was not 3, or its low nibble is above 9.
+    let not_digit = (v & !LO) | (((v & LO) + 0x0606_0606_0606_0606) & 0x1010_1010_1010_1010);
+    ((not_digit.trailing_zeros() / 8) as usize, v)
+}
+
+/// The value of the first `n` (1..=8) digit values in `v` (first digit in the low byte).
+#[inline(always)]
+fn digits_value(v: u64, n: usize) -> u64 {
+    // Left-align so that the missing digits read as leading zeros, then combine pairs, quads, octets.
+    let mut v = v << (8 * (8 - n));
+    v = (v.wrapping_mul(10) + (v >> 8)) & 0x00FF_00FF_00FF_00FF;
+    v = (v.wrapping_mul(100) + (v >> 16)) & 0x0000_FFFF_0000_FFFF;
+    (v.wrapping_mul(10_000) + (v >> 32)) & 0xFFFF_FFFF
+}
+
+/// A non-negative integer of 1 to 16 digits without a leading zero, read eight bytes at a time;
+/// returns (value, digits). The caller checks what follows (the compact form allows only `,`,
+/// `]`), so a float or a longer number never passes; None sends it to the general reader.
+#[inline(always)]
+fn short_uint(s: &[u8], at: usize) -> Option<(u64, usize)> {
+    let (n, v) = leading_digits(word_at(s, at));
+    let (value, len) = match n {
+        0 => return None,
+        8 => {
+            let (m, v2) = leading_digits(word_at(s, at + 8));
+            if m == 8 {
+                return None;
+            }
+            let high = digits_value(v, 8);
+            if m == 0 {
+                (high, 8)
+            } else {
+                (high * 10u64.pow(m as u32) + digits_value(v2, m), 8 + m)
+            }
+        }
+        _ => (digits_value(v, n), n),
+    };
+    // The first digit's value is the low byte of `v`.
+    if v & 0xFF == 0 && len > 1 {
+        return None;
+    }
+    Some((value, len))
+}
+
+/// Eight bytes of text as the word `word_at` reads them.
+const fn word(text: &[u8; 8]) -> u64 {
+    u64::from_le_bytes(*text)
+}
+
+/// How a run of compact entries ended.
+enum Run {
+    /// At the object's closing brace, consumed.
+    Closed,
+    /// At an entry that is not compact (its name's quote, or whitespace before it).
+    AtEntry,
+    /// Right after an entry, before a separator the general reader must take (whitespace).
+    AfterEntry,
+}
+
+/// Reads entries written exactly as the safetensors serializer writes them, and the commas
+/// between them, while they come: `"NAME":{"dtype":"BF16","shape":[8,64],"data_offsets":[0,1024]}`
+/// with NAME printable ASCII and no escapes. Anything else (whitespace, escapes, other field
+/// orders, extra fields, errors) stops the run with the cursor and `dims` as before that entry,
+/// and the general reader takes over. One tight loop, so that its state stays in registers.
+#[inline(never)]
+fn compact_run<'a>(
+    cur: &mut Cursor<'a>,
+    tensors: &mut Vec<TensorEntry<'a>>,
+    dims: &mut Vec<u64>,
+    data_end: &mut u64,
+    in_place: &mut bool,
+) -> Run {
+    let src = cur.src();
+    let mut pos = cur.pos;
+    let (mut end_seen, mut fits) = (*data_end, *in_place);
+    let run = loop {
+        let Some((entry, after)) = compact_entry(src, pos, dims) else {
+            break Run::AtEntry;
+        };
+        fits &= fits_in_place(&entry, dims, &mut end_seen);
+        tensors.push(entry);
+        pos = after;
+        match src.get(pos) {
+            Some(b',') => pos += 1,
+            Some(b'}') => {
+                pos += 1;
+                break Run::Closed;
+            }
+            _ => break Run::AfterEntry,
+        }
+    };
+    cur.pos = pos;
+    (*data_end, *in_place) = (end_seen, fits);
+    run
+}
+
+/// One compact entry at `start` (its name's opening quote): the entry and the index after it.
+#[inline(always)]
+fn compact_entry<'a>(src: &'a [u8], start: usize, dims: &mut Vec<u64>) -> Option<(TensorEntry<'a>, usize)> {
+    if src.get(start) != Some(&b'"') {
+        return None;
+    }
+    let name_end = crate::json::plain_run_end(src, start + 1);
+    if src.get(name_end) != Some(&b'"') {
+        return None;
+    }
+    let name = &src[start + 1..name_end];
+    if name == b"__metadata__" {
+        return None;
+    }
+    let dims_start = dims.len();
+    let fields = compact_fields(src, name_end + 1, dims);
+    let shape_start = u32::try_from(dims_start).ok();
+    let shape_len = u32::try_from(dims.len() - dims_start).ok();
+    let (Some((dtype, begin, end, after)), Some(shape_start), Some(shape_len)) = (fields, shape_start, shape_len)
+    else {
+        dims.truncate(dims_start);
+        return None;
+    };
+    // SAFETY: `plain_run_end` stopped at the first byte that is not printable ASCII.
+    let name = unsafe { std::str::from_utf8_unchecked(name) };
+    Some((
+        TensorEntry {
+            name: Cow::Borrowed(name),
+            dtype,
+            shape_start,
+            shape_len,
+            begin,
+            end,
+        },
+        after,
+    ))
+}
+
+/// The compact entry after its name: `:{"dtype":"BF16","shape":[8,64],"data_offsets":[0,1024]}`.
+/// Returns (dtype, begin, end, the index after the closing brace).
+#[inline(always)]
+fn compact_fields(src: &[u8], at: usize, dims: &mut Vec<u64>) -> Option<(Dtype, u64, u64, usize)> {
+    if word_at(src, at) != word(b":{\"dtype") {
+        return None;
+    }
+    // `":"` and the dtype: the common ones end within this word.
+    let w = word_at(src, at + 8);
+    let (dtype, mut i) = if w == word(b"\":\"BF16\"") {
+        (Dtype::BF16, at + 16)
+    } else if w == word(b"\":\"F32\",") {
+        (Dtype::F32, at + 15)
+    } else if w == word(b"\":\"F16\",") {
+        (Dtype::F16, at + 15)
+    } else if w & 0xFF_FFFF == u64::from(u32::from_le_bytes(*b"\":\"\0")) {
+        let from = at + 11;
+        let len = src.get(from..)?.iter().take(12).position(|&b| b == b'"')?;
+        (Dtype::from_bytes(&src[from..from + len])?, from + len + 1)
+    } else {
+        return None;
+    };
+    if word_at(src, i) != word(b",\"shape\"") || src.get(i + 8..i + 10) != Some(b":[") {
+        return None;
+    }
+    i += 10;
+    if src.get(i) == Some(&b']') {
+        i += 1;
+    } else {
+        loop {
+            let (d, n) = short_uint(src, i)?;
+            dims.push(d);
+            i += n + 1;
+            match src.get(i - 1) {
+                Some(b',') => {}
+                Some(b']') => break,
+                _ => return None,
+            }
+        }
+    }
+    if word_at(src, i) != word(b",\"data_o")
+        || word_at(src, i + 8) != word(b"ffsets\":")
+        || src.get(i + 16) != Some(&b'[')
+    {
+        return None;
+    }
+    i += 17;
+    let (begin, n) = short_uint(src, i)?;
+    i += n;
+    if src.get(i) != Some(&b',') {
+        return None;
+    }
+    let (end, n) = short_uint(src, i + 1)?;
+    i += n + 1;
+    if src.get(i..i + 2) != Some(b"]}") {
+        return None;
+    }
+    Some((dtype, begin, end, i + 2))
+}
+
+fn bad(name: &str, message: String) -> HeaderError {
+    HeaderError::InvalidTensorEntry {
+        name: name.to_owned(),
+        message,
+    }
+}
+
+/// Reads a tensor entry in any form serde_json and the safetensors crate accept: an object with
+/// the three fields in any order (unknown fields are warnings), or the same three values as an
+/// array, which serde also accepts for a struct.
 fn parse_entry<'a>(
     cur: &mut Cursor<'a>,
     name: Cow<'a, str>,
     dims: &mut Vec<u64>,
     warnings: &mut Vec<Warning>,
 ) -> Result<TensorEntry<'a>, HeaderError> {
-    let bad = |name: &str, message: String| HeaderError::InvalidTensorEntry { name: name.to_owned(), message };
-    if cur.peek() != Some(b'{') {
-        return Err(bad(&name, "entry is not an object".into()));
-    }
-    let mut dtype: Option<Dtype> = None;
-    let mut shape: Option<(u32, u32)> = None;
-    let mut offsets: Option<(u64, u64)> = None;
+    let (dtype, shape, offsets) = match cur.peek() {
+        Some(b'{') => entry_object(cur, &name, dims, warnings)?,
+        Some(b'[') => entry_array(cur, &name, dims)?,
+        _ => return Err(bad(&name, "entry is not an object".into())),
+    };
+    let missing = |field: &str| bad(&name, format!("missing field {field:?}"));
+    let dtype = dtype.ok_or_else(|| missing("dtype"))?;
+    let (shape_start, shape_len) = shape.ok_or_else(|| missing("shape"))?;
+    let (begin, end) = offsets.ok_or_else(|| missing("data_offsets"))?;
+    Ok(TensorEntry {
+        name,
+        dtype,
+        shape_start,
+        shape_len,
+        begin,
+        end,
+    })
+}
+
+type EntryFields = (Option<Dtype>, Option<(u32, u32)>, Option<(u64, u64)>);
+
+fn entry_object(
+    cur: &mut Cursor<'_>,
+    name: &str,
+    dims: &mut Vec<u64>,
+    warnings: &mut Vec<Warning>,
+) -> Result<EntryFields, HeaderError> {
+    let (mut dtype, mut shape, mut offsets) = (None, None, None);
     if cur.object_start().map_err(syntax)? {
         loop {
-            // The three known keys are matched in place; anything else goes through the full reader.
-            let field = if cur.known_key(b"dtype") {
-                Cow::Borrowed("dtype")
-            } else if cur.known_key(b"shape") {
-                Cow::Borrowed("shape")
-            } else if cur.known_key(b"data_offsets") {
-                Cow::Borrowed("data_offsets")
-            } else {
-                cur.key().map_err(syntax)?
-            };
+            let field = cur.key().map_err(syntax)?;
             match field.as_ref() {
                 "dtype" => {
                     if dtype.is_some() {
                         return Err(HeaderError::DuplicateKey(format!("{name}.dtype")));
                     }
-                    if cur.peek() != Some(b'"') {
-                        return Err(bad(&name, "dtype is not a string".into()));
-                    }
-                    let s = cur.string().map_err(syntax)?;
-                    dtype = Some(Dtype::from_name(&s).ok_or_else(|| HeaderError::UnknownDtype {
-                        name: name.to_string(),
-                        dtype: s.to_string(),
-                    })?);
+                    dtype = Some(read_dtype(cur, name)?);
                 }
                 "shape" => {
                     if shape.is_some() {
                         return Err(HeaderError::DuplicateKey(format!("{name}.shape")));
                     }
-                    if cur.peek() != Some(b'[') {
-                        return Err(bad(&name, "shape is not a list".into()));
-                    }
-                    let start = dims.len();
-                    cur.pos += 1;
-                    if cur.peek() == Some(b']') {
-                        cur.pos += 1;
-                    } else {
-                        loop {
-                            let d = cur.uint().map_err(|e| bad(&name, format!("shape: {}", e.message)))?;
-                            dims.push(d);
-                            if !cur.array_next().map_err(syntax)? {
-                                break;
-                            }
-                        }
-                    }
-                    let len = dims.len() - start;
-                    let (Ok(start), Ok(len)) = (u32::try_from(start), u32::try_from(len)) else {
-                        return Err(HeaderError::Overflow(name.into_owned()));
-                    };
-                    shape = Some((start, len));
+                    shape = Some(read_shape(cur, name, dims)?);
                 }
                 "data_offsets" => {
                     if offsets.is_some() {
                         return Err(HeaderError::DuplicateKey(format!("{name}.data_offsets")));
                     }
-                    if cur.peek() != Some(b'[') {
-                        return Err(bad(&name, "data_offsets is not a list".into()));
-                    }
-                    cur.pos += 1;
-                    let msg = |e: SyntaxError| bad(&name, format!("data_offsets: {}", e.message));
-                    let begin = cur.uint().map_err(msg)?;
-                    cur.expect(b',', "expected ','")
-                        .map_err(|_| bad(&name, "data_offsets must hold exactly two integers".into()))?;
-                    let end = cur.uint().map_err(msg)?;
-                    cur.expect(b']', "expected ']'")
-                        .map_err(|_| bad(&name, "data_offsets must hold exactly two integers".into()))?;
-                    offsets = Some((begin, end));
+                    offsets = Some(read_offsets(cur, name)?);
                 }
                 other => {
                     warnings.push(Warning {
                         code: "unknown_field",
                         message: format!("tensor {name:?} has an unknown field {other:?} (ignored)"),
                     });
-                    cur.skip_value().map_err(syntax)?;
+                    cur.skip_value(ENTRY_DEPTH).map_err(syntax)?;
                 }
             }
             if !cur.object_next().map_err(syntax)? {
@@ -360,35 +677,132 @@ fn parse_entry<'a>(
             }
         }
     }
-    let missing = |field: &str| bad(&name, format!("missing field {field:?}"));
-    let dtype = dtype.ok_or_else(|| missing("dtype"))?;
-    let (shape_start, shape_len) = shape.ok_or_else(|| missing("shape"))?;
-    let (begin, end) = offsets.ok_or_else(|| missing("data_offsets"))?;
-    Ok(TensorEntry { name, dtype, shape_start, shape_len, begin, end })
+    Ok((dtype, shape, offsets))
 }
 
-/// The safetensors crate's `Metadata::validate` plus full-file coverage, with checked arithmetic,
-/// and our extra rule: no duplicate names.
+/// `[dtype, shape, data_offsets]`: exactly three values, in that order.
+fn entry_array(cur: &mut Cursor<'_>, name: &str, dims: &mut Vec<u64>) -> Result<EntryFields, HeaderError> {
+    let length = || {
+        bad(
+            name,
+            "an entry written as a list must hold exactly dtype, shape and data_offsets".into(),
+        )
+    };
+    if !cur.array_start().map_err(syntax)? {
+        return Err(length());
+    }
+    let dtype = read_dtype(cur, name)?;
+    if !cur.array_next().map_err(syntax)? {
+        return Err(length());
+    }
+    let shape = read_shape(cur, name, dims)?;
+    if !cur.array_next().map_err(syntax)? {
+        return Err(length());
+    }
+    let offsets = read_offsets(cur, name)?;
+    if cur.array_next().map_err(syntax)? {
+        return Err(length());
+    }
+    Ok((Some(dtype), Some(shape), Some(offsets)))
+}
+
+/// A dtype name, or serde's other spelling of a unit enum variant, `{"F32": null}`.
+fn read_dtype(cur: &mut Cursor<'_>, name: &str) -> Result<Dtype, HeaderError> {
+    let as_map = match cur.peek() {
+        Some(b'"') => false,
+        Some(b'{') => true,
+        _ => return Err(bad(name, "dtype is not a string".into())),
+    };
+    if as_map && !cur.object_start().map_err(syntax)? {
+        return Err(bad(name, "dtype is an empty object".into()));
+    }
+    let s = if as_map { cur.key() } else { cur.string() }.map_err(syntax)?;
+    let dtype = Dtype::from_name(&s).ok_or_else(|| HeaderError::UnknownDtype {
+        name: name.to_owned(),
+        dtype: s.to_string(),
+    })?;
+    if as_map {
+        // The one value is null, and the object ends after it.
+        let closed = cur.null() && !cur.object_next().map_err(syntax)?;
+        if !closed {
+            return Err(bad(name, "dtype written as an object must be {\"NAME\": null}".into()));
+        }
+    }
+    Ok(dtype)
+}
+
+fn read_shape(cur: &mut Cursor<'_>, name: &str, dims: &mut Vec<u64>) -> Result<(u32, u32), HeaderError> {
+    if cur.peek() != Some(b'[') {
+        return Err(bad(name, "shape is not a list".into()));
+    }
+    let start = dims.len();
+    if cur.array_start().map_err(syntax)? {
+        loop {
+            let d = cur.uint().map_err(|e| bad(name, format!("shape: {}", e.message)))?;
+            dims.push(d);
+            if !cur.array_next().map_err(syntax)? {
+                break;
+            }
+        }
+    }
+    let len = dims.len() - start;
+    let (Ok(start), Ok(len)) = (u32::try_from(start), u32::try_from(len)) else {
+        return Err(HeaderError::Overflow(name.to_owned()));
+    };
+    Ok((start, len))
+}
+
+fn read_offsets(cur: &mut Cursor<'_>, name: &str) -> Result<(u64, u64), HeaderError> {
+    if cur.peek() != Some(b'[') {
+        return Err(bad(name, "data_offsets is not a list".into()));
+    }
+    cur.pos += 1;
+    let msg = |e: SyntaxError| bad(name, format!("data_offsets: {}", e.message));
+    let two = || bad(name, "data_offsets must hold exactly two integers".into());
+    let begin = cur.uint().map_err(msg)?;
+    cur.expect(b',', "expected ','").map_err(|_| two())?;
+    let end = cur.uint().map_err(msg)?;
+    cur.expect(b']', "expected ']'").map_err(|_| two())?;
+    Ok((begin, end))
+}
+
+/// The safetensors crate's `Metadata::validate` plus full-file coverage, with checked arithmetic.
 fn validate(header: &mut Header<'_>) -> Result<(), HeaderError> {
     let tensors = &header.tensors;
     // Contiguity is checked in offset order; files written by safetensors are already in it.
+    let sorted = tensors
+        .windows(2)
+        .all(|w| (w[0].begin, w[0].end) <= (w[1].begin, w[1].end));
     let mut order: Vec<u32> = Vec::new();
-    let sorted = tensors.windows(2).all(|w| (w[0].begin, w[0].end) <= (w[1].begin, w[1].end));
     if !sorted {
         order = (0..tensors.len() as u32).collect();
         order.sort_by_key(|&i| (tensors[i as usize].begin, tensors[i as usize].end));
     }
     let mut expected: u64 = 0;
     for k in 0..tensors.len() {
-        let t = if sorted { &tensors[k] } else { &tensors[order[k] as usize] };
+        let t = if sorted {
+            &tensors[k]
+        } else {
+            &tensors[order[k] as usize]
+        };
         if t.begin != expected || t.end < t.begin {
-            return Err(HeaderError::InvalidOffset { name: t.name.to_string(), begin: t.begin, end: t.end, expected });
+            return Err(HeaderError::InvalidOffset {
+                name: t.name.to_string(),
+                begin: t.begin,
+                end: t.end,
+                expected,
+            });
         }
         expected = t.end;
-        let overflow = || HeaderError::Overflow(t.name.to_string());
+        let bits = t.dtype.bits();
         let shape = &header.dims[t.shape_start as usize..(t.shape_start + t.shape_len) as usize];
-        let nelem = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(overflow)?;
-        let nbits = nelem.checked_mul(t.dtype.bits()).ok_or_else(overflow)?;
+        let nbits = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .and_then(|n| n.checked_mul(bits));
+        let Some(nbits) = nbits else {
+            return Err(HeaderError::Overflow(t.name.to_string()));
+        };
         if nbits % 8 != 0 {
             return Err(HeaderError::MisalignedSlice(t.name.to_string()));
         }
@@ -399,30 +813,41 @@ fn validate(header: &mut Header<'_>) -> Result<(), HeaderError> {
                 expected: nbits / 8,
             });
         }
-        let align = (t.dtype.bits() / 8).max(1);
-        if t.begin % align != 0 {
+        // Alignments are powers of two.
+        let align = (bits / 8).max(1);
+        if t.begin & (align - 1) != 0 {
             header.warnings.push(Warning {
                 code: "misaligned_offset",
-                message: format!("tensor {:?} starts at data offset {} (not a multiple of {align})", t.name, t.begin),
+                message: format!(
+                    "tensor {:?} starts at data offset {} (not a multiple of {align})",
+                    t.name, t.begin
+                ),
             });
         }
     }
-    let available = header.file_size.saturating_sub(N_LEN + header.header_size);
-    if expected != available {
-        return Err(HeaderError::IncompleteBuffer { data_end: expected, available });
-    }
-    check_duplicates(tensors)
+    check_coverage(header, expected)
 }
 
+/// Our rule beyond the crate (which keeps the last of two equal names): names are unique.
+/// Checked before the offsets, since the crate never sees the entry a duplicate replaces.
 fn check_duplicates(tensors: &[TensorEntry<'_>]) -> Result<(), HeaderError> {
-    let mut seen: rustc_hash::FxHashSet<&str> = rustc_hash::FxHashSet::default();
-    seen.reserve(tensors.len());
-    for t in tensors {
-        if !seen.insert(t.name.as_ref()) {
-            return Err(HeaderError::DuplicateTensor(t.name.to_string()));
-        }
+    match first_repeat(tensors.iter().map(|t| t.name.as_ref())) {
+        Some(i) => Err(HeaderError::DuplicateTensor(tensors[i].name.to_string())),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The position of the first name equal to an earlier one.
+pub fn first_repeat<'n>(names: impl ExactSizeIterator<Item = &'n str>) -> Option<usize> {
+    let count = names.len();
+    if count < 2 {
+        return None;
+    }
+    let mut seen: rustc_hash::FxHashSet<&str> = rustc_hash::FxHashSet::default();
+    seen.reserve(count);
+    names
+        .enumerate()
+        .find_map(|(i, name)| (!seen.insert(name)).then_some(i))
 }
 
 /// How to fetch header bytes from disk.
@@ -455,12 +880,26 @@ fn check_length(prefix: [u8; 8], file_size: u64) -> Result<u64, HeaderError> {
     Ok(n)
 }
 
+/// Parses and validates a whole file held in memory (length prefix, header and data), as the
+/// safetensors crate's `read_metadata` does.
+pub fn parse_file(file: &[u8]) -> Result<Header<'_>, HeaderError> {
+    let file_size = file.len() as u64;
+    let Some(prefix) = file.first_chunk::<8>() else {
+        return Err(HeaderError::HeaderTooSmall(file_size));
+    };
+    let n = check_length(*prefix, file_size)?;
+    parse_header(&file[8..8 + n as usize], file_size)
+}
+
 /// Reads the header bytes of `path` into `buf` (cleared first); returns the file size.
 /// `buf` is reused across calls by the scan, so steady state allocates nothing.
 pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Result<u64, Error> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let file_size = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let header_err = |kind| Error::Header { path: path.to_path_buf(), kind };
+    let header_err = |kind| Error::Header {
+        path: path.to_path_buf(),
+        kind,
+    };
     if file_size < N_LEN {
         return Err(header_err(HeaderError::HeaderTooSmall(file_size)));
     }
@@ -473,7 +912,8 @@ pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Resu
             // n is bounded by MAX_HEADER_SIZE and by the file size before we allocate for it.
             // read_to_end fills spare capacity without zeroing it first.
             buf.reserve(n as usize);
-            let got = std::io::Read::read_to_end(&mut std::io::Read::take(&file, n), buf).map_err(|e| Error::io(path, e))?;
+            let got =
+                std::io::Read::read_to_end(&mut std::io::Read::take(&file, n), buf).map_err(|e| Error::io(path, e))?;
             if got as u64 != n {
                 return Err(Error::io(
                     path,
@@ -503,7 +943,19 @@ pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Resu
 /// Reads and validates the header of one file; the result borrows from `buf`.
 pub fn read_header<'b>(path: &Path, mode: ReadMode, buf: &'b mut Vec<u8>) -> Result<Header<'b>, Error> {
     let file_size = read_header_bytes(path, mode, buf)?;
-    parse_header(buf, file_size).map_err(|kind| Error::Header { path: path.to_path_buf(), kind })
+    parse_header(buf, file_size).map_err(|kind| Error::Header {
+        path: path.to_path_buf(),
+        kind,
+    })
+}
+
+/// `read_header` with the duplicate-name rule left to the caller (`parse_header_unchecked_names`).
+pub fn read_header_unchecked_names<'b>(path: &Path, mode: ReadMode, buf: &'b mut Vec<u8>) -> Result<Header<'b>, Error> {
+    let file_size = read_header_bytes(path, mode, buf)?;
+    parse_header_unchecked_names(buf, file_size).map_err(|kind| Error::Header {
+        path: path.to_path_buf(),
+        kind,
+    })
 }
 
 #[cfg(test)]
@@ -531,24 +983,52 @@ mod tests {
     fn rules() {
         let entry = |s: &str| format!(r#"{{"t":{s}}}"#);
         let code = |json: &str, data: u64| parse(json, data).unwrap_err().code();
-        assert_eq!(code(&entry(r#"{"dtype":"X","shape":[],"data_offsets":[0,0]}"#), 0), "unknown_dtype");
-        assert_eq!(code(&entry(r#"{"dtype":"F32","shape":[1],"data_offsets":[0,8]}"#), 8), "tensor_size_mismatch");
-        assert_eq!(code(&entry(r#"{"dtype":"F4","shape":[1],"data_offsets":[0,0]}"#), 0), "misaligned_slice");
-        assert_eq!(code(&entry(r#"{"dtype":"F32","shape":[1],"data_offsets":[4,8]}"#), 8), "invalid_offset");
-        assert_eq!(code(&entry(r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#), 5), "incomplete_buffer");
+        assert_eq!(
+            code(&entry(r#"{"dtype":"X","shape":[],"data_offsets":[0,0]}"#), 0),
+            "unknown_dtype"
+        );
+        assert_eq!(
+            code(&entry(r#"{"dtype":"F32","shape":[1],"data_offsets":[0,8]}"#), 8),
+            "tensor_size_mismatch"
+        );
+        assert_eq!(
+            code(&entry(r#"{"dtype":"F4","shape":[1],"data_offsets":[0,0]}"#), 0),
+            "misaligned_slice"
+        );
+        assert_eq!(
+            code(&entry(r#"{"dtype":"F32","shape":[1],"data_offsets":[4,8]}"#), 8),
+            "invalid_offset"
+        );
+        assert_eq!(
+            code(&entry(r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#), 5),
+            "incomplete_buffer"
+        );
         let big = format!(r#"{{"dtype":"F32","shape":[{},4],"data_offsets":[0,0]}}"#, u64::MAX / 2);
         assert_eq!(code(&entry(&big), 0), "overflow");
-        assert_eq!(code(&entry(r#"{"dtype":"F32","shape":[1]}"#), 0), "invalid_tensor_entry");
+        assert_eq!(
+            code(&entry(r#"{"dtype":"F32","shape":[1]}"#), 0),
+            "invalid_tensor_entry"
+        );
         assert_eq!(code(r#"[]"#, 0), "header_not_object");
         assert_eq!(code(r#"{"__metadata__":{"a":1}}"#, 0), "invalid_metadata");
         let dup = r#"{"t":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"t":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}"#;
         assert_eq!(code(dup, 0), "duplicate_tensor");
-        assert_eq!(code(&entry(r#"{"dtype":"F32","dtype":"F32","shape":[0],"data_offsets":[0,0]}"#), 0), "duplicate_key");
+        assert_eq!(
+            code(
+                &entry(r#"{"dtype":"F32","dtype":"F32","shape":[0],"data_offsets":[0,0]}"#),
+                0
+            ),
+            "duplicate_key"
+        );
     }
 
     #[test]
     fn unknown_fields_warn() {
-        let h = parse(r#"{"t":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":[1,{"y":null}]}}"#, 0).unwrap();
+        let h = parse(
+            r#"{"t":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":[1,{"y":null}]}}"#,
+            0,
+        )
+        .unwrap();
         assert_eq!(h.warnings[0].code, "unknown_field");
     }
 }

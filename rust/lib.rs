@@ -8,6 +8,7 @@ pub mod error;
 pub mod header;
 pub mod json;
 pub mod names;
+pub mod remote;
 pub mod scan;
 
 #[cfg(feature = "python")]

@@ -12,7 +12,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
 use crate::error::{Error, HEADER_ERROR_CODES};
 use crate::header::{self, Dtype, ReadMode};
-use crate::scan::{self as core_scan, AdapterResult, ScanOptions, Target};
+use crate::remote::{self, RemoteOptions};
+use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
 
 fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
     let path = err.path().display().to_string();
@@ -39,8 +40,12 @@ fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
 }
 
 fn parse_mode(mode: &str) -> PyResult<ReadMode> {
-    ReadMode::from_name(mode).ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', not {mode:?}")))
+    ReadMode::from_name(mode)
+        .ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', not {mode:?}")))
 }
+
+/// (name, dtype, shape, (begin, end)) of one tensor.
+type TensorRow = (String, &'static str, Vec<u64>, (u64, u64));
 
 /// Header as a dict: tensors as (name, dtype, shape, (begin, end)) in file order.
 #[pyfunction]
@@ -50,14 +55,15 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
     let result = py.detach(|| {
         let mut buf = Vec::new();
         header::read_header(&path, mode, &mut buf).map(|h| {
-            let tensors: Vec<(String, &'static str, Vec<u64>, (u64, u64))> = h
+            let tensors: Vec<TensorRow> = h
                 .tensors
                 .iter()
                 .map(|t| (t.name.to_string(), t.dtype.name(), h.shape(t).to_vec(), (t.begin, t.end)))
                 .collect();
             let metadata: Option<Vec<(String, String)>> =
                 h.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-            let warnings: Vec<(&'static str, String)> = h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
+            let warnings: Vec<(&'static str, String)> =
+                h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
             (tensors, metadata, h.header_size, h.file_size, warnings)
         })
     });
@@ -65,7 +71,17 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
     let d = PyDict::new(py);
     let tensors: Vec<Bound<'py, PyTuple>> = tensors
         .into_iter()
-        .map(|(n, dt, shape, off)| PyTuple::new(py, [n.into_pyobject(py)?.into_any(), dt.into_pyobject(py)?.into_any(), PyTuple::new(py, shape)?.into_any(), off.into_pyobject(py)?.into_any()]))
+        .map(|(n, dt, shape, off)| {
+            PyTuple::new(
+                py,
+                [
+                    n.into_pyobject(py)?.into_any(),
+                    dt.into_pyobject(py)?.into_any(),
+                    PyTuple::new(py, shape)?.into_any(),
+                    off.into_pyobject(py)?.into_any(),
+                ],
+            )
+        })
         .collect::<PyResult<_>>()?;
     d.set_item("tensors", tensors)?;
     d.set_item("metadata", metadata.map(|m| m.into_iter().collect::<std::collections::HashMap<_, _>>()))?;
@@ -125,7 +141,8 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
     d.set_item("rank", c.rank)?;
     d.set_item("moe_layout", c.moe_layout.name())?;
     d.set_item("num_experts", c.num_experts)?;
-    let names: Vec<&str> = flags::NAMES.iter().enumerate().filter(|(i, _)| c.flags & (1 << i) != 0).map(|(_, n)| *n).collect();
+    let names: Vec<&str> =
+        flags::NAMES.iter().enumerate().filter(|(i, _)| c.flags & (1 << i) != 0).map(|(_, n)| *n).collect();
     d.set_item("flags", names)?;
     d.set_item("variants", c.variants.iter().map(|v| v.name()).collect::<Vec<_>>())?;
     d.set_item("full_weight_tensors", &c.full_weight_tensors)?;
@@ -133,7 +150,10 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
         c.problems.iter().map(|p| (p.code, p.message.as_str(), p.tensor.as_deref())).collect();
     d.set_item("problems", problems)?;
     d.set_item("content_hash", &r.content_hash)?;
-    d.set_item("metadata", r.metadata.as_ref().map(|m| m.iter().cloned().collect::<std::collections::HashMap<_, _>>()))?;
+    d.set_item(
+        "metadata",
+        r.metadata.as_ref().map(|m| m.iter().cloned().collect::<std::collections::HashMap<_, _>>()),
+    )?;
     d.set_item("header_size", r.header_size)?;
     d.set_item("file_size", r.file_size)?;
     let modules: Vec<Bound<'py, PyDict>> =
@@ -146,28 +166,78 @@ fn full_options(mode: ReadMode, content_hash: bool) -> ScanOptions {
     ScanOptions { mode, keep_modules: true, content_hash }
 }
 
+/// Remote access settings from the Python keywords (defaults: see `remote.rs`).
+fn remote_options(
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+    concurrency: Option<usize>,
+) -> PyResult<RemoteOptions> {
+    let mut o = RemoteOptions { storage_options: storage_options.unwrap_or_default(), ..RemoteOptions::default() };
+    if let Some(t) = timeout {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(PyValueError::new_err(format!("timeout must be a positive number of seconds, not {t}")));
+        }
+        o.timeout = std::time::Duration::from_secs_f64(t);
+    }
+    if let Some(c) = concurrency {
+        if c == 0 {
+            return Err(PyValueError::new_err("concurrency must be at least 1"));
+        }
+        o.concurrency = c;
+    }
+    Ok(o)
+}
+
+fn strings(paths: &[PathBuf]) -> Vec<String> {
+    paths.iter().map(|p| p.to_string_lossy().into_owned()).collect()
+}
+
 /// Everything about one adapter, as a dict (lorafast.inspect wraps it in an `Adapter`).
 #[pyfunction]
-#[pyo3(signature = (path, mode = "pread", content_hash = false))]
-fn inspect<'py>(py: Python<'py>, path: PathBuf, mode: &str, content_hash: bool) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (path, mode = "pread", content_hash = false, storage_options = None, timeout = None))]
+fn inspect<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    mode: &str,
+    content_hash: bool,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+) -> PyResult<Bound<'py, PyDict>> {
     let opts = full_options(parse_mode(mode)?, content_hash);
-    let result = py.detach(|| core_scan::locate(&path).and_then(|t| core_scan::load(t, opts)));
+    let ropts = remote_options(storage_options, timeout, None)?;
+    let result = py.detach(|| {
+        if is_url(&path.to_string_lossy()) {
+            let mut rows = remote::inspect_many(&strings(&[path]), opts, None, &ropts);
+            rows.pop().unwrap_or_else(|| Err(Error::adapter("", "internal", "inspect lost its result")))
+        } else {
+            core_scan::locate(&path).and_then(|t| core_scan::load(t, opts))
+        }
+    });
     adapter_dict(py, &result.map_err(|e| to_pyerr(py, &e))?)
 }
 
 /// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
 #[pyfunction]
-#[pyo3(signature = (paths, mode = "pread", content_hash = false, threads = None))]
+#[pyo3(signature = (paths, mode = "pread", content_hash = false, threads = None, storage_options = None, timeout = None, concurrency = None))]
+#[allow(clippy::too_many_arguments)]
 fn inspect_many<'py>(
     py: Python<'py>,
     paths: Vec<PathBuf>,
     mode: &str,
     content_hash: bool,
     threads: Option<usize>,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+    concurrency: Option<usize>,
 ) -> PyResult<Bound<'py, PyList>> {
     let opts = full_options(parse_mode(mode)?, content_hash);
+    let ropts = remote_options(storage_options, timeout, concurrency)?;
     let results = py.detach(|| {
         use rayon::prelude::*;
+        let names = strings(&paths);
+        if names.iter().any(|p| is_url(p)) {
+            return remote::inspect_many(&names, opts, threads, &ropts);
+        }
         core_scan::with_pool(threads, || {
             paths.par_iter().map(|p| core_scan::locate(p).and_then(|t| core_scan::load(t, opts))).collect::<Vec<_>>()
         })
@@ -309,9 +379,36 @@ impl ScanResult {
     }
 }
 
-/// Scans files and folders in parallel with the GIL released.
+/// Rows in discovery order: failed discoveries in place, loaded targets between them.
+fn fill_rows(
+    found: Vec<Result<Target, Error>>,
+    load: impl FnOnce(Vec<Target>) -> Vec<Result<AdapterResult, Error>>,
+) -> Vec<Result<AdapterResult, Error>> {
+    let mut targets: Vec<Target> = Vec::with_capacity(found.len());
+    let mut slots: Vec<Option<Error>> = Vec::with_capacity(found.len());
+    for f in found {
+        match f {
+            Ok(t) => {
+                targets.push(t);
+                slots.push(None);
+            }
+            Err(e) => slots.push(Some(e)),
+        }
+    }
+    let mut loaded = load(targets).into_iter();
+    slots
+        .into_iter()
+        .map(|s| match s {
+            Some(e) => Err(e),
+            None => loaded.next().unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))),
+        })
+        .collect()
+}
+
+/// Scans files, folders and URLs in parallel with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (paths, recursive = true, threads = None, mode = "pread", content_hash = false, progress = false))]
+#[pyo3(signature = (paths, recursive = true, threads = None, mode = "pread", content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
+#[allow(clippy::too_many_arguments)]
 fn scan(
     py: Python<'_>,
     paths: Vec<PathBuf>,
@@ -320,29 +417,110 @@ fn scan(
     mode: &str,
     content_hash: bool,
     progress: bool,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+    concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
     let opts = ScanOptions { mode: parse_mode(mode)?, keep_modules: false, content_hash };
+    let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {
-        let found = core_scan::with_pool(threads, || core_scan::discover(&paths, recursive));
-        let mut targets: Vec<Target> = Vec::with_capacity(found.len());
-        let mut slots: Vec<Option<Error>> = Vec::with_capacity(found.len());
-        for f in found {
-            match f {
-                Ok(t) => {
-                    targets.push(t);
-                    slots.push(None);
-                }
-                Err(e) => slots.push(Some(e)),
-            }
+        let names = strings(&paths);
+        if names.iter().any(|p| is_url(p)) {
+            let found = remote::discover(&names, recursive, threads, &ropts);
+            return fill_rows(found, |t| remote::load_all(t, opts, threads, progress, &ropts));
         }
-        let mut loaded = core_scan::scan(targets, opts, threads, progress).into_iter();
-        slots
+        let found = core_scan::with_pool(threads, || core_scan::discover(&paths, recursive));
+        fill_rows(found, |t| core_scan::scan(t, opts, threads, progress))
+    });
+    Ok(ScanResult { rows })
+}
+
+/// One discovered adapter as plain data: (path, weights, config, error code, error message).
+type TargetItem = (String, Option<String>, Option<String>, Option<String>, Option<String>);
+
+/// Discovery only, with the targets' files (for a distributed scan: discover once, load in shards).
+#[pyfunction]
+#[pyo3(signature = (paths, recursive = true, threads = None, storage_options = None, timeout = None, concurrency = None))]
+fn discover_targets(
+    py: Python<'_>,
+    paths: Vec<String>,
+    recursive: bool,
+    threads: Option<usize>,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+    concurrency: Option<usize>,
+) -> PyResult<Vec<TargetItem>> {
+    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    Ok(py.detach(|| {
+        remote::discover(&paths, recursive, threads, &ropts)
             .into_iter()
-            .map(|s| match s {
-                Some(e) => Err(e),
-                None => loaded.next().unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))),
+            .map(|r| match r {
+                Ok(t) => (path_of(&t.path), Some(path_of(&t.weights)), t.config.as_deref().map(path_of), None, None),
+                Err(e) => (path_of(e.path()), None, None, Some(e.code().to_owned()), Some(e.detail())),
             })
-            .collect::<Vec<_>>()
+            .collect()
+    }))
+}
+
+/// The `&'static str` of an error code that crossed into Python and back.
+fn static_code(code: &str) -> &'static str {
+    const OTHER: &[&str] = &[
+        "not_found",
+        "permission_denied",
+        "io_error",
+        "no_adapter",
+        "ambiguous_adapter",
+        "missing_weights",
+        "invalid_config",
+        "timeout",
+        "remote_error",
+        "short_read",
+        "file_changed",
+        "invalid_url",
+        "store_config",
+        "remote_unsupported",
+        "internal",
+    ];
+    HEADER_ERROR_CODES
+        .iter()
+        .chain(OTHER)
+        .find(|k| **k == code)
+        .copied()
+        .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
+}
+
+/// Loads `discover_targets` items (a shard of them); failed items stay failed rows, in place.
+#[pyfunction]
+#[pyo3(signature = (items, threads = None, mode = "pread", content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
+#[allow(clippy::too_many_arguments)]
+fn scan_targets(
+    py: Python<'_>,
+    items: Vec<TargetItem>,
+    threads: Option<usize>,
+    mode: &str,
+    content_hash: bool,
+    progress: bool,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+    concurrency: Option<usize>,
+) -> PyResult<ScanResult> {
+    let opts = ScanOptions { mode: parse_mode(mode)?, keep_modules: false, content_hash };
+    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let rows = py.detach(|| {
+        let found = items
+            .into_iter()
+            .map(|(path, weights, config, code, message)| match (weights, code) {
+                (Some(w), None) => {
+                    Ok(Target { path: path.into(), weights: w.into(), config: config.map(PathBuf::from) })
+                }
+                (_, code) => Err(Error::adapter(
+                    path,
+                    static_code(code.as_deref().unwrap_or("internal")),
+                    message.unwrap_or_default(),
+                )),
+            })
+            .collect();
+        fill_rows(found, |t| remote::load_all(t, opts, threads, progress, &ropts))
     });
     Ok(ScanResult { rows })
 }
@@ -423,7 +601,10 @@ fn discover(py: Python<'_>, paths: Vec<PathBuf>, recursive: bool) -> Vec<(String
 #[pymodule(gil_used = false)]
 mod _core {
     #[pymodule_export]
-    use super::{discover, inspect, inspect_many, map_file, read_header, scan, MappedFile, ScanResult};
+    use super::{
+        discover, discover_targets, inspect, inspect_many, map_file, read_header, scan, scan_targets, MappedFile,
+        ScanResult,
+    };
 
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {

@@ -23,8 +23,8 @@ use sha2::{Digest, Sha256};
 
 use crate::classify::{classify, Classification, Configs, Options};
 use crate::config::LoraConfig;
-use crate::error::Error;
-use crate::header::{read_header, Header, ReadMode};
+use crate::error::{Error, HeaderError};
+use crate::header::{read_header_unchecked_names, Header, ReadMode};
 
 pub const CONFIG_NAME: &str = "adapter_config.json";
 pub const PEFT_WEIGHTS: &str = "adapter_model.safetensors";
@@ -83,7 +83,10 @@ pub fn locate(path: &Path) -> Result<Target, Error> {
         _ => Err(Error::adapter(
             path,
             "ambiguous_adapter",
-            format!("{} .safetensors files and no adapter_config.json; inspect one file, or scan the folder", files.len()),
+            format!(
+                "{} .safetensors files and no adapter_config.json; inspect one file, or scan the folder",
+                files.len()
+            ),
         )),
     }
 }
@@ -164,31 +167,34 @@ fn discover_one(path: &Path, recursive: bool, top: bool) -> Vec<Result<Target, E
 fn read_config(path: &Path) -> Result<(String, LoraConfig), Error> {
     let mut file = fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    check_config_size(path, len)?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    parse_config(path, bytes)
+}
+
+/// Refuses a config too large to be one (before it is read whole).
+pub fn check_config_size(path: &Path, len: u64) -> Result<(), Error> {
     if len > MAX_CONFIG_BYTES {
         return Err(Error::adapter(path, "invalid_config", format!("{len} bytes is too large for an adapter config")));
     }
-    let mut text = String::with_capacity(len as usize);
-    file.read_to_string(&mut text).map_err(|e| Error::adapter(path, "invalid_config", format!("not UTF-8 text: {e}")))?;
-    let value: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::adapter(path, "invalid_config", format!("adapter_config.json is not valid JSON: {e}")))?;
-    let Some(map) = value.as_object() else {
-        return Err(Error::adapter(path, "invalid_config", "adapter_config.json is not a JSON object"));
-    };
-    Ok((text, LoraConfig::from_map(map, "")))
+    Ok(())
+}
+
+/// Parses the bytes of an `adapter_config.json` (read from disk or fetched from a store).
+pub fn parse_config(path: &Path, bytes: Vec<u8>) -> Result<(String, LoraConfig), Error> {
+    let text = String::from_utf8(bytes)
+        .map_err(|_| Error::adapter(path, "invalid_config", "not UTF-8 text: stream did not contain valid UTF-8"))?;
+    let config = LoraConfig::from_json(&text).map_err(|message| Error::adapter(path, "invalid_config", message))?;
+    Ok((text, config))
 }
 
 /// diffusers keeps the PEFT config of each component in `lora_adapter_metadata`, keys prefixed
 /// by the component (`unet.r`, `text_encoder.r`): one config per component.
 fn metadata_configs(header: &Header<'_>) -> Option<(String, Vec<(String, LoraConfig)>)> {
     let text = header.metadata_value("lora_adapter_metadata")?;
-    let value: serde_json::Value = serde_json::from_str(text).ok()?;
-    let map = value.as_object()?;
-    let configs: Vec<(String, LoraConfig)> = map
-        .keys()
-        .filter_map(|k| k.strip_suffix("r").filter(|p| p.ends_with('.')))
-        .map(|prefix| (prefix.to_owned(), LoraConfig::from_map(map, prefix)))
-        .collect();
-    (!configs.is_empty()).then(|| (text.to_owned(), configs))
+    let configs = LoraConfig::components_from_json(text)?;
+    Some((text.to_owned(), configs))
 }
 
 thread_local! {
@@ -204,25 +210,47 @@ pub fn load(target: Target, opts: ScanOptions) -> Result<AdapterResult, Error> {
     };
     BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
-        let header = read_header(&target.weights, opts.mode, &mut buf)?;
-        let meta_config = if config.is_none() { metadata_configs(&header) } else { None };
-        let configs = Configs {
-            file: config.as_ref().map(|(_, c)| c),
-            components: meta_config.as_ref().map_or(&[], |(_, c)| c.as_slice()),
-        };
-        let class = classify(&header, configs, &target.weights, Options { keep_modules: opts.keep_modules });
-        let content_hash = if opts.content_hash { Some(hash_data(&target.weights, header.data_start())?) } else { None };
-        let metadata = header.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-        Ok(AdapterResult {
-            config_json: config.map(|(text, _)| text).or(meta_config.map(|(text, _)| text)),
-            metadata: if opts.keep_modules { metadata } else { None },
-            header_size: header.header_size,
-            file_size: header.file_size,
-            class,
-            content_hash,
-            target,
-        })
+        // Repeated tensor names are found by `classify` while it groups tensors (cheaper than a
+        // separate pass); `duplicate_tensor` turns them back into the header error.
+        let header = read_header_unchecked_names(&target.weights, opts.mode, &mut buf)?;
+        let content_hash =
+            if opts.content_hash { Some(hash_data(&target.weights, header.data_start())?) } else { None };
+        let alphas = target.weights.clone();
+        let result = build_result(target, config, &header, &alphas, opts, content_hash);
+        match result.class.duplicate_tensor {
+            Some(name) => Err(Error::Header { path: alphas, kind: HeaderError::DuplicateTensor(name) }),
+            None => Ok(result),
+        }
     })
+}
+
+/// Classifies a read header: the part of a load that local files and remote objects share.
+/// `alpha_file` is where `classify` reads kohya `.alpha` scalars from (the weights, or a local
+/// stand-in holding the fetched bytes of a remote file).
+pub fn build_result(
+    target: Target,
+    config: Option<(String, LoraConfig)>,
+    header: &Header<'_>,
+    alpha_file: &Path,
+    opts: ScanOptions,
+    content_hash: Option<String>,
+) -> AdapterResult {
+    let meta_config = if config.is_none() { metadata_configs(header) } else { None };
+    let configs = Configs {
+        file: config.as_ref().map(|(_, c)| c),
+        components: meta_config.as_ref().map_or(&[], |(_, c)| c.as_slice()),
+    };
+    let class = classify(header, configs, alpha_file, Options { keep_modules: opts.keep_modules });
+    let metadata = header.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+    AdapterResult {
+        config_json: config.map(|(text, _)| text).or(meta_config.map(|(text, _)| text)),
+        metadata: if opts.keep_modules { metadata } else { None },
+        header_size: header.header_size,
+        file_size: header.file_size,
+        class,
+        content_hash,
+        target,
+    }
 }
 
 /// sha256 of the data section only, so metadata edits do not change it (kohya's `sshs_model_hash`).
@@ -288,13 +316,25 @@ pub fn with_pool<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) 
     }
 }
 
+/// Does this input name a remote object (`s3://...`, `https://...`, `hf://...`) rather than a local path?
+pub fn is_url(s: &str) -> bool {
+    s.split_once("://").is_some_and(|(scheme, _)| {
+        matches!(scheme, "s3" | "s3a" | "gs" | "gcs" | "az" | "azure" | "abfs" | "abfss" | "http" | "https" | "hf")
+    })
+}
+
 pub fn is_forked() -> bool {
     FORKED.load(Ordering::SeqCst)
 }
 
 /// Loads every target in parallel, in order. With `progress`, a bar on stderr is refreshed by a
 /// side thread (the caller decides whether stderr is a terminal).
-pub fn scan(targets: Vec<Target>, opts: ScanOptions, threads: Option<usize>, progress: bool) -> Vec<Result<AdapterResult, Error>> {
+pub fn scan(
+    targets: Vec<Target>,
+    opts: ScanOptions,
+    threads: Option<usize>,
+    progress: bool,
+) -> Vec<Result<AdapterResult, Error>> {
     let total = targets.len();
     let done = AtomicUsize::new(0);
     let finished = AtomicBool::new(false);
@@ -333,9 +373,9 @@ pub fn scan(targets: Vec<Target>, opts: ScanOptions, threads: Option<usize>, pro
 }
 
 #[allow(clippy::cast_precision_loss)]
-fn draw_progress(done: usize, total: usize, elapsed: Duration) {
+pub(crate) fn draw_progress(done: usize, total: usize, elapsed: Duration) {
     let width = 30;
-    let filled = if total == 0 { width } else { done * width / total };
+    let filled = (done * width).checked_div(total).unwrap_or(width);
     let rate = done as f64 / elapsed.as_secs_f64().max(1e-3);
     eprint!("\rscanning [{}{}] {done}/{total} adapters, {rate:.0}/s", "#".repeat(filled), "-".repeat(width - filled));
 }

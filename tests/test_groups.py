@@ -29,7 +29,7 @@ from lorafast.groups import (
 )
 from lorafast.testing import write_safetensors
 
-H, I = 16, 8  # hidden and MoE intermediate sizes of the toy model
+H, I = 16, 8  # noqa: E741 - hidden and MoE intermediate sizes of the toy model
 KINDS = ("shared", "stacked", "numbered", "dense")
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import lorafast
 import pytest
 import torch
-from lorafast.merge import MergeError, MergeHandle, merge
-from lorafast.merge import kernel as merge_kernel
-from lorafast.plan import LoraRequest
+from lorafast.merging import MergeError, MergeHandle, merge
+from lorafast.merging import kernel as merge_kernel
+from lorafast.planner import LoraRequest
 from safetensors.torch import save_file
 
 torch.manual_seed(0)
@@ -717,15 +717,14 @@ def test_requests_plans_and_adapter_objects(tmp_path: Path) -> None:
         merge(object(), p1)
 
 
-def test_lorafast_merge_is_callable_after_importing_the_package(tmp_path: Path) -> None:
-    import lorafast.merge as pkg
+def test_lorafast_merge_is_the_function_after_importing_the_package(tmp_path: Path) -> None:
+    import lorafast.merging as pkg
 
     sd = {"lin.weight": torch.randn(4, 4)}
     path = write_peft(tmp_path / "a", {"lin": (torch.randn(1, 4), torch.randn(4, 1))}, r=1, alpha=1)
+    assert lorafast.merge is pkg.merge
     h = lorafast.merge(sd, path)
     assert isinstance(h, MergeHandle)
-    h.unmerge()
-    h = pkg(sd, path)  # the package itself forwards calls to merge()
     h.unmerge()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import lorafast
 import pytest
 import torch
-from lorafast.merge import merge
+from lorafast.merging import merge
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorafast.merge import MergeError, merge, merge_file, register_cli
+from lorafast.merging import MergeError, merge, merge_file, register_cli
 from lorafast.tensors import TensorFile, TruncatedFileError
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -220,7 +220,7 @@ def test_workspace_memory_is_bounded(tmp_path: Path) -> None:
     (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 8}))
     res = _child(f"""
         import resource, torch
-        from lorafast.merge import merge, merge_file
+        from lorafast.merging import merge, merge_file
         from lorafast.tensors import TensorFile
         def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with TensorFile({str(base)!r}) as tf:
@@ -310,7 +310,7 @@ def test_cli_errors(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_cli_helpers() -> None:
-    from lorafast.merge.cli import parse_adapter, parse_size
+    from lorafast.merging.cli import parse_adapter, parse_size
 
     assert parse_adapter("a/b:0.5") == ("a/b", 0.5)
     assert parse_adapter("a/b") == ("a/b", 1.0)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import lorafast
 import numpy as np
 import pytest
-from lorafast.plan import (
+from lorafast.planner import (
     DYNAMIC_MULTI_ADAPTER_ERROR,
     Action,
     LoraRequest,
@@ -555,7 +555,7 @@ def test_cli_plan(fleet: dict[str, str], tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_cli_adapter_spec_parsing() -> None:
-    from lorafast.plan import _parse_adapter_spec
+    from lorafast.planner import _parse_adapter_spec
 
     assert _parse_adapter_spec("n=/x/y:0.25@critic") == LoraRequest("n", "/x/y", 0.25, "critic")
     assert _parse_adapter_spec("n=C:/x@y/z") == LoraRequest("n", "C:/x@y/z", 1.0, "all")  # ':' / '@' in paths
@@ -565,8 +565,8 @@ def test_cli_adapter_spec_parsing() -> None:
         _parse_adapter_spec("=p")
 
 
-def test_lorafast_plan_is_the_function_even_after_importing_the_module(fleet: dict[str, str]) -> None:
-    import lorafast.plan as module
+def test_lorafast_plan_is_the_function_even_after_importing_its_module(fleet: dict[str, str]) -> None:
+    import lorafast.planner as module
 
     p = lorafast.plan(reqs(fleet, "a"))
     assert isinstance(p, module.Plan) and p.actions == {"all": "apply"}

@@ -27,12 +27,12 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "inspect": ("scanner", "inspect"),
     "inspect_many": ("scanner", "inspect_many"),
     "scan": ("scanner", "scan"),
-    "plan": ("plan", "plan"),
-    "LoraRequest": ("plan", "LoraRequest"),
-    "Plan": ("plan", "Plan"),
+    "plan": ("planner", "plan"),
+    "LoraRequest": ("planner", "LoraRequest"),
+    "Plan": ("planner", "Plan"),
     "plan_groups": ("groups", "plan_groups"),
-    "merge": ("merge", "merge"),
-    "MergeHandle": ("merge", "MergeHandle"),
+    "merge": ("merging", "merge"),
+    "MergeHandle": ("merging", "MergeHandle"),
     "compat": ("compat", None),
 }
 
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
     from .groups import plan_groups
     from .header import Header, TensorInfo, read_header
-    from .merge import MergeHandle, merge
-    from .plan import LoraRequest, Plan, plan
+    from .merging import MergeHandle, merge
+    from .planner import LoraRequest, Plan, plan
     from .scanner import ScanReport, inspect, inspect_many, scan
 
 

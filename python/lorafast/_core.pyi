@@ -12,9 +12,25 @@ DTYPES: list[str]
 build_profile: str
 
 def read_header(path: str, mode: str = "pread") -> dict[str, Any]: ...
-def inspect(path: str, mode: str = "pread", content_hash: bool = False) -> dict[str, Any]: ...
+StorageOptions = list[tuple[str, str]] | None
+#: (path, weights, config, error code, error message) of one discovered adapter.
+TargetItem = tuple[str, str | None, str | None, str | None, str | None]
+
+def inspect(
+    path: str,
+    mode: str = "pread",
+    content_hash: bool = False,
+    storage_options: StorageOptions = None,
+    timeout: float | None = None,
+) -> dict[str, Any]: ...
 def inspect_many(
-    paths: list[str], mode: str = "pread", content_hash: bool = False, threads: int | None = None
+    paths: list[str],
+    mode: str = "pread",
+    content_hash: bool = False,
+    threads: int | None = None,
+    storage_options: StorageOptions = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
 ) -> list[dict[str, Any] | Exception]: ...
 def scan(
     paths: list[str],
@@ -23,8 +39,29 @@ def scan(
     mode: str = "pread",
     content_hash: bool = False,
     progress: bool = False,
+    storage_options: StorageOptions = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
 ) -> ScanResult: ...
 def discover(paths: list[str], recursive: bool = True) -> list[tuple[str, str | None]]: ...
+def discover_targets(
+    paths: list[str],
+    recursive: bool = True,
+    threads: int | None = None,
+    storage_options: StorageOptions = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
+) -> list[TargetItem]: ...
+def scan_targets(
+    items: list[TargetItem],
+    threads: int | None = None,
+    mode: str = "pread",
+    content_hash: bool = False,
+    progress: bool = False,
+    storage_options: StorageOptions = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
+) -> ScanResult: ...
 def map_file(path: str) -> MappedFile: ...
 
 class ScanResult:

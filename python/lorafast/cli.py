@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
-_PLUGINS = ("lorafast.plan", "lorafast.groups", "lorafast.merge.cli", "lorafast.compat.cli")
+_PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli")
 
 
 def _print_json(obj: Any) -> None:
@@ -34,8 +34,10 @@ def cmd_scan(args: argparse.Namespace) -> int:
     from .scanner import scan
 
     progress = False if args.quiet else None
+    storage = dict(_key_value(kv) for kv in args.storage_option) or None
     report = scan(args.paths, recursive=not args.no_recursive, threads=args.threads, progress=progress,
-                  content_hash=args.hash)  # fmt: skip
+                  content_hash=args.hash, storage_options=storage, timeout=args.timeout, backend=args.backend,
+                  ray_address=args.ray_address)  # fmt: skip
     if args.json:
         sys.stdout.write(report.to_json(indent=2, records=not args.summary_only) + "\n")
         return 1 if report.errors else 0
@@ -58,6 +60,13 @@ def cmd_scan(args: argparse.Namespace) -> int:
         if len(report.errors) > len(shown):
             print(f"... and {len(report.errors) - len(shown)} more (use --json for all)")
     return 1 if report.errors else 0
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    return key, value
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -121,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recursive", action="store_true", help="do not descend into sub-folders")
     p.add_argument("--hash", action="store_true", help="add the sha256 of each data section (reads all data)")
     p.add_argument("--summary-only", action="store_true", help="with --json: leave out per-adapter records")
+    p.add_argument("--backend", choices=("local", "ray"), default="local", help="ray: scan shards in Ray tasks")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS or a local one)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="object store option for URL paths (endpoint, region, allow_http, ...); repeatable")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=None, help="seconds per remote request (default 10)")
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("inspect", help="everything about one adapter")

@@ -123,7 +123,7 @@ def _seen_from_loaded(adapter: Any) -> set[bool] | None:
         from lorafast.compat.sglang import predict_loaded_weights
 
         loaded = predict_loaded_weights(adapter)
-    except Exception:  # noqa: BLE001 - no compat layer, or SGLang could not load it: use the header names
+    except Exception:
         return None
     seen: set[bool] = set()
     for _layer, name, shape in loaded.iter_layer_weights():
@@ -349,7 +349,7 @@ def _run_preflight(refs: list[Any], **kwargs: Any) -> tuple[str, list[str], list
     engine_log.setLevel(logging.ERROR)  # SGLang's warnings come back in the result; don't print them too
     try:
         result = preflight(refs, collect=True, **kwargs)
-    except Exception as e:  # noqa: BLE001 - an engine error fails this group; it is reported, not raised
+    except Exception as e:
         return "failed", [f"{type(e).__name__}: {e}"], []
     finally:
         engine_log.setLevel(level)
@@ -494,7 +494,7 @@ def _collect_adapters(adapters_or_report: Any) -> tuple[list[tuple[str | None, A
                 import lorafast
 
                 obj = lorafast.inspect(path)
-            except Exception as e:  # noqa: BLE001 - an unreadable path is reported with the others
+            except Exception as e:
                 failed.append(Unservable(path, name or os.path.basename(path.rstrip("/")), "unreadable", str(e)))
                 continue
         out.append((name, obj))
@@ -525,7 +525,7 @@ def _view(name: str, adapter: Adapter) -> Any:
         from lorafast.compat._inputs import AdapterView
 
         return AdapterView.from_adapter(adapter, name=name)
-    except Exception:  # noqa: BLE001 - without the compat layer, checks fall back to the Adapter itself
+    except Exception:
         return None
 
 
@@ -714,7 +714,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         scan = getattr(lorafast, "scan", None)
         if scan is not None:
             source = scan(paths)
-    except Exception as e:  # noqa: BLE001 - fall back to one inspect per path, which reports each failure
+    except Exception as e:
         print(f"warning: scan failed ({e}); inspecting paths one by one", file=sys.stderr)
         source = paths
     try:

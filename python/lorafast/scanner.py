@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
@@ -72,21 +72,46 @@ def _adapter(raw: dict[str, Any]) -> Adapter:
     )
 
 
-def inspect(path: PathLike, *, content_hash: bool = False, mode: Literal["pread", "mmap"] = "pread") -> Adapter:
+def _storage_items(storage_options: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:
+    """Store options as the strings object stores take (`True` -> "true")."""
+    if storage_options is None:
+        return None
+    return [(str(k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in storage_options.items()]
+
+
+def inspect(
+    path: PathLike,
+    *,
+    content_hash: bool = False,
+    mode: Literal["pread", "mmap"] = "pread",
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Adapter:
     """Classify one adapter: a PEFT folder, a folder holding one `.safetensors`, or a `.safetensors` file.
 
     Reads `adapter_config.json` and the safetensors header (plus kohya's few-byte `.alpha`
     scalars); never the tensor data, unless `content_hash=True` asks for the sha256 of the data
-    section. Raises `HeaderError`, `AdapterError` or an `OSError` subclass.
+    section. `path` may be a URL (s3://, gs://, az://, http(s)://, hf://; see `scan`).
+    Raises `HeaderError`, `AdapterError` or an `OSError` subclass.
     """
-    return _adapter(_core.inspect(os.fspath(path), mode, content_hash))
+    raw = _core.inspect(os.fspath(path), mode, content_hash, _storage_items(storage_options), timeout)
+    return _adapter(raw)
 
 
 def inspect_many(
-    paths: Sequence[PathLike], *, content_hash: bool = False, threads: int | None = None
+    paths: Sequence[PathLike],
+    *,
+    content_hash: bool = False,
+    threads: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
 ) -> list[Adapter | Exception]:
-    """`inspect` for many paths in parallel; a failure comes back as its exception, in place."""
-    raw = _core.inspect_many([os.fspath(p) for p in paths], "pread", content_hash, threads)
+    """`inspect` for many paths or URLs in parallel; a failure comes back as its exception, in place."""
+    plist = [os.fspath(p) for p in paths]
+    raw = _core.inspect_many(
+        plist, "pread", content_hash, threads, _storage_items(storage_options), timeout, concurrency
+    )
     return [r if isinstance(r, Exception) else _adapter(r) for r in raw]
 
 
@@ -97,10 +122,12 @@ class ScanReport:
     `Adapter`s (re-read in parallel batches, so a 10,000-adapter report stays small in memory).
     """
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: Any, *, remote: Mapping[str, Any] | None = None) -> None:
         self._result = result
         self.paths: list[str] = result.paths()
         self._errors = result.errors()
+        # How to reach URLs again when iterating (storage_options, timeout, concurrency).
+        self._remote: dict[str, Any] = dict(remote or {})
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -120,7 +147,7 @@ class ScanReport:
         paths = self.ok_paths
         batch = 512
         for start in range(0, len(paths), batch):
-            for item in inspect_many(paths[start : start + batch]):
+            for item in inspect_many(paths[start : start + batch], **self._remote):
                 if not isinstance(item, Exception):
                     yield item
 
@@ -188,15 +215,48 @@ def scan(
     progress: bool | None = None,
     content_hash: bool = False,
     mode: Literal["pread", "mmap"] = "pread",
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
+    backend: Literal["local", "ray"] = "local",
+    ray_address: str | None = None,
 ) -> ScanReport:
     """Find and classify every adapter under `paths` in parallel, with the GIL released.
 
     One bad adapter never stops the scan: it becomes a row with status `STATUS_ERROR` and an
     entry in `.errors`. `threads` defaults to `LORAFAST_NUM_THREADS` or the available cores.
     `progress=None` shows a bar on stderr for long scans when stderr is a terminal.
+
+    Paths may be URLs: `s3://bucket/prefix/`, `gs://`, `az://`, `http(s)://` and
+    `hf://org/repo[@revision]/path`. Only headers and configs are fetched, with range requests,
+    `concurrency` (default 64) at a time. `storage_options` go to the store (`endpoint`, `region`,
+    `allow_http`, ...); credentials come from each store's usual environment. `timeout` (seconds,
+    default 10) bounds each request; transient failures are retried with backoff.
+
+    `backend="ray"` splits the adapters into shards scanned by Ray tasks (`lorafast[ray]`,
+    see `lorafast.distributed`); the report is identical to a local scan's.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     plist = [os.fspath(p) for p in paths]
+    remote: dict[str, Any] = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
+    if backend == "ray":
+        from .distributed import scan as ray_scan
+
+        return ray_scan(
+            plist,
+            recursive=recursive,
+            content_hash=content_hash,
+            mode=mode,
+            address=ray_address,
+            storage_options=storage_options,
+            timeout=timeout,
+            concurrency=concurrency,
+        )
+    if backend != "local":
+        raise ValueError(f"backend must be 'local' or 'ray', not {backend!r}")
     show = _want_progress(progress, PROGRESS_THRESHOLD if progress is None and sys.stderr.isatty() else 0)
-    return ScanReport(_core.scan(plist, recursive, threads, mode, content_hash, show))
+    result = _core.scan(
+        plist, recursive, threads, mode, content_hash, show, _storage_items(storage_options), timeout, concurrency
+    )
+    return ScanReport(result, remote=remote)

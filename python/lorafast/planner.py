@@ -26,7 +26,6 @@ import math
 import os
 import re
 import sys
-import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 
     from lorafast.adapter import Adapter, LoraModule
 
-logger = logging.getLogger("lorafast.plan")
+logger = logging.getLogger("lorafast.planner")
 
 __all__ = [
     "DYNAMIC_MULTI_ADAPTER_ERROR",
@@ -766,7 +765,7 @@ class _Planner:
                 self.read_errors[path] = "lorafast.inspect is not available"
                 return None
             adapter = inspect(path)
-        except Exception as e:  # noqa: BLE001 - an unreadable adapter is reported in the plan, not raised
+        except Exception as e:
             self.read_errors[path] = f"{type(e).__name__}: {e}"
             return None
         self.cache[path] = adapter
@@ -1197,7 +1196,6 @@ def _sharded_arg(value: list[str] | None) -> bool | dict[str, bool]:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    import sys
 
     try:
         requests = [_parse_adapter_spec(s) for s in args.adapter]
@@ -1261,14 +1259,3 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--state", metavar="JSON", help="current pipeline state (a PipelineState or a previous plan --json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_run_cli)
-
-
-class _CallableModule(types.ModuleType):
-    """`lorafast.plan` is both this module and the `plan` function: importing the submodule (as the CLI does)
-    rebinds the package attribute to the module, so the module forwards calls to `plan()`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -19,10 +19,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lorafast.merge import kernel
-from lorafast.merge.errors import MergeError
-from lorafast.merge.sources import Source, normalize
-from lorafast.merge.targets import NameIndex, Target, WeightSpec, bias_factors, factors, preflight, stack_shape
+from lorafast.merging import kernel
+from lorafast.merging.errors import MergeError
+from lorafast.merging.sources import Source, normalize
+from lorafast.merging.targets import NameIndex, Target, WeightSpec, bias_factors, factors, preflight, stack_shape
 from lorafast.tensors import TensorFile, TensorReadError
 
 if TYPE_CHECKING:
@@ -392,7 +392,7 @@ def merge(
 
     `model`: a `torch.nn.Module`, a state dict (`dict[str, Tensor]`), or a dict of pipeline components
     (`{"transformer": module, ...}`). Adapter module paths are matched to weight names with PEFT/diffusers/kohya
-    prefixes stripped. `plan_or_requests`: a `lorafast.plan.Plan`, or a list of `LoraRequest`s,
+    prefixes stripped. `plan_or_requests`: a `lorafast.Plan`, or a list of `LoraRequest`s,
     `(path, strength)` pairs, paths or `Adapter`s, applied in order.
 
     Math: W += Σ strength·scale·(B @ A) per weight, accumulated in fp32 and rounded to W's dtype once.

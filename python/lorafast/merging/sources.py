@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafast.adapter import Adapter, LoraModule
-from lorafast.merge.errors import MergeError
+from lorafast.merging.errors import MergeError
 
 #: pipeline components a request target covers (SGLang diffusion targets; "all" covers every component)
 _TARGET_COMPONENTS = {"all": None, "transformer": ("transformer",), "transformer_2": ("transformer_2",),
@@ -102,7 +102,7 @@ def _from_request(req: Any, cache: dict[str, Adapter]) -> Source:
 
 
 def _from_plan(plan: Any) -> list[Source]:
-    """A `lorafast.plan.Plan`: every target planned as a merge, its adapters in application order."""
+    """A `lorafast.Plan`: every target planned as a merge, its adapters in application order."""
     cache: dict[str, Adapter] = {}
     for key, value in dict(getattr(plan, "_adapter_cache", {}) or {}).items():
         if isinstance(value, Adapter):

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from lorafast.adapter import LoraModule
-from lorafast.merge.errors import MergeError
-from lorafast.merge.sources import Source, peft_pattern_value
+from lorafast.merging.errors import MergeError
+from lorafast.merging.sources import Source, peft_pattern_value
 
 if TYPE_CHECKING:
     import torch

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from lorafast.merge import kernel
-from lorafast.merge.engine import DEFAULT_CHUNK_BYTES, _Files, _slice_segment, build_segments
-from lorafast.merge.errors import MergeError
-from lorafast.merge.sources import normalize
-from lorafast.merge.targets import NameIndex, Target, WeightSpec, preflight
+from lorafast.merging import kernel
+from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, _Files, _slice_segment, build_segments
+from lorafast.merging.errors import MergeError
+from lorafast.merging.sources import normalize
+from lorafast.merging.targets import NameIndex, Target, WeightSpec, preflight
 from lorafast.tensors import TensorFile, TensorReadError, torch_dtype
 
 ProgressFn = Callable[[int, int], None]

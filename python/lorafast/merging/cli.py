@@ -66,8 +66,8 @@ class _Bar:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from lorafast.merge.errors import MergeError
-    from lorafast.merge.stream import merge_file
+    from lorafast.merging.errors import MergeError
+    from lorafast.merging.stream import merge_file
 
     try:
         chunk = parse_size(args.chunk_bytes) if isinstance(args.chunk_bytes, str) else int(args.chunk_bytes)
@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast merge` to an argparse subparsers object."""
-    from lorafast.merge.engine import DEFAULT_CHUNK_BYTES
+    from lorafast.merging.engine import DEFAULT_CHUNK_BYTES
 
     p = subparsers.add_parser(
         "merge",

@@ -1,0 +1,162 @@
+"""Distributed scan on Ray: discover once, scan shards in Ray tasks, merge into one `ScanReport`.
+
+`lorafast.scan(paths, backend="ray")` lands here. The driver finds the adapters (listing a bucket
+or walking folders), splits them into contiguous shards, and each Ray task runs the normal Rust
+scan on its shard. A task sends back numpy columns, the per-row summary records, the errors and
+the target-module table through Ray's object store; the driver concatenates them in shard order,
+so the report equals what a local scan of the same inputs gives, failed rows included.
+
+Ray is an optional extra (`pip install 'lorafast[ray]'`), imported only when this backend is used.
+Without `address`, an already initialised Ray is used, else `ray.init()` connects to `RAY_ADDRESS`
+or starts a local cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+from .scanner import ScanReport, _storage_items
+
+if TYPE_CHECKING:
+    import numpy as np
+
+#: Adapters per shard aimed at; fewer, larger shards when the cluster is small.
+SHARD_TARGET = 500
+#: Shards per CPU of the cluster at most (a few per worker keep them all busy to the end).
+SHARDS_PER_CPU = 4
+
+#: One discovered adapter: (path, weights, config, error code, error message).
+Item = tuple[str, "str | None", "str | None", "str | None", "str | None"]
+
+
+def _scan_shard(
+    items: list[Item],
+    mode: str,
+    content_hash: bool,
+    storage_options: list[tuple[str, str]] | None,
+    timeout: float | None,
+    concurrency: int | None,
+    threads: int | None,
+) -> dict[str, Any]:
+    """Scans one shard with the Rust core and returns it as plain data (runs in a Ray task)."""
+    result = _core.scan_targets(items, threads, mode, content_hash, False, storage_options, timeout, concurrency)
+    return {
+        "paths": result.paths(),
+        "errors": result.errors(),
+        "columns": result.columns(),
+        "records": [result.record(i) for i in range(len(result))],
+        "target_modules": result.target_modules(),
+    }
+
+
+class MergedResult:
+    """The interface of `_core.ScanResult` over the concatenated results of several shards."""
+
+    def __init__(self, parts: Sequence[Mapping[str, Any]]) -> None:
+        import numpy as np
+
+        self._paths: list[str] = []
+        self._errors: list[tuple[int, str, str, str]] = []
+        self._records: list[dict[str, Any] | None] = []
+        self._names: list[str] = []
+        self._rows: list[list[int]] = []
+        index: dict[str, int] = {}
+        for part in parts:
+            offset = len(self._paths)
+            self._paths.extend(part["paths"])
+            self._errors.extend((row + offset, path, code, msg) for row, path, code, msg in part["errors"])
+            self._records.extend(part["records"])
+            names, rows = part["target_modules"]
+            remap = [index.setdefault(name, len(index)) for name in names]
+            self._rows.extend([remap[i] for i in row] for row in rows)
+        self._names = list(index)
+        keys = list(parts[0]["columns"]) if parts else []
+        self._columns: dict[str, np.ndarray] = {k: np.concatenate([p["columns"][k] for p in parts]) for k in keys}
+        if "path_index" in self._columns:
+            self._columns["path_index"] = np.arange(len(self._paths), dtype=self._columns["path_index"].dtype)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
+    def errors(self) -> list[tuple[int, str, str, str]]:
+        return list(self._errors)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._columns.items()}
+
+    def record(self, i: int) -> dict[str, Any] | None:
+        rec = self._records[i]  # IndexError past the end, as the Rust result
+        return None if rec is None else dict(rec)
+
+    def target_modules(self) -> tuple[list[str], list[list[int]]]:
+        return list(self._names), [list(r) for r in self._rows]
+
+
+def _ray(address: str | None) -> Any:
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("backend='ray' needs Ray: pip install 'lorafast[ray]'") from e
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"))
+    return ray
+
+
+def _shards(items: list[Item], count: int) -> list[list[Item]]:
+    """`count` contiguous, nearly equal slices (order kept, so merging is concatenation)."""
+    size = math.ceil(len(items) / max(count, 1))
+    return [items[i : i + size] for i in range(0, len(items), size)] if items else []
+
+
+def shard_count(n_items: int, cpus: float) -> int:
+    """Shards for `n_items` adapters on a cluster with `cpus` CPUs."""
+    by_size = math.ceil(n_items / SHARD_TARGET)
+    return max(1, min(by_size, int(max(cpus, 1) * SHARDS_PER_CPU)))
+
+
+def scan(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    recursive: bool = True,
+    content_hash: bool = False,
+    mode: str = "pread",
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
+    address: str | None = None,
+    shards: int | None = None,
+    cpus_per_task: float = 1,
+) -> ScanReport:
+    """`lorafast.scan` over a Ray cluster: the same inputs and the same report, work spread over tasks.
+
+    `shards` defaults to about one per 500 adapters, at most 4 per cluster CPU. Each task asks for
+    `cpus_per_task` CPUs and scans with that many threads. Paths must be reachable from every
+    node: URLs, or folders on a shared file system.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    plist = [os.fspath(p) for p in paths]
+    store = _storage_items(storage_options)
+    remote: dict[str, Any] = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
+    items: list[Item] = _core.discover_targets(plist, recursive, None, store, timeout, concurrency)
+    ray = _ray(address)
+    count = shards or shard_count(len(items), ray.cluster_resources().get("CPU", 1))
+    task = ray.remote(num_cpus=cpus_per_task)(_scan_shard)
+    threads = max(1, int(cpus_per_task))
+    refs = [
+        task.remote(shard, mode, content_hash, store, timeout, concurrency, threads) for shard in _shards(items, count)
+    ]
+    parts = ray.get(refs)
+    if not parts:  # nothing found: an empty report with the right column types
+        parts = [_scan_shard([], mode, content_hash, store, timeout, concurrency, 1)]
+    return ScanReport(MergedResult(parts), remote=remote)
+
+
+__all__ = ["MergedResult", "scan", "shard_count"]

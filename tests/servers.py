@@ -1,0 +1,337 @@
+"""Loopback servers and fleets for the remote-scan tests and benchmarks (no internet needed).
+
+- `build_fleet(root, n)`: sample adapters of every kind, the malformed-header corpus, broken
+  folders, and adapters whose headers are longer than the speculative first range request.
+- `MotoS3`: a real S3 API server (moto in server mode) on 127.0.0.1, in a subprocess.
+- `RangeServer`: a threaded HTTP server on 127.0.0.1 whose first path segment picks a behaviour
+  (honours Range, ignores it, truncates, lies, stalls, fails transiently, Hugging Face layout).
+- `normalized(report, local_root, url_root)`: a report as plain data with paths mapped, so a
+  remote scan can be compared with a local one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+from lorafast.sample import write_samples
+from lorafast.testing import write_safetensors
+
+sys.path.insert(0, os.path.dirname(__file__))
+from malformed import write_corpus
+
+#: Bytes the core asks for first (rust/remote.rs SPECULATIVE_BYTES).
+SPECULATIVE_BYTES = 64 << 10
+
+
+def long_peft(path: str, modules: int = 400) -> None:
+    """A PEFT folder whose header (~90 KB) is longer than the first range request."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for i in range(modules):
+        key = f"base_model.model.model.layers.{i // 4}.self_attn.{'qkvo'[i % 4]}_proj"
+        tensors[f"{key}.lora_A.weight"] = ("BF16", (4, 16))
+        tensors[f"{key}.lora_B.weight"] = ("BF16", (16, 4))
+    write_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def long_kohya(path: str, modules: int = 300) -> None:
+    """A kohya file with a long header and one `.alpha` scalar per module (alphas differ)."""
+    tensors: dict[str, Any] = {}
+    for i in range(modules):
+        key = f"lora_unet_down_blocks_{i // 10}_attentions_{i % 10}_proj_in"
+        tensors[f"{key}.lora_down.weight"] = ("F16", (4, 32))
+        tensors[f"{key}.lora_up.weight"] = ("F16", (32, 4))
+        tensors[f"{key}.alpha"] = np.array(1.0 + (i % 7), dtype=np.float32)
+    write_safetensors(path, tensors)
+
+
+def build_fleet(root: str, samples: int = 120) -> str:
+    """Writes a mixed fleet under `root` (good, broken, long headers, hidden) and returns `root`."""
+    write_samples(os.path.join(root, "samples"), samples, seed=3)
+    write_corpus(os.path.join(root, "broken", "headers"))
+    open(os.path.join(root, "broken", "headers", "empty.safetensors"), "wb").close()
+    long_peft(os.path.join(root, "long", "peft"))
+    long_kohya(os.path.join(root, "long", "kohya.safetensors"))
+    for name, files in {
+        "no-weights": {"adapter_config.json": "{}"},
+        "pickle-only": {"adapter_config.json": "{}", "adapter_model.bin": "x"},
+        "bad-config": {"adapter_config.json": "{not json", "adapter_model.safetensors": None},
+        "list-config": {"adapter_config.json": "[1, 2]", "adapter_model.safetensors": None},
+    }.items():
+        folder = os.path.join(root, "broken", name)
+        os.makedirs(folder, exist_ok=True)
+        for fname, text in files.items():
+            if text is None:
+                write_safetensors(os.path.join(folder, fname), {"x.lora_A.weight": ("F32", (2, 4))})
+            else:
+                with open(os.path.join(folder, fname), "w") as f:
+                    f.write(text)
+    hidden = os.path.join(root, ".cache")
+    os.makedirs(hidden, exist_ok=True)
+    shutil.copy(os.path.join(root, "long", "kohya.safetensors"), os.path.join(hidden, "skipped.safetensors"))
+    with open(os.path.join(root, "README.txt"), "w") as f:
+        f.write("not an adapter")
+    return root
+
+
+def files_under(root: str) -> Iterator[tuple[str, str]]:
+    """(absolute path, key relative to root) of every file, hidden ones included."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            yield full, os.path.relpath(full, root).replace(os.sep, "/")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoS3:
+    """moto's S3 server on 127.0.0.1 in a subprocess; `storage_options` reach it from lorafast."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        return {
+            "endpoint": self.endpoint,
+            "region": "us-east-1",
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+        }
+
+    def client(self, **kwargs: Any) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            **kwargs,
+        )
+
+    def upload(self, bucket: str, root: str) -> int:
+        """Creates `bucket` and puts every file under `root` into it; returns the object count."""
+        client = self.client()
+        client.create_bucket(Bucket=bucket)
+        items = list(files_under(root))
+
+        def put(item: tuple[str, str]) -> None:
+            with open(item[0], "rb") as f:
+                client.put_object(Bucket=bucket, Key=item[1], Body=f.read())
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(put, items))
+        return len(items)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def _file(self) -> tuple[str, str] | None:
+        """(mode, file path) for the request, or None (then a 404 has been sent)."""
+        parts = self.path.split("?")[0].lstrip("/").split("/")
+        mode, rest = parts[0], parts[1:]
+        if mode == "hf" and len(rest) >= 4 and rest[2] == "resolve":
+            rest = rest[:2] + rest[4:]  # /hf/{org}/{repo}/resolve/{rev}/path -> {org}/{repo}/path
+        path = os.path.join(self.server.root, *rest)
+        if not rest or not os.path.isfile(path):
+            self._send(404, b"not found")
+            return None
+        return mode, path
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None, head: bool = False) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _range(self, size: int) -> tuple[int, int] | None:
+        spec = self.headers.get("Range")
+        if not spec or not spec.startswith("bytes="):
+            return None
+        a, _, b = spec[len("bytes=") :].partition("-")
+        if a == "":
+            return max(size - int(b), 0), size
+        return int(a), min(int(b) + 1 if b else size, size)
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def _serve(self, head: bool) -> None:
+        with self.server.lock:
+            self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        try:
+            found = self._file()
+            if found is None:
+                return
+            mode, path = found
+            if mode == "hf":  # the Hub redirects resolve URLs to its file servers
+                self.send_response(302)
+                self.send_header("Location", "/ok/" + os.path.relpath(path, self.server.root))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            with open(path, "rb") as f:
+                data = f.read()
+            if mode == "slow":
+                time.sleep(self.server.delay)
+            if mode == "flaky":
+                with self.server.lock:
+                    attempt = self.server.attempts.get(path, 0)
+                    self.server.attempts[path] = attempt + 1
+                if attempt == 0:
+                    return self._send(503, b"busy, try again")
+                if attempt == 1:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+            if mode == "lie":  # claims the object is 16 bytes long
+                data = data[:16]
+            rng = None if mode == "norange" else self._range(len(data))
+            if rng is None:
+                return self._send(200, data, head=head)
+            a, b = rng
+            if a >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"}, head=head)
+            body = data[a:b]
+            headers = {"Content-Range": f"bytes {a}-{b - 1}/{len(data)}"}
+            if mode == "short":  # a consistent Content-Length, but fewer bytes than the range says
+                body = body[: len(body) // 2]
+            if mode == "truncate":  # announces the whole range, sends half, hangs up
+                self.send_response(206)
+                self.send_header("Content-Range", headers["Content-Range"])
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            self._send(206, body, headers, head=head)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self.close_connection = True
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    root: str
+    delay: float
+    requests: list[tuple[str, str, str | None]]
+    attempts: dict[str, int]
+    lock: threading.Lock
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # clients that hang up are expected
+        pass
+
+
+class RangeServer:
+    """HTTP server over `root` on 127.0.0.1. URL `{url}/{mode}/{relative path}`, modes:
+
+    ok (Range honoured), norange (always 200 with the whole file), truncate (half the announced
+    body, then hang up), short (a 206 whose body is shorter than its Content-Range), lie (claims
+    the file is 16 bytes), slow (waits `delay` s first), flaky (503, then a dropped connection,
+    then ok, per file), hf (`/hf/{org}/{repo}/resolve/{rev}/{path}`, redirected like the Hub).
+    """
+
+    def __init__(self, root: str, delay: float = 3.0) -> None:
+        self.httpd = _Server(("127.0.0.1", 0), _Handler)
+        self.httpd.root = root
+        self.httpd.delay = delay
+        self.httpd.requests = []
+        self.httpd.attempts = {}
+        self.httpd.lock = threading.Lock()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def requests(self) -> list[tuple[str, str, str | None]]:
+        with self.httpd.lock:
+            return list(self.httpd.requests)
+
+    def clear(self) -> None:
+        with self.httpd.lock:
+            self.httpd.requests.clear()
+            self.httpd.attempts.clear()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _map(value: Any, src: str, dst: str) -> Any:
+    if isinstance(value, str):
+        return dst + value[len(src) :] if value.startswith(src) else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, src, dst) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, src, dst) for k, v in value.items()}
+    return value
+
+
+def normalized(report: Any, src: str | None = None, dst: str | None = None) -> dict[str, Any]:
+    """Everything a report holds, as plain data; paths starting with `src` rewritten to start with `dst`."""
+    data = {
+        "paths": report.paths,
+        "errors": report.errors,
+        "columns": {k: v.tolist() for k, v in report.columns().items()},
+        "records": [report.record(i) for i in range(len(report))],
+        "summary": report.summary(),
+    }
+    return _map(data, src, dst) if src is not None and dst is not None else data

@@ -1,0 +1,130 @@
+"""http(s):// and hf:// inputs against a loopback server: range requests, and servers that misbehave."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lorafast
+import pytest
+from lorafast.errors import AdapterError
+from servers import SPECULATIVE_BYTES, RangeServer, build_fleet, long_kohya, long_peft, normalized
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("http") / "site")
+    build_fleet(root, samples=40)
+    hf_repo = os.path.join(root, "org", "repo")
+    long_peft(os.path.join(hf_repo, "peft"))
+    long_kohya(os.path.join(hf_repo, "kohya.safetensors"))
+    server = RangeServer(root, delay=2.0)
+    try:
+        yield server, root
+    finally:
+        server.stop()
+
+
+def _inputs(root: str) -> list[str]:
+    """The fleet's files and PEFT folders (web servers cannot be listed, so one-file folders are left out)."""
+    paths = lorafast.scan(root).paths
+    return [p for p in paths if p.endswith(".safetensors") or os.path.exists(os.path.join(p, "adapter_config.json"))]
+
+
+def test_http_scan_equals_local_scan_with_range_requests_only(site):
+    server, root = site
+    inputs = _inputs(root)
+    urls = [f"{server.url}/ok" + p[len(root) :] for p in inputs]
+    server.clear()
+    remote = lorafast.scan(urls)  # plain http:// needs no options
+    local = lorafast.scan(inputs)
+    assert len(local) > 40
+    assert normalized(remote) == normalized(local, root, f"{server.url}/ok")
+    gets = [(path, rng) for method, path, rng in server.requests if method == "GET"]
+    assert gets and all(rng is not None for _, rng in gets)  # never a whole object
+    by_path: dict[str, list[str]] = {}
+    for path, rng in gets:
+        by_path.setdefault(path, []).append(rng)
+    # One speculative range per weights file; a second one only for headers longer than it.
+    long_file = "/ok/long/peft/adapter_model.safetensors"
+    assert by_path[long_file][0] == f"bytes=0-{SPECULATIVE_BYTES - 1}"
+    assert len(by_path[long_file]) == 2 and by_path[long_file][1].startswith(f"bytes={SPECULATIVE_BYTES}-")
+    dense = [p for p in by_path if "peft_dense" in p and p.endswith(".safetensors")]
+    assert len(dense) > 5 and all(by_path[p] == [f"bytes=0-{SPECULATIVE_BYTES - 1}"] for p in dense)
+    # kohya alphas: range requests past the header (two requests) for the scalars' bytes.
+    assert len(by_path["/ok/long/kohya.safetensors"]) >= 3
+
+
+def test_server_that_ignores_range_still_gives_the_same_result(site):
+    server, root = site
+    inputs = [os.path.join(root, "long", "peft"), os.path.join(root, "long", "kohya.safetensors")]
+    remote = lorafast.scan([f"{server.url}/norange" + p[len(root) :] for p in inputs])
+    assert normalized(remote) == normalized(lorafast.scan(inputs), root, f"{server.url}/norange")
+
+
+def test_truncated_short_and_lying_bodies_give_clear_errors(site):
+    server, root = site
+    path = "/long/kohya.safetensors"
+    report = lorafast.scan([f"{server.url}/{mode}{path}" for mode in ("truncate", "short", "lie")])
+    assert [code for _, code, _ in report.errors] == ["short_read", "short_read", "invalid_header_length"]
+    assert "16-byte file" in report.errors[2][2]
+    with pytest.raises(AdapterError) as e:
+        lorafast.inspect(f"{server.url}/short{path}")
+    assert e.value.code == "short_read"
+
+
+def test_stalled_server_times_out_and_is_given_up(site):
+    server, root = site
+    files = sorted(p for p in os.listdir(os.path.join(root, "broken", "headers")))[:8]
+    urls = [f"{server.url}/slow/broken/headers/{name}" for name in files]
+    report = lorafast.scan(urls, timeout=0.3, concurrency=1)
+    assert [code for _, code, _ in report.errors] == ["timeout"] * len(urls)
+    messages = [m for _, _, m in report.errors]
+    assert "timeout" in messages[0]
+    # After a few timeouts in a row the server is skipped instead of waited for.
+    assert messages[-1].startswith("skipped: this server timed out")
+
+
+def test_transient_failures_are_retried(site):
+    server, root = site
+    inputs = [os.path.join(root, "long", "peft"), os.path.join(root, "long", "kohya.safetensors")]
+    server.clear()
+    remote = lorafast.scan([f"{server.url}/flaky" + p[len(root) :] for p in inputs])
+    assert remote.errors == []
+    assert normalized(remote) == normalized(lorafast.scan(inputs), root, f"{server.url}/flaky")
+    statuses = [path for method, path, _ in server.requests if path.endswith("kohya.safetensors")]
+    assert len(statuses) >= 3  # 503, dropped connection, then the answer
+
+
+def test_hf_urls_map_to_resolve_urls(site, monkeypatch):
+    server, root = site
+    monkeypatch.setenv("HF_ENDPOINT", f"{server.url}/hf")
+    repo = os.path.join(root, "org", "repo")
+    remote = lorafast.scan(["hf://org/repo/peft", "hf://org/repo@main/kohya.safetensors"])
+    local = lorafast.scan([os.path.join(repo, "peft"), os.path.join(repo, "kohya.safetensors")])
+    assert normalized(remote, "hf://org/repo@main", "hf://org/repo") == normalized(local, repo, "hf://org/repo")
+    adapter = lorafast.inspect("hf://org/repo/kohya.safetensors")
+    assert adapter.format == lorafast.inspect(os.path.join(repo, "kohya.safetensors")).format
+    # Web folders cannot be listed: a folder without adapter_config.json is reported clearly.
+    with pytest.raises(FileNotFoundError, match="cannot be listed"):
+        lorafast.inspect("hf://org/repo")
+
+
+def test_bad_urls_and_options(site):
+    server, _ = site
+    report = lorafast.scan(["hf://only-org", f"{server.url}/ok/x.safetensors?sig=1", f"{server.url}/ok/missing"])
+    assert [code for _, code, _ in report.errors] == ["invalid_url", "invalid_url", "not_found"]
+    with pytest.raises(ValueError, match="timeout"):
+        lorafast.scan([f"{server.url}/ok/x.safetensors"], timeout=0)
+
+
+def test_cli_scan_takes_urls_timeout_and_storage_options(site, capsys):
+    from lorafast.cli import main as cli_main
+
+    server, _ = site
+    url = f"{server.url}/ok/long/peft"
+    assert cli_main(["scan", url, "--json", "--quiet", "--timeout", "5", "--storage-option", "allow_http=true"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["adapters"][0]["path"] == url and out["summary"]["ok"] == 1
+    assert cli_main(["scan", f"{server.url}/slow/long/peft", "--timeout", "0.2", "--quiet"]) == 1
+    assert "timeout" in capsys.readouterr().out
