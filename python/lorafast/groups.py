@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from lorafast.compat._sglang_names import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
+
 if TYPE_CHECKING:
     import argparse
 
@@ -48,36 +50,9 @@ __all__ = [
 SHARED_OUTER_FLAG = "--experts-shared-outer-loras"
 NO_SHARED_OUTER_FLAG = "--no-experts-shared-outer-loras"
 
-#: SGLang `--lora-target-modules` argparse choices (`SUPPORTED_LORA_TARGET_MODULES`), plus "all".
-SUPPORTED_LORA_TARGET_MODULES = frozenset(
-    {
-        "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b",
-        "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens",
-        "lm_head", "qkvr", "wo_ud", "all",
-    }
-)  # fmt: skip
+#: SGLang `--lora-target-modules` argparse choices, plus "all".
+SUPPORTED_LORA_TARGET_MODULES = frozenset({*_SUPPORTED_TARGETS, "all"})
 
-# SGLang `get_normalized_target_modules` mapping (utils.py), used when lorafast.compat is not there.
-_PARAMS_MAPPING = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-    "out_proj": "out_proj",
-    "embed_tokens": "embed_tokens",
-    "vocab_emb": "embed_tokens",
-    "embeddings": "embed_tokens",
-    "word_embeddings": "embed_tokens",
-    "lm_head": "lm_head",
-    "output": "lm_head",
-    "unembed_tokens": "lm_head",
-    "q_a_proj": "fused_qkv_a_proj_with_mqa",
-    "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
-    "wq_b": "indexer.wq_b",
-    "wk": "indexer.wk",
-    "weights_proj": "indexer.weights_proj",
-}
 # Leaves SGLang's loader turns into gate_up_proj (Mixtral w1/w3 are renamed to gate/up first).
 _GATE_UP_LEAVES = frozenset({"gate_proj", "up_proj", "gate_up_proj", "w1", "w3"})
 _NUMBERED_EXPERT = re.compile(r"(?:shared_)?experts\.\d+\.")
@@ -97,16 +72,9 @@ class OuterLayout(str, Enum):
 
 
 def _normalize_targets(names: Iterable[str]) -> set[str]:
-    try:  # prefer the compat layer's copy of SGLang's function when it exists
-        from lorafast.compat.sglang import get_normalized_target_modules
+    from lorafast.compat.sglang import get_normalized_target_modules
 
-        return set(get_normalized_target_modules(list(names)))
-    except (ImportError, AttributeError):
-        out = set()
-        for name in names:
-            leaf = name.split(".")[-1]
-            out.add(_PARAMS_MAPPING.get(leaf, leaf))
-        return out
+    return set(get_normalized_target_modules(list(names)))
 
 
 def _layout_of(seen: set[bool]) -> OuterLayout:
