@@ -16,7 +16,11 @@ pub enum Error {
     #[error("{path}: {kind}")]
     Header { path: PathBuf, kind: HeaderError },
     #[error("{path}: {message}")]
-    Adapter { path: PathBuf, code: &'static str, message: String },
+    Adapter {
+        path: PathBuf,
+        code: &'static str,
+        message: String,
+    },
 }
 
 impl Error {
@@ -48,11 +52,18 @@ impl Error {
     }
 
     pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 
     pub fn adapter(path: impl Into<PathBuf>, code: &'static str, message: impl Into<String>) -> Self {
-        Error::Adapter { path: path.into(), code, message: message.into() }
+        Error::Adapter {
+            path: path.into(),
+            code,
+            message: message.into(),
+        }
     }
 }
 
@@ -79,7 +90,12 @@ pub enum HeaderError {
     #[error("tensor {name:?}: unknown dtype {dtype:?}")]
     UnknownDtype { name: String, dtype: String },
     #[error("tensor {name:?}: data_offsets {begin}..{end} are not contiguous with the previous tensor (expected begin {expected})")]
-    InvalidOffset { name: String, begin: u64, end: u64, expected: u64 },
+    InvalidOffset {
+        name: String,
+        begin: u64,
+        end: u64,
+        expected: u64,
+    },
     #[error("tensor {0:?}: shape or byte size overflows 64 bits")]
     Overflow(String),
     #[error("tensor {0:?}: size in bits is not a whole number of bytes")]

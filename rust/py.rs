@@ -28,7 +28,11 @@ fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
             }
         }
         Error::Header { .. } | Error::Adapter { .. } => {
-            let class = if matches!(err, Error::Header { .. }) { "HeaderError" } else { "AdapterError" };
+            let class = if matches!(err, Error::Header { .. }) {
+                "HeaderError"
+            } else {
+                "AdapterError"
+            };
             let build = || -> PyResult<PyErr> {
                 let cls = py.import("lorafast.errors")?.getattr(class)?;
                 let exc = cls.call1((err.to_string(), err.code(), path.clone()))?;
@@ -58,10 +62,19 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
             let tensors: Vec<TensorRow> = h
                 .tensors
                 .iter()
-                .map(|t| (t.name.to_string(), t.dtype.name(), h.shape(t).to_vec(), (t.begin, t.end)))
+                .map(|t| {
+                    (
+                        t.name.to_string(),
+                        t.dtype.name(),
+                        h.shape(t).to_vec(),
+                        (t.begin, t.end),
+                    )
+                })
                 .collect();
-            let metadata: Option<Vec<(String, String)>> =
-                h.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+            let metadata: Option<Vec<(String, String)>> = h
+                .metadata
+                .as_ref()
+                .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
             let warnings: Vec<(&'static str, String)> =
                 h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
             (tensors, metadata, h.header_size, h.file_size, warnings)
@@ -84,7 +97,10 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
         })
         .collect::<PyResult<_>>()?;
     d.set_item("tensors", tensors)?;
-    d.set_item("metadata", metadata.map(|m| m.into_iter().collect::<std::collections::HashMap<_, _>>()))?;
+    d.set_item(
+        "metadata",
+        metadata.map(|m| m.into_iter().collect::<std::collections::HashMap<_, _>>()),
+    )?;
     d.set_item("header_size", header_size)?;
     d.set_item("file_size", file_size)?;
     d.set_item("warnings", warnings)?;
@@ -141,29 +157,45 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
     d.set_item("rank", c.rank)?;
     d.set_item("moe_layout", c.moe_layout.name())?;
     d.set_item("num_experts", c.num_experts)?;
-    let names: Vec<&str> =
-        flags::NAMES.iter().enumerate().filter(|(i, _)| c.flags & (1 << i) != 0).map(|(_, n)| *n).collect();
+    let names: Vec<&str> = flags::NAMES
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| c.flags & (1 << i) != 0)
+        .map(|(_, n)| *n)
+        .collect();
     d.set_item("flags", names)?;
     d.set_item("variants", c.variants.iter().map(|v| v.name()).collect::<Vec<_>>())?;
     d.set_item("full_weight_tensors", &c.full_weight_tensors)?;
-    let problems: Vec<(&str, &str, Option<&str>)> =
-        c.problems.iter().map(|p| (p.code, p.message.as_str(), p.tensor.as_deref())).collect();
+    let problems: Vec<(&str, &str, Option<&str>)> = c
+        .problems
+        .iter()
+        .map(|p| (p.code, p.message.as_str(), p.tensor.as_deref()))
+        .collect();
     d.set_item("problems", problems)?;
     d.set_item("content_hash", &r.content_hash)?;
     d.set_item(
         "metadata",
-        r.metadata.as_ref().map(|m| m.iter().cloned().collect::<std::collections::HashMap<_, _>>()),
+        r.metadata
+            .as_ref()
+            .map(|m| m.iter().cloned().collect::<std::collections::HashMap<_, _>>()),
     )?;
     d.set_item("header_size", r.header_size)?;
     d.set_item("file_size", r.file_size)?;
-    let modules: Vec<Bound<'py, PyDict>> =
-        c.modules.iter().map(|m| module_dict(py, m, &weight_file)).collect::<PyResult<_>>()?;
+    let modules: Vec<Bound<'py, PyDict>> = c
+        .modules
+        .iter()
+        .map(|m| module_dict(py, m, &weight_file))
+        .collect::<PyResult<_>>()?;
     d.set_item("modules", modules)?;
     Ok(d)
 }
 
 fn full_options(mode: ReadMode, content_hash: bool) -> ScanOptions {
-    ScanOptions { mode, keep_modules: true, content_hash }
+    ScanOptions {
+        mode,
+        keep_modules: true,
+        content_hash,
+    }
 }
 
 /// Remote access settings from the Python keywords (defaults: see `remote.rs`).
@@ -172,10 +204,15 @@ fn remote_options(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<RemoteOptions> {
-    let mut o = RemoteOptions { storage_options: storage_options.unwrap_or_default(), ..RemoteOptions::default() };
+    let mut o = RemoteOptions {
+        storage_options: storage_options.unwrap_or_default(),
+        ..RemoteOptions::default()
+    };
     if let Some(t) = timeout {
         if !(t.is_finite() && t > 0.0) {
-            return Err(PyValueError::new_err(format!("timeout must be a positive number of seconds, not {t}")));
+            return Err(PyValueError::new_err(format!(
+                "timeout must be a positive number of seconds, not {t}"
+            )));
         }
         o.timeout = std::time::Duration::from_secs_f64(t);
     }
@@ -208,7 +245,8 @@ fn inspect<'py>(
     let result = py.detach(|| {
         if is_url(&path.to_string_lossy()) {
             let mut rows = remote::inspect_many(&strings(&[path]), opts, None, &ropts);
-            rows.pop().unwrap_or_else(|| Err(Error::adapter("", "internal", "inspect lost its result")))
+            rows.pop()
+                .unwrap_or_else(|| Err(Error::adapter("", "internal", "inspect lost its result")))
         } else {
             core_scan::locate(&path).and_then(|t| core_scan::load(t, opts))
         }
@@ -239,7 +277,10 @@ fn inspect_many<'py>(
             return remote::inspect_many(&names, opts, threads, &ropts);
         }
         core_scan::with_pool(threads, || {
-            paths.par_iter().map(|p| core_scan::locate(p).and_then(|t| core_scan::load(t, opts))).collect::<Vec<_>>()
+            paths
+                .par_iter()
+                .map(|p| core_scan::locate(p).and_then(|t| core_scan::load(t, opts)))
+                .collect::<Vec<_>>()
         })
     });
     let items: Vec<Bound<'py, PyAny>> = results
@@ -285,7 +326,11 @@ impl ScanResult {
         self.rows
             .iter()
             .enumerate()
-            .filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e.path().display().to_string(), e.code(), e.detail())))
+            .filter_map(|(i, r)| {
+                r.as_ref()
+                    .err()
+                    .map(|e| (i, e.path().display().to_string(), e.code(), e.detail()))
+            })
             .collect()
     }
 
@@ -307,7 +352,11 @@ impl ScanResult {
             match row {
                 Ok(a) => {
                     let c = &a.class;
-                    status.push(if c.problems.is_empty() { STATUS_OK } else { STATUS_PROBLEMS });
+                    status.push(if c.problems.is_empty() {
+                        STATUS_OK
+                    } else {
+                        STATUS_PROBLEMS
+                    });
                     format.push(c.format as u8);
                     rank.push(c.rank as u32);
                     num_tensors.push(c.num_tensors);
@@ -400,7 +449,9 @@ fn fill_rows(
         .into_iter()
         .map(|s| match s {
             Some(e) => Err(e),
-            None => loaded.next().unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))),
+            None => loaded
+                .next()
+                .unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))),
         })
         .collect()
 }
@@ -421,7 +472,11 @@ fn scan(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = ScanOptions { mode: parse_mode(mode)?, keep_modules: false, content_hash };
+    let opts = ScanOptions {
+        mode: parse_mode(mode)?,
+        keep_modules: false,
+        content_hash,
+    };
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {
         let names = strings(&paths);
@@ -455,8 +510,20 @@ fn discover_targets(
         remote::discover(&paths, recursive, threads, &ropts)
             .into_iter()
             .map(|r| match r {
-                Ok(t) => (path_of(&t.path), Some(path_of(&t.weights)), t.config.as_deref().map(path_of), None, None),
-                Err(e) => (path_of(e.path()), None, None, Some(e.code().to_owned()), Some(e.detail())),
+                Ok(t) => (
+                    path_of(&t.path),
+                    Some(path_of(&t.weights)),
+                    t.config.as_deref().map(path_of),
+                    None,
+                    None,
+                ),
+                Err(e) => (
+                    path_of(e.path()),
+                    None,
+                    None,
+                    Some(e.code().to_owned()),
+                    Some(e.detail()),
+                ),
             })
             .collect()
     }))
@@ -504,15 +571,21 @@ fn scan_targets(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = ScanOptions { mode: parse_mode(mode)?, keep_modules: false, content_hash };
+    let opts = ScanOptions {
+        mode: parse_mode(mode)?,
+        keep_modules: false,
+        content_hash,
+    };
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {
         let found = items
             .into_iter()
             .map(|(path, weights, config, code, message)| match (weights, code) {
-                (Some(w), None) => {
-                    Ok(Target { path: path.into(), weights: w.into(), config: config.map(PathBuf::from) })
-                }
+                (Some(w), None) => Ok(Target {
+                    path: path.into(),
+                    weights: w.into(),
+                    config: config.map(PathBuf::from),
+                }),
                 (_, code) => Err(Error::adapter(
                     path,
                     static_code(code.as_deref().unwrap_or("internal")),
@@ -568,13 +641,22 @@ fn map_file(py: Python<'_>, path: PathBuf) -> PyResult<MappedFile> {
         let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
         let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
         if len != file_size {
-            return Err(Error::adapter(&path, "file_changed", "file length changed while it was being opened"));
+            return Err(Error::adapter(
+                &path,
+                "file_changed",
+                "file length changed while it was being opened",
+            ));
         }
         // SAFETY: read-only private map of a file whose length we just checked; see header.rs for
         // the truncation race, which callers narrow by copying tensors out promptly.
         let map = unsafe { memmap2::MmapOptions::new().len(len as usize).map_copy_read_only(&file) }
             .map_err(|e| Error::io(&path, e))?;
-        Ok(MappedFile { map, data_start, file_size, path: path.display().to_string() })
+        Ok(MappedFile {
+            map,
+            data_start,
+            file_size,
+            path: path.display().to_string(),
+        })
     });
     result.map_err(|e| to_pyerr(py, &e))
 }
@@ -615,7 +697,10 @@ mod _core {
         m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;
         m.add("FLAGS", super::flags::NAMES.to_vec())?;
         m.add("DTYPES", super::Dtype::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
-        m.add("build_profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
+        m.add(
+            "build_profile",
+            if cfg!(debug_assertions) { "debug" } else { "release" },
+        )?;
         Ok(())
     }
 }

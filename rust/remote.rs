@@ -107,21 +107,34 @@ pub fn load_all(
     ropts: &RemoteOptions,
 ) -> Vec<Result<AdapterResult, Error>> {
     type Numbered = Vec<(usize, Target)>;
-    let (remote, local): (Numbered, Numbered) =
-        targets.into_iter().enumerate().partition(|(_, t)| is_url(&t.weights.to_string_lossy()));
+    let (remote, local): (Numbered, Numbered) = targets
+        .into_iter()
+        .enumerate()
+        .partition(|(_, t)| is_url(&t.weights.to_string_lossy()));
     if remote.is_empty() {
         return scan::scan(local.into_iter().map(|(_, t)| t).collect(), opts, threads, progress);
     }
     let n = remote.len() + local.len();
     let (local_at, local): (Vec<usize>, Vec<Target>) = local.into_iter().unzip();
     let (remote_at, remote): (Vec<usize>, Vec<Target>) = remote.into_iter().unzip();
-    let local_rows = if local.is_empty() { Vec::new() } else { scan::scan(local, opts, threads, false) };
+    let local_rows = if local.is_empty() {
+        Vec::new()
+    } else {
+        scan::scan(local, opts, threads, false)
+    };
     let remote_rows = imp::load_urls(remote, opts, threads, progress, ropts);
     let mut slots: Vec<Option<Result<AdapterResult, Error>>> = (0..n).map(|_| None).collect();
-    for (i, r) in local_at.into_iter().zip(local_rows).chain(remote_at.into_iter().zip(remote_rows)) {
+    for (i, r) in local_at
+        .into_iter()
+        .zip(local_rows)
+        .chain(remote_at.into_iter().zip(remote_rows))
+    {
         slots[i] = Some(r);
     }
-    slots.into_iter().map(|s| s.unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row")))).collect()
+    slots
+        .into_iter()
+        .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))))
+        .collect()
 }
 
 /// `inspect` for each path or URL: the single adapter there (the `locate` rules), loaded in full.
@@ -136,10 +149,17 @@ pub fn inspect_many(
         paths,
         |run| {
             scan::with_pool(threads, || {
-                run.par_iter().map(|p| scan::locate(p).and_then(|t| scan::load(t, opts))).collect::<Vec<_>>()
+                run.par_iter()
+                    .map(|p| scan::locate(p).and_then(|t| scan::load(t, opts)))
+                    .collect::<Vec<_>>()
             })
         },
-        |urls| imp::inspect_urls(urls, opts, threads, ropts).into_iter().map(|r| vec![r]).collect(),
+        |urls| {
+            imp::inspect_urls(urls, opts, threads, ropts)
+                .into_iter()
+                .map(|r| vec![r])
+                .collect()
+        },
     )
 }
 
@@ -171,7 +191,10 @@ mod imp {
         _: bool,
         _: &RemoteOptions,
     ) -> Vec<Result<AdapterResult, Error>> {
-        targets.iter().map(|t| Err(unsupported(&t.path.to_string_lossy()))).collect()
+        targets
+            .iter()
+            .map(|t| Err(unsupported(&t.path.to_string_lossy())))
+            .collect()
     }
 
     pub fn inspect_urls(
@@ -287,15 +310,24 @@ mod imp {
         ropts: &RemoteOptions,
     ) -> Vec<Vec<Result<Target, Error>>> {
         let remote = Arc::new(Remote::new(ropts));
-        run(threads, urls, |u, e| vec![Err(io_err(u, e.kind(), e.to_string()))], async {
-            let jobs = urls.iter().map(|u| {
-                let remote = remote.clone();
-                let u = u.clone();
-                tokio::spawn(async move { remote.discover(&u, recursive).await })
-            });
-            let joined = futures_util::future::join_all(jobs).await;
-            joined.into_iter().zip(urls).map(|(r, u)| r.unwrap_or_else(|e| vec![Err(join_error(u, &e))])).collect()
-        })
+        run(
+            threads,
+            urls,
+            |u, e| vec![Err(io_err(u, e.kind(), e.to_string()))],
+            async {
+                let jobs = urls.iter().map(|u| {
+                    let remote = remote.clone();
+                    let u = u.clone();
+                    tokio::spawn(async move { remote.discover(&u, recursive).await })
+                });
+                let joined = futures_util::future::join_all(jobs).await;
+                joined
+                    .into_iter()
+                    .zip(urls)
+                    .map(|(r, u)| r.unwrap_or_else(|e| vec![Err(join_error(u, &e))]))
+                    .collect()
+            },
+        )
     }
 
     pub fn load_urls(
@@ -333,7 +365,10 @@ mod imp {
                     r.unwrap_or_else(|e| Err(join_error(&url, &e)))
                 }
             });
-            futures_util::stream::iter(jobs).buffered(concurrency).collect::<Vec<_>>().await
+            futures_util::stream::iter(jobs)
+                .buffered(concurrency)
+                .collect::<Vec<_>>()
+                .await
         });
         finished.store(true, Ordering::Relaxed);
         if let Some(bar) = bar {
@@ -363,7 +398,10 @@ mod imp {
                     job.await.unwrap_or_else(|e| Err(join_error(&url, &e)))
                 }
             });
-            futures_util::stream::iter(jobs).buffered(concurrency).collect::<Vec<_>>().await
+            futures_util::stream::iter(jobs)
+                .buffered(concurrency)
+                .collect::<Vec<_>>()
+                .await
         })
     }
 
@@ -402,7 +440,10 @@ mod imp {
         }
         let parsed = url::Url::parse(url).map_err(|e| invalid(url, format!("cannot parse this URL: {e}")))?;
         if parsed.query().is_some() || parsed.fragment().is_some() {
-            return Err(invalid(url, "query strings and fragments are not supported in adapter URLs"));
+            return Err(invalid(
+                url,
+                "query strings and fragments are not supported in adapter URLs",
+            ));
         }
         let kind = match scheme {
             "s3" | "s3a" => Kind::S3,
@@ -415,7 +456,11 @@ mod imp {
             return Err(invalid(url, "no bucket, container or host in this URL"));
         }
         let base = format!("{scheme}://{}", parsed.authority());
-        Ok(Parsed { kind, base, key: parsed.path().trim_start_matches('/').to_owned() })
+        Ok(Parsed {
+            kind,
+            base,
+            key: parsed.path().trim_start_matches('/').to_owned(),
+        })
     }
 
     /// `hf://[datasets/|spaces/]org/repo[@revision]/path` -> `{HF_ENDPOINT}/[datasets/]org/repo/resolve/{revision}`.
@@ -434,9 +479,17 @@ mod imp {
         }
         let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".to_owned());
         let endpoint = endpoint.trim_end_matches('/');
-        let repo_path = if kind.is_empty() { format!("{org}/{repo}") } else { format!("{kind}/{org}/{repo}") };
+        let repo_path = if kind.is_empty() {
+            format!("{org}/{repo}")
+        } else {
+            format!("{kind}/{org}/{repo}")
+        };
         let base = format!("{endpoint}/{repo_path}/resolve/{revision}");
-        Ok(Parsed { kind: Kind::HuggingFace, base, key: parts.next().unwrap_or("").to_owned() })
+        Ok(Parsed {
+            kind: Kind::HuggingFace,
+            base,
+            key: parts.next().unwrap_or("").to_owned(),
+        })
     }
 
     /// The Hugging Face token from the standard places, for private repos.
@@ -452,12 +505,17 @@ mod imp {
             Ok(p) => PathBuf::from(p),
             Err(_) => {
                 let home = std::env::var("HF_HOME").map(PathBuf::from).ok().or_else(|| {
-                    std::env::var("HOME").ok().map(|h| PathBuf::from(h).join(".cache").join("huggingface"))
+                    std::env::var("HOME")
+                        .ok()
+                        .map(|h| PathBuf::from(h).join(".cache").join("huggingface"))
                 })?;
                 home.join("token")
             }
         };
-        std::fs::read_to_string(file).ok().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty())
+        std::fs::read_to_string(file)
+            .ok()
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty())
     }
 
     /// `key = value` pairs of one section of an AWS-style INI file.
@@ -490,9 +548,16 @@ mod imp {
             .map_or_else(|| home.join(".aws").join("credentials"), PathBuf::from);
         let config =
             std::env::var_os("AWS_CONFIG_FILE").map_or_else(|| home.join(".aws").join("config"), PathBuf::from);
-        let config_section = if profile == "default" { profile.clone() } else { format!("profile {profile}") };
+        let config_section = if profile == "default" {
+            profile.clone()
+        } else {
+            format!("profile {profile}")
+        };
         let mut out = Vec::new();
-        for (k, v) in ini_section(&creds, &profile).into_iter().chain(ini_section(&config, &config_section)) {
+        for (k, v) in ini_section(&creds, &profile)
+            .into_iter()
+            .chain(ini_section(&config, &config_section))
+        {
             let key = match k.as_str() {
                 "aws_access_key_id" => AmazonS3ConfigKey::AccessKeyId,
                 "aws_secret_access_key" => AmazonS3ConfigKey::SecretAccessKey,
@@ -564,15 +629,18 @@ mod imp {
                         b = b.with_config(AmazonS3ConfigKey::from_str(k).map_err(store_error)?, v);
                     }
                     // An endpoint the user wrote as http:// is meant: allow it.
-                    let http_endpoint =
-                        b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_some_and(|e| e.starts_with("http://"));
+                    let http_endpoint = b
+                        .get_config_value(&AmazonS3ConfigKey::Endpoint)
+                        .is_some_and(|e| e.starts_with("http://"));
                     if http_endpoint && !user_sets(&["allow_http", "aws_allow_http"]) {
                         b = b.with_allow_http(true);
                     }
                     Ok(Arc::new(b.build().map_err(store_error)?))
                 }
                 Kind::Gcs => {
-                    let mut b = GoogleCloudStorageBuilder::from_env().with_url(&p.base).with_retry(self.retry());
+                    let mut b = GoogleCloudStorageBuilder::from_env()
+                        .with_url(&p.base)
+                        .with_retry(self.retry());
                     for (k, v) in self.client_defaults() {
                         b = b.with_config(GoogleConfigKey::Client(k), v);
                     }
@@ -582,7 +650,9 @@ mod imp {
                     Ok(Arc::new(b.build().map_err(store_error)?))
                 }
                 Kind::Azure => {
-                    let mut b = MicrosoftAzureBuilder::from_env().with_url(&p.base).with_retry(self.retry());
+                    let mut b = MicrosoftAzureBuilder::from_env()
+                        .with_url(&p.base)
+                        .with_retry(self.retry());
                     for (k, v) in self.client_defaults() {
                         b = b.with_config(AzureConfigKey::Client(k), v);
                     }
@@ -612,7 +682,10 @@ mod imp {
                             options = options.with_config(key, v);
                         }
                     }
-                    let b = HttpBuilder::new().with_url(&p.base).with_retry(self.retry()).with_client_options(options);
+                    let b = HttpBuilder::new()
+                        .with_url(&p.base)
+                        .with_retry(self.retry())
+                        .with_client_options(options);
                     Ok(Arc::new(b.build().map_err(store_error)?))
                 }
             }
@@ -638,7 +711,11 @@ mod imp {
                     .clone()
             };
             let store = store.map_err(|(code, message)| Error::adapter(url, code, message))?;
-            Ok(Loc { store, key, url: url.to_owned() })
+            Ok(Loc {
+                store,
+                key,
+                url: url.to_owned(),
+            })
         }
 
         // ------------------------------------------------------------ requests
@@ -652,9 +729,11 @@ mod imp {
             }
             match e {
                 E::NotFound { .. } => io_err(&loc.url, io::ErrorKind::NotFound, "no such object"),
-                E::PermissionDenied { .. } | E::Unauthenticated { .. } => {
-                    io_err(&loc.url, io::ErrorKind::PermissionDenied, format!("access denied: {}", chain(e)))
-                }
+                E::PermissionDenied { .. } | E::Unauthenticated { .. } => io_err(
+                    &loc.url,
+                    io::ErrorKind::PermissionDenied,
+                    format!("access denied: {}", chain(e)),
+                ),
                 _ if timed_out => Error::adapter(
                     &loc.url,
                     "timeout",
@@ -664,9 +743,11 @@ mod imp {
                         chain(e)
                     ),
                 ),
-                _ if body => {
-                    Error::adapter(&loc.url, "short_read", format!("the response body broke off: {}", chain(e)))
-                }
+                _ if body => Error::adapter(
+                    &loc.url,
+                    "short_read",
+                    format!("the response body broke off: {}", chain(e)),
+                ),
                 _ => Error::adapter(&loc.url, "remote_error", chain(e)),
             }
         }
@@ -688,13 +769,19 @@ mod imp {
 
         /// Bytes `range` of an object (clipped to its end) and the object's size.
         async fn get_range(&self, loc: &Loc, range: Range<u64>) -> Result<(Bytes, u64), Error> {
-            let _permit =
-                self.permits.acquire().await.map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
+            let _permit = self
+                .permits
+                .acquire()
+                .await
+                .map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
             self.check_stalled(loc)?;
             if loc.store.ignores_range.load(Ordering::Relaxed) {
                 return self.get_without_range(loc, range).await;
             }
-            let options = GetOptions { range: Some(GetRange::Bounded(range.clone())), ..GetOptions::default() };
+            let options = GetOptions {
+                range: Some(GetRange::Bounded(range.clone())),
+                ..GetOptions::default()
+            };
             let result = match loc.store.inner.get_opts(&loc.key, options).await {
                 Ok(r) => r,
                 Err(e) if ignores_range(&e) => {
@@ -703,7 +790,13 @@ mod imp {
                 }
                 Err(e) if status_is(&e, 416) => {
                     // Range not satisfiable: the object is shorter than the range's start (e.g. empty).
-                    let size = loc.store.inner.head(&loc.key).await.map_err(|e| self.fail(loc, &e, false))?.size;
+                    let size = loc
+                        .store
+                        .inner
+                        .head(&loc.key)
+                        .await
+                        .map_err(|e| self.fail(loc, &e, false))?
+                        .size;
                     if range.start >= size {
                         return Ok((Bytes::new(), size));
                     }
@@ -792,30 +885,49 @@ mod imp {
 
         /// Every object under a prefix, as key parts relative to it.
         async fn list(&self, loc: &Loc) -> Result<Vec<Vec<String>>, Error> {
-            let _permit =
-                self.permits.acquire().await.map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
+            let _permit = self
+                .permits
+                .acquire()
+                .await
+                .map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
             self.check_stalled(loc)?;
             let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
             let depth = loc.key.parts().count();
-            let objects: Vec<object_store::ObjectMeta> =
-                loc.store.inner.list(prefix).try_collect().await.map_err(|e| self.fail(loc, &e, false))?;
+            let objects: Vec<object_store::ObjectMeta> = loc
+                .store
+                .inner
+                .list(prefix)
+                .try_collect()
+                .await
+                .map_err(|e| self.fail(loc, &e, false))?;
             loc.store.stalls.store(0, Ordering::Relaxed);
             Ok(objects
                 .into_iter()
-                .map(|o| o.location.parts().skip(depth).map(|p| p.as_ref().to_owned()).collect::<Vec<_>>())
+                .map(|o| {
+                    o.location
+                        .parts()
+                        .skip(depth)
+                        .map(|p| p.as_ref().to_owned())
+                        .collect::<Vec<_>>()
+                })
                 .filter(|parts| !parts.is_empty())
                 .collect())
         }
 
         /// A URL with nothing under it as a prefix: the object itself, or not found.
         async fn lone_object(&self, loc: &Loc) -> Result<Target, Error> {
-            let _permit =
-                self.permits.acquire().await.map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
+            let _permit = self
+                .permits
+                .acquire()
+                .await
+                .map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
             match loc.store.inner.head(&loc.key).await {
                 Ok(_) => Ok(guess_target(&loc.url, loc)),
-                Err(object_store::Error::NotFound { .. }) => {
-                    Err(io_err(&loc.url, io::ErrorKind::NotFound, "no such object, and no objects under this prefix"))
-                }
+                Err(object_store::Error::NotFound { .. }) => Err(io_err(
+                    &loc.url,
+                    io::ErrorKind::NotFound,
+                    "no such object, and no objects under this prefix",
+                )),
                 Err(e) => Err(self.fail(loc, &e, false)),
             }
         }
@@ -827,11 +939,18 @@ mod imp {
                 return Ok(guess_target(url, &loc));
             }
             let listing = {
-                let _permit =
-                    self.permits.acquire().await.map_err(|e| Error::adapter(url, "internal", e.to_string()))?;
+                let _permit = self
+                    .permits
+                    .acquire()
+                    .await
+                    .map_err(|e| Error::adapter(url, "internal", e.to_string()))?;
                 self.check_stalled(&loc)?;
                 let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
-                loc.store.inner.list_with_delimiter(prefix).await.map_err(|e| self.fail(&loc, &e, false))?
+                loc.store
+                    .inner
+                    .list_with_delimiter(prefix)
+                    .await
+                    .map_err(|e| self.fail(&loc, &e, false))?
             };
             let mut dir = Dir::default();
             for o in &listing.objects {
@@ -844,7 +963,11 @@ mod imp {
             }
             let files: Vec<&String> = dir.safetensors().collect();
             match files.as_slice() {
-                [one] => Ok(Target { path: url.into(), weights: join(url, one).into(), config: None }),
+                [one] => Ok(Target {
+                    path: url.into(),
+                    weights: join(url, one).into(),
+                    config: None,
+                }),
                 [] if listing.objects.is_empty() && listing.common_prefixes.is_empty() => self.lone_object(&loc).await,
                 [] => Err(Error::adapter(
                     url,
@@ -900,16 +1023,27 @@ mod imp {
                 }
                 other => other?,
             };
-            let header =
-                parse_header(&bytes, file_size).map_err(|kind| Error::Header { path: target.weights.clone(), kind })?;
+            let header = parse_header(&bytes, file_size).map_err(|kind| Error::Header {
+                path: target.weights.clone(),
+                kind,
+            })?;
             let content_hash = if opts.content_hash {
                 Some(self.hash_data(&weights, header.data_start(), file_size).await?)
             } else {
                 None
             };
             let shadow = self.alpha_shadow(&weights, &header, file_size).await?;
-            let alpha_file = shadow.as_ref().map_or_else(|| target.weights.clone(), |s| s.path.clone());
-            Ok(scan::build_result(target, config, &header, &alpha_file, opts, content_hash))
+            let alpha_file = shadow
+                .as_ref()
+                .map_or_else(|| target.weights.clone(), |s| s.path.clone());
+            Ok(scan::build_result(
+                target,
+                config,
+                &header,
+                &alpha_file,
+                opts,
+                content_hash,
+            ))
         }
 
         async fn fetch_config(&self, url: &str) -> Result<(String, crate::config::LoraConfig), Error> {
@@ -922,7 +1056,10 @@ mod imp {
 
         /// Header bytes (after the length prefix) and the object's size.
         async fn fetch_header(&self, loc: &Loc) -> Result<(Vec<u8>, u64), Error> {
-            let header_err = |kind| Error::Header { path: PathBuf::from(&loc.url), kind };
+            let header_err = |kind| Error::Header {
+                path: PathBuf::from(&loc.url),
+                kind,
+            };
             let (first, size) = self.get_range(loc, 0..SPECULATIVE_BYTES).await?;
             if size < N_LEN {
                 return Err(header_err(HeaderError::HeaderTooSmall(size)));
@@ -1038,8 +1175,10 @@ mod imp {
         sources(e).any(|s| {
             s.downcast_ref::<object_store::client::HttpError>()
                 .is_some_and(|h| matches!(h.kind(), object_store::client::HttpErrorKind::Timeout))
-                || s.downcast_ref::<reqwest::Error>().is_some_and(reqwest::Error::is_timeout)
-                || s.downcast_ref::<io::Error>().is_some_and(|i| i.kind() == io::ErrorKind::TimedOut)
+                || s.downcast_ref::<reqwest::Error>()
+                    .is_some_and(reqwest::Error::is_timeout)
+                || s.downcast_ref::<io::Error>()
+                    .is_some_and(|i| i.kind() == io::ErrorKind::TimedOut)
         })
     }
 
@@ -1067,7 +1206,11 @@ mod imp {
     /// A URL that cannot be listed: a `.safetensors` file, else a PEFT folder.
     fn guess_target(url: &str, loc: &Loc) -> Target {
         if names_file(&loc.key) || loc.store.listable {
-            return Target { path: url.into(), weights: url.into(), config: None };
+            return Target {
+                path: url.into(),
+                weights: url.into(),
+                config: None,
+            };
         }
         Target {
             path: url.into(),
@@ -1138,12 +1281,20 @@ mod imp {
             }
             let files: Vec<&String> = self.safetensors().collect();
             if files.len() == 1 && self.dirs.is_empty() && !top {
-                out.push(Ok(Target { path: url.into(), weights: join(url, files[0]).into(), config: None }));
+                out.push(Ok(Target {
+                    path: url.into(),
+                    weights: join(url, files[0]).into(),
+                    config: None,
+                }));
                 return;
             }
             for f in files {
                 let u = join(url, f);
-                out.push(Ok(Target { path: u.clone().into(), weights: u.into(), config: None }));
+                out.push(Ok(Target {
+                    path: u.clone().into(),
+                    weights: u.into(),
+                    config: None,
+                }));
             }
             if recursive {
                 for (name, sub) in &self.dirs {
@@ -1181,16 +1332,32 @@ mod imp {
             }
             // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
             let file = unsafe { std::fs::File::from_raw_fd(fd) };
-            Ok(Shadow { path: PathBuf::from(format!("/proc/self/fd/{fd}")), _file: file, remove: false })
+            Ok(Shadow {
+                path: PathBuf::from(format!("/proc/self/fd/{fd}")),
+                _file: file,
+                remove: false,
+            })
         }
 
         #[cfg(not(target_os = "linux"))]
         fn create() -> io::Result<Shadow> {
             static NEXT: AtomicUsize = AtomicUsize::new(0);
-            let name = format!("lorafast-alpha-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+            let name = format!(
+                "lorafast-alpha-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
             let path = std::env::temp_dir().join(name);
-            let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
-            Ok(Shadow { path, _file: file, remove: true })
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)?;
+            Ok(Shadow {
+                path,
+                _file: file,
+                remove: true,
+            })
         }
     }
 
@@ -1229,9 +1396,15 @@ mod tests {
     #[test]
     fn parses_urls() {
         let p = parse_url("s3://bucket/a/b.safetensors").unwrap();
-        assert_eq!((p.kind, p.base.as_str(), p.key.as_str()), (Kind::S3, "s3://bucket", "a/b.safetensors"));
+        assert_eq!(
+            (p.kind, p.base.as_str(), p.key.as_str()),
+            (Kind::S3, "s3://bucket", "a/b.safetensors")
+        );
         let p = parse_url("http://127.0.0.1:8000/x/").unwrap();
-        assert_eq!((p.kind, p.base.as_str(), p.key.as_str()), (Kind::Http, "http://127.0.0.1:8000", "x/"));
+        assert_eq!(
+            (p.kind, p.base.as_str(), p.key.as_str()),
+            (Kind::Http, "http://127.0.0.1:8000", "x/")
+        );
         assert_eq!(parse_url("gs://b").unwrap().key, "");
         assert_eq!(parse_url("https://h/x?sig=1").unwrap_err().code(), "invalid_url");
         assert_eq!(parse_url("hf://org").unwrap_err().code(), "invalid_url");
@@ -1273,8 +1446,16 @@ mod tests {
                 "s3://b/peft/adapter_model.safetensors".into(),
                 Some("s3://b/peft/adapter_config.json".into()),
             ),
-            ("s3://b/two/a.safetensors".into(), "s3://b/two/a.safetensors".into(), None),
-            ("s3://b/two/b.safetensors".into(), "s3://b/two/b.safetensors".into(), None),
+            (
+                "s3://b/two/a.safetensors".into(),
+                "s3://b/two/a.safetensors".into(),
+                None,
+            ),
+            (
+                "s3://b/two/b.safetensors".into(),
+                "s3://b/two/b.safetensors".into(),
+                None,
+            ),
         ];
         assert_eq!(got, want);
         // Not recursive: only the top level's files; a top folder with one file is not a "one-file folder".

@@ -63,14 +63,20 @@ fn is_safetensors(p: &Path) -> bool {
 }
 
 fn hidden(p: &Path) -> bool {
-    p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'))
+    p.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with('.'))
 }
 
 /// The single adapter at `path` (the rules `inspect` uses).
 pub fn locate(path: &Path) -> Result<Target, Error> {
     let meta = fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if meta.is_file() {
-        return Ok(Target { path: path.to_path_buf(), weights: path.to_path_buf(), config: None });
+        return Ok(Target {
+            path: path.to_path_buf(),
+            weights: path.to_path_buf(),
+            config: None,
+        });
     }
     let config = path.join(CONFIG_NAME);
     if config.is_file() {
@@ -78,8 +84,16 @@ pub fn locate(path: &Path) -> Result<Target, Error> {
     }
     let (files, _dirs) = list_dir(path)?;
     match files.as_slice() {
-        [one] => Ok(Target { path: path.to_path_buf(), weights: one.clone(), config: None }),
-        [] => Err(Error::adapter(path, "no_adapter", "no adapter_config.json and no .safetensors file in this folder")),
+        [one] => Ok(Target {
+            path: path.to_path_buf(),
+            weights: one.clone(),
+            config: None,
+        }),
+        [] => Err(Error::adapter(
+            path,
+            "no_adapter",
+            "no adapter_config.json and no .safetensors file in this folder",
+        )),
         _ => Err(Error::adapter(
             path,
             "ambiguous_adapter",
@@ -101,7 +115,11 @@ fn peft_target(dir: &Path, config: PathBuf) -> Result<Target, Error> {
         };
         return Err(Error::adapter(dir, "missing_weights", why));
     }
-    Ok(Target { path: dir.to_path_buf(), weights, config: Some(config) })
+    Ok(Target {
+        path: dir.to_path_buf(),
+        weights,
+        config: Some(config),
+    })
 }
 
 /// (safetensors files, sub-folders) of a folder, sorted, hidden entries left out.
@@ -138,7 +156,11 @@ fn discover_one(path: &Path, recursive: bool, top: bool) -> Vec<Result<Target, E
     };
     if meta.is_file() {
         return if top || is_safetensors(path) {
-            vec![Ok(Target { path: path.to_path_buf(), weights: path.to_path_buf(), config: None })]
+            vec![Ok(Target {
+                path: path.to_path_buf(),
+                weights: path.to_path_buf(),
+                config: None,
+            })]
         } else {
             Vec::new()
         };
@@ -152,10 +174,22 @@ fn discover_one(path: &Path, recursive: bool, top: bool) -> Vec<Result<Target, E
         Err(e) => return vec![Err(e)],
     };
     if files.len() == 1 && dirs.is_empty() && !top {
-        return vec![Ok(Target { path: path.to_path_buf(), weights: files[0].clone(), config: None })];
+        return vec![Ok(Target {
+            path: path.to_path_buf(),
+            weights: files[0].clone(),
+            config: None,
+        })];
     }
-    let mut found: Vec<Result<Target, Error>> =
-        files.into_iter().map(|f| Ok(Target { path: f.clone(), weights: f, config: None })).collect();
+    let mut found: Vec<Result<Target, Error>> = files
+        .into_iter()
+        .map(|f| {
+            Ok(Target {
+                path: f.clone(),
+                weights: f,
+                config: None,
+            })
+        })
+        .collect();
     if recursive {
         let dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| !d.is_symlink()).collect();
         let nested: Vec<Vec<Result<Target, Error>>> = dirs.par_iter().map(|d| discover_one(d, true, false)).collect();
@@ -176,15 +210,24 @@ fn read_config(path: &Path) -> Result<(String, LoraConfig), Error> {
 /// Refuses a config too large to be one (before it is read whole).
 pub fn check_config_size(path: &Path, len: u64) -> Result<(), Error> {
     if len > MAX_CONFIG_BYTES {
-        return Err(Error::adapter(path, "invalid_config", format!("{len} bytes is too large for an adapter config")));
+        return Err(Error::adapter(
+            path,
+            "invalid_config",
+            format!("{len} bytes is too large for an adapter config"),
+        ));
     }
     Ok(())
 }
 
 /// Parses the bytes of an `adapter_config.json` (read from disk or fetched from a store).
 pub fn parse_config(path: &Path, bytes: Vec<u8>) -> Result<(String, LoraConfig), Error> {
-    let text = String::from_utf8(bytes)
-        .map_err(|_| Error::adapter(path, "invalid_config", "not UTF-8 text: stream did not contain valid UTF-8"))?;
+    let text = String::from_utf8(bytes).map_err(|_| {
+        Error::adapter(
+            path,
+            "invalid_config",
+            "not UTF-8 text: stream did not contain valid UTF-8",
+        )
+    })?;
     let config = LoraConfig::from_json(&text).map_err(|message| Error::adapter(path, "invalid_config", message))?;
     Ok((text, config))
 }
@@ -213,12 +256,18 @@ pub fn load(target: Target, opts: ScanOptions) -> Result<AdapterResult, Error> {
         // Repeated tensor names are found by `classify` while it groups tensors (cheaper than a
         // separate pass); `duplicate_tensor` turns them back into the header error.
         let header = read_header_unchecked_names(&target.weights, opts.mode, &mut buf)?;
-        let content_hash =
-            if opts.content_hash { Some(hash_data(&target.weights, header.data_start())?) } else { None };
+        let content_hash = if opts.content_hash {
+            Some(hash_data(&target.weights, header.data_start())?)
+        } else {
+            None
+        };
         let alphas = target.weights.clone();
         let result = build_result(target, config, &header, &alphas, opts, content_hash);
         match result.class.duplicate_tensor {
-            Some(name) => Err(Error::Header { path: alphas, kind: HeaderError::DuplicateTensor(name) }),
+            Some(name) => Err(Error::Header {
+                path: alphas,
+                kind: HeaderError::DuplicateTensor(name),
+            }),
             None => Ok(result),
         }
     })
@@ -235,13 +284,27 @@ pub fn build_result(
     opts: ScanOptions,
     content_hash: Option<String>,
 ) -> AdapterResult {
-    let meta_config = if config.is_none() { metadata_configs(header) } else { None };
+    let meta_config = if config.is_none() {
+        metadata_configs(header)
+    } else {
+        None
+    };
     let configs = Configs {
         file: config.as_ref().map(|(_, c)| c),
         components: meta_config.as_ref().map_or(&[], |(_, c)| c.as_slice()),
     };
-    let class = classify(header, configs, alpha_file, Options { keep_modules: opts.keep_modules });
-    let metadata = header.metadata.as_ref().map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+    let class = classify(
+        header,
+        configs,
+        alpha_file,
+        Options {
+            keep_modules: opts.keep_modules,
+        },
+    );
+    let metadata = header
+        .metadata
+        .as_ref()
+        .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
     AdapterResult {
         config_json: config.map(|(text, _)| text).or(meta_config.map(|(text, _)| text)),
         metadata: if opts.keep_modules { metadata } else { None },
@@ -296,7 +359,11 @@ pub fn default_threads() -> usize {
 }
 
 fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("lorafast-{i}")).build().ok()
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("lorafast-{i}"))
+        .build()
+        .ok()
 }
 
 /// Runs `f` on a pool of `threads` (None: the shared default pool), or inline after a fork.
@@ -319,7 +386,10 @@ pub fn with_pool<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) 
 /// Does this input name a remote object (`s3://...`, `https://...`, `hf://...`) rather than a local path?
 pub fn is_url(s: &str) -> bool {
     s.split_once("://").is_some_and(|(scheme, _)| {
-        matches!(scheme, "s3" | "s3a" | "gs" | "gcs" | "az" | "azure" | "abfs" | "abfss" | "http" | "https" | "hf")
+        matches!(
+            scheme,
+            "s3" | "s3a" | "gs" | "gcs" | "az" | "azure" | "abfs" | "abfss" | "http" | "https" | "hf"
+        )
     })
 }
 
@@ -377,5 +447,9 @@ pub(crate) fn draw_progress(done: usize, total: usize, elapsed: Duration) {
     let width = 30;
     let filled = (done * width).checked_div(total).unwrap_or(width);
     let rate = done as f64 / elapsed.as_secs_f64().max(1e-3);
-    eprint!("\rscanning [{}{}] {done}/{total} adapters, {rate:.0}/s", "#".repeat(filled), "-".repeat(width - filled));
+    eprint!(
+        "\rscanning [{}{}] {done}/{total} adapters, {rate:.0}/s",
+        "#".repeat(filled),
+        "-".repeat(width - filled)
+    );
 }

@@ -12,6 +12,7 @@ DTYPES: list[str]
 build_profile: str
 
 def read_header(path: str, mode: str = "pread") -> dict[str, Any]: ...
+
 StorageOptions = list[tuple[str, str]] | None
 #: (path, weights, config, error code, error message) of one discovered adapter.
 TargetItem = tuple[str, str | None, str | None, str | None, str | None]
