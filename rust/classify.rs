@@ -1043,7 +1043,7 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
         };
         match value {
             // sd-scripts treats alpha 0 as "no alpha": alpha = rank, scale 1.
-            Some(v) if v == 0.0 => {}
+            Some(0.0) => {}
             Some(v) if v.is_finite() => *slot = Some(v),
             _ => out.problem(
                 "invalid_alpha",
