@@ -7,7 +7,7 @@ typed objects. Nothing here reads tensor data.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -39,6 +39,20 @@ class MoeLayout(str, Enum):
 
 #: Variants whose delta depends on W or is not a plain B @ A sum; they must never be merged as LoRA.
 NON_ADDITIVE_VARIANTS = frozenset({"dora", "loha", "lokr", "oft", "boft", "ia3", "glora"})
+
+
+def peft_pattern_key(patterns: Iterable[str], name: str) -> str | None:
+    """PEFT `get_pattern_key`: the first `rank_pattern`/`alpha_pattern` key, in saved order, for which
+    `re.match(rf"(.*\\.)?({key})$", name)` holds on the prefix-free module name; None when none does."""
+    import re
+
+    for key in patterns:
+        try:
+            if re.match(rf"(.*\.)?({key})$", name):
+                return key
+        except re.error:  # PEFT would fail on it too; it matches nothing here
+            continue
+    return None
 
 
 #: SGLang renames `.w1.`/`.w3.`/`.w2.` tensors to gate/up/down before anything else (sglang-lora.md §4.2).

@@ -24,12 +24,13 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
+
+from lorafast.adapter import peft_pattern_key
 
 if TYPE_CHECKING:
     import argparse
@@ -285,17 +286,6 @@ class PipelineState:
 # Effective scales
 
 
-def _pattern_matches(patterns: Iterable[str], name: str) -> str | None:
-    """PEFT `get_pattern_key`: the first pattern (in order) that matches `(.*\\.)?(pattern)$`, else None."""
-    for key in patterns:
-        try:
-            if re.match(rf"(.*\.)?({key})$", name):
-                return key
-        except re.error:
-            continue
-    return None
-
-
 def module_scale(
     module: LoraModule, strength: float, adapter_alpha: float | None, alpha_pattern: Mapping[str, float] | None = None
 ) -> tuple[float, str]:
@@ -307,7 +297,7 @@ def module_scale(
     """
     if module.alpha_key is not None and module.alpha is not None:
         alpha, source = module.alpha, "tensor"
-    elif alpha_pattern and module.alpha is not None and _pattern_matches(alpha_pattern, module.name) is not None:
+    elif alpha_pattern and module.alpha is not None and peft_pattern_key(alpha_pattern, module.name) is not None:
         alpha, source = module.alpha, "alpha_pattern"
     elif adapter_alpha is not None:
         alpha, source = adapter_alpha, "adapter"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lorafast.adapter import AdapterFormat, MoeLayout
+from lorafast.adapter import AdapterFormat, MoeLayout, peft_pattern_key
 from lorafast.testing import DTYPE_BITS
 
 __all__ = [
@@ -289,10 +289,8 @@ def _peft_config(**fields: Any) -> dict[str, Any]:
 
 def pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
     """PEFT's rank_pattern/alpha_pattern lookup: the first key (in saved order) matching the module's suffix."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+    key = peft_pattern_key(patterns, module)
+    return default if key is None else patterns[key]
 
 
 def _pick_dtype(rng: random.Random) -> str:

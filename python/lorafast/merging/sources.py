@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafast.adapter import Adapter, LoraModule
+from lorafast.adapter import Adapter, LoraModule, peft_pattern_key
 from lorafast.merging.errors import MergeError
 
 #: pipeline components a request target covers (SGLang diffusion targets; "all" covers every component)
@@ -52,13 +51,8 @@ class Source:
 
 def peft_pattern_value(patterns: Mapping[str, Any], name: str) -> Any:
     """PEFT's first-match rule: the value of the first pattern key (in order) that matches the end of `name`."""
-    for key, value in patterns.items():
-        try:
-            if re.match(rf"(.*\.)?({key})$", name):
-                return value
-        except re.error:
-            continue
-    return None
+    key = peft_pattern_key(patterns, name)
+    return None if key is None else patterns[key]
 
 
 def describe_adapter(path: str | os.PathLike[str]) -> Adapter:
