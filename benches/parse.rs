@@ -1,6 +1,8 @@
 //! Parse + classify one adapter many times; run under `valgrind --tool=callgrind` for
 //! load-independent instruction counts, or plainly for a rough time per adapter:
-//! `cargo bench --no-default-features --bench parse -- DIR [ITERATIONS]`
+//! `cargo bench --no-default-features --bench parse -- DIR [ITERATIONS] [--remembered]`.
+//! Every iteration parses and classifies anew unless `--remembered` is given, which measures the
+//! path of an adapter whose header the scan has seen before (`_core::memo`).
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -11,7 +13,10 @@ fn main() {
     let dir = PathBuf::from(args.get(1).expect("usage: parse DIR [ITERATIONS]"));
     let iterations: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1000);
     let target = locate(&dir).expect("an adapter");
-    let opts = ScanOptions::default();
+    let opts = ScanOptions {
+        fresh: !args.iter().any(|a| a == "--remembered"),
+        ..ScanOptions::default()
+    };
     let start = Instant::now();
     let mut rank = 0;
     for _ in 0..iterations {

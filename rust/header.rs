@@ -291,15 +291,16 @@ fn parse_inner(bytes: &[u8], file_size: u64, check_names: bool) -> Result<Header
                 }
                 Run::AtEntry => {}
             }
-            in_place = false;
             let name = cur.key().map_err(syntax)?;
             if name == "__metadata__" {
+                // Not a tensor: the entries around it can still be in place.
                 if seen_metadata {
                     return Err(HeaderError::DuplicateKey(name.into_owned()));
                 }
                 seen_metadata = true;
                 header.metadata = parse_metadata(&mut cur)?;
             } else {
+                in_place = false;
                 let entry = parse_entry(&mut cur, name, &mut header.dims, &mut header.warnings)?;
                 header.tensors.push(entry);
             }
@@ -891,11 +892,66 @@ pub fn parse_file(file: &[u8]) -> Result<Header<'_>, HeaderError> {
     parse_header(&file[8..8 + n as usize], file_size)
 }
 
-/// Reads the header bytes of `path` into `buf` (cleared first); returns the file size.
-/// `buf` is reused across calls by the scan, so steady state allocates nothing.
-pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Result<u64, Error> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let file_size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+/// The most `Pread` asks for in its first read: the length prefix and, for most adapters, the
+/// whole header, in one call (a second call fetches the rest of a longer header).
+const SPECULATIVE_READ: u64 = 64 << 10;
+
+thread_local! {
+    /// The header length last read on this thread. Adapters scanned together are mostly alike, so
+    /// the next first read asks for about that much (rounded up to a page): copying a header is
+    /// most of a read's cost, and bytes past it are copied for nothing.
+    static LAST_HEADER_LEN: std::cell::Cell<u64> = const { std::cell::Cell::new(SPECULATIVE_READ) };
+}
+
+fn first_read_len(file_size: u64) -> usize {
+    let guess = LAST_HEADER_LEN.with(std::cell::Cell::get);
+    let len = (N_LEN + guess).next_multiple_of(4096).min(N_LEN + SPECULATIVE_READ);
+    file_size.min(len) as usize
+}
+
+fn truncated(path: &Path) -> Error {
+    Error::io(
+        path,
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "file ended before the header did (was it truncated while being read?)",
+        ),
+    )
+}
+
+/// `pread`s into all of `buf` from `at` until it is full or the file ends; returns the bytes read.
+fn pread_full(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], at + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Makes `buf` at least `len` long. The scan reuses one buffer per thread, so only growth
+/// zero-fills; bytes past what a read fills are never looked at.
+fn ensure_len(buf: &mut Vec<u8>, len: usize) {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+}
+
+/// Reads the length prefix and header of the open `file` (at `path`, for errors) into `buf`;
+/// returns (file size, N). The header is `buf[8..8 + N]`; what follows it in `buf` is not.
+/// `file_size` is the size `fstat` gave for `file`.
+pub fn read_header_from(
+    file: &File,
+    path: &Path,
+    file_size: u64,
+    mode: ReadMode,
+    buf: &mut Vec<u8>,
+) -> Result<(u64, usize), Error> {
     let header_err = |kind| Error::Header {
         path: path.to_path_buf(),
         kind,
@@ -903,56 +959,66 @@ pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Resu
     if file_size < N_LEN {
         return Err(header_err(HeaderError::HeaderTooSmall(file_size)));
     }
-    buf.clear();
     match mode {
         ReadMode::Pread => {
-            let mut prefix = [0u8; 8];
-            std::io::Read::read_exact(&mut &file, &mut prefix).map_err(|e| Error::io(path, e))?;
-            let n = check_length(prefix, file_size).map_err(header_err)?;
-            // n is bounded by MAX_HEADER_SIZE and by the file size before we allocate for it.
-            // read_to_end fills spare capacity without zeroing it first.
-            buf.reserve(n as usize);
-            let got =
-                std::io::Read::read_to_end(&mut std::io::Read::take(&file, n), buf).map_err(|e| Error::io(path, e))?;
-            if got as u64 != n {
-                return Err(Error::io(
-                    path,
-                    std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "file ended before the header did (was it truncated while being read?)",
-                    ),
-                ));
+            let first = first_read_len(file_size);
+            ensure_len(buf, first);
+            let got = pread_full(file, &mut buf[..first], 0).map_err(|e| Error::io(path, e))?;
+            if got < N_LEN as usize {
+                return Err(truncated(path));
             }
+            let prefix: [u8; 8] = buf[..8].try_into().unwrap_or_default();
+            // N is bounded by MAX_HEADER_SIZE and by the file size before we allocate for it.
+            let n = check_length(prefix, file_size).map_err(header_err)? as usize;
+            LAST_HEADER_LEN.with(|last| last.set(n as u64));
+            let end = N_LEN as usize + n;
+            if end > got {
+                if got < first {
+                    return Err(truncated(path));
+                }
+                ensure_len(buf, end);
+                let rest = pread_full(file, &mut buf[got..end], got as u64).map_err(|e| Error::io(path, e))?;
+                if got + rest < end {
+                    return Err(truncated(path));
+                }
+            }
+            Ok((file_size, n))
         }
         ReadMode::Mmap => {
             // SAFETY: the map is read-only and dropped before returning. The length was checked just
             // above; if another process truncates the file between that check and the copy below,
             // touching a page past the new end raises SIGBUS. We keep that window to one memcpy of
             // at most N bytes; use `Pread` where files may change underneath.
-            let map = unsafe { memmap2::MmapOptions::new().len(file_size as usize).map(&file) }
+            let map = unsafe { memmap2::MmapOptions::new().len(file_size as usize).map(file) }
                 .map_err(|e| Error::io(path, e))?;
             let mut prefix = [0u8; 8];
             prefix.copy_from_slice(&map[..8]);
-            let n = check_length(prefix, file_size).map_err(header_err)?;
-            buf.extend_from_slice(&map[8..8 + n as usize]);
+            let n = check_length(prefix, file_size).map_err(header_err)? as usize;
+            let end = N_LEN as usize + n;
+            ensure_len(buf, end);
+            buf[..end].copy_from_slice(&map[..end]);
+            Ok((file_size, n))
         }
     }
-    Ok(file_size)
 }
 
-/// Reads and validates the header of one file; the result borrows from `buf`.
+/// `read_header_from` on the file at `path`.
+pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Result<(u64, usize), Error> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file_size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    read_header_from(&file, path, file_size, mode, buf)
+}
+
+/// The header bytes in a buffer filled by `read_header_from`.
+pub fn header_bytes(buf: &[u8], n: usize) -> &[u8] {
+    &buf[N_LEN as usize..N_LEN as usize + n]
+}
+
+/// Reads, parses and validates the header of the file at `path`. `buf` holds the header bytes
+/// the result borrows.
 pub fn read_header<'b>(path: &Path, mode: ReadMode, buf: &'b mut Vec<u8>) -> Result<Header<'b>, Error> {
-    let file_size = read_header_bytes(path, mode, buf)?;
-    parse_header(buf, file_size).map_err(|kind| Error::Header {
-        path: path.to_path_buf(),
-        kind,
-    })
-}
-
-/// `read_header` with the duplicate-name rule left to the caller (`parse_header_unchecked_names`).
-pub fn read_header_unchecked_names<'b>(path: &Path, mode: ReadMode, buf: &'b mut Vec<u8>) -> Result<Header<'b>, Error> {
-    let file_size = read_header_bytes(path, mode, buf)?;
-    parse_header_unchecked_names(buf, file_size).map_err(|kind| Error::Header {
+    let (file_size, n) = read_header_bytes(path, mode, buf)?;
+    parse_header(header_bytes(buf, n), file_size).map_err(|kind| Error::Header {
         path: path.to_path_buf(),
         kind,
     })

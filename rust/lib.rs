@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod header;
 pub mod json;
+pub mod memo;
 pub mod names;
 pub mod remote;
 pub mod scan;

@@ -195,6 +195,7 @@ fn full_options(mode: ReadMode, content_hash: bool) -> ScanOptions {
         mode,
         keep_modules: true,
         content_hash,
+        fresh: false,
     }
 }
 
@@ -476,6 +477,7 @@ fn scan(
         mode: parse_mode(mode)?,
         keep_modules: false,
         content_hash,
+        fresh: false,
     };
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {
@@ -484,8 +486,7 @@ fn scan(
             let found = remote::discover(&names, recursive, threads, &ropts);
             return fill_rows(found, |t| remote::load_all(t, opts, threads, progress, &ropts));
         }
-        let found = core_scan::with_pool(threads, || core_scan::discover(&paths, recursive));
-        fill_rows(found, |t| core_scan::scan(t, opts, threads, progress))
+        core_scan::scan_paths(&paths, recursive, opts, threads, progress)
     });
     Ok(ScanResult { rows })
 }
@@ -575,6 +576,7 @@ fn scan_targets(
         mode: parse_mode(mode)?,
         keep_modules: false,
         content_hash,
+        fresh: false,
     };
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {

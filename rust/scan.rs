@@ -24,7 +24,8 @@ use sha2::{Digest, Sha256};
 use crate::classify::{classify, Classification, Configs, Options};
 use crate::config::LoraConfig;
 use crate::error::{Error, HeaderError};
-use crate::header::{read_header_unchecked_names, Header, ReadMode};
+use crate::header::{header_bytes, parse_header_unchecked_names, read_header_from, Header, ReadMode, N_LEN};
+use crate::memo;
 
 pub const CONFIG_NAME: &str = "adapter_config.json";
 pub const PEFT_WEIGHTS: &str = "adapter_model.safetensors";
@@ -44,6 +45,9 @@ pub struct ScanOptions {
     pub mode: ReadMode,
     pub keep_modules: bool,
     pub content_hash: bool,
+    /// Parse and classify every adapter anew, even one whose header and config equal one this
+    /// thread has seen (see `memo`); for measuring the full path.
+    pub fresh: bool,
 }
 
 /// What a successful load gives.
@@ -122,7 +126,9 @@ fn peft_target(dir: &Path, config: PathBuf) -> Result<Target, Error> {
     })
 }
 
-/// (safetensors files, sub-folders) of a folder, sorted, hidden entries left out.
+/// (safetensors files, sub-folders) of a folder, sorted, hidden entries left out. A symlink to a
+/// folder is not a sub-folder (the entry's own type is read, not its target's), so a walk cannot
+/// loop.
 fn list_dir(dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), Error> {
     let mut files = Vec::new();
     let mut dirs = Vec::new();
@@ -139,51 +145,76 @@ fn list_dir(dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), Error> {
             files.push(path);
         }
     }
-    files.sort();
-    dirs.sort();
+    // Entries of one folder share their parent, so byte order is `Path`'s component order, and
+    // cheaper to compute.
+    files.sort_unstable_by(|a, b| a.as_os_str().cmp(b.as_os_str()));
+    dirs.sort_unstable_by(|a, b| a.as_os_str().cmp(b.as_os_str()));
     Ok((files, dirs))
 }
 
-/// Finds every adapter under `paths`; folders are searched in parallel.
-pub fn discover(paths: &[PathBuf], recursive: bool) -> Vec<Result<Target, Error>> {
-    paths.iter().flat_map(|p| discover_one(p, recursive, true)).collect()
+/// An entry of a walk: an adapter found, or a sub-folder whose kind is decided when the walk
+/// reaches it. Deciding late costs nothing for a PEFT folder: opening its `adapter_config.json`
+/// is both the test and the first step of reading it (a `stat` first would be a third syscall).
+enum Found {
+    Target(Target),
+    Folder(PathBuf),
 }
 
-fn discover_one(path: &Path, recursive: bool, top: bool) -> Vec<Result<Target, Error>> {
-    let meta = match fs::metadata(path) {
-        Ok(m) => m,
-        Err(e) => return vec![Err(Error::io(path, e))],
+/// The bytes of a config file, read while deciding what its folder is.
+type ConfigBytes = Vec<u8>;
+
+/// What a folder holds, by the discovery rules.
+enum Folder {
+    /// A PEFT adapter, with its config's bytes unless reading them failed (loading reports why).
+    Peft(Target, Option<ConfigBytes>),
+    /// One adapter file (a folder without a config holding one `.safetensors` file).
+    Single(Target),
+    /// Adapter files, and sub-folders to search (with `recursive`).
+    Entries(Vec<Found>),
+}
+
+/// Reads the adapter config at `path`: None when there is no such file (or it is a folder).
+/// Opening it is the test, so a PEFT folder costs no `stat`.
+fn read_config_file(path: &Path) -> Result<Option<ConfigBytes>, Error> {
+    let file = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => {
+            return Ok(None)
+        }
+        Err(e) => return Err(Error::io(path, e)),
     };
-    if meta.is_file() {
-        return if top || is_safetensors(path) {
-            vec![Ok(Target {
-                path: path.to_path_buf(),
-                weights: path.to_path_buf(),
-                config: None,
-            })]
-        } else {
-            Vec::new()
-        };
+    let mut bytes = Vec::with_capacity(4096);
+    match (&file).take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes) {
+        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+        Ok(_) if bytes.len() as u64 > MAX_CONFIG_BYTES => {
+            let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+            check_config_size(path, len.max(MAX_CONFIG_BYTES + 1)).map(|()| None)
+        }
+        Ok(_) => Ok(Some(bytes)),
     }
-    let config = path.join(CONFIG_NAME);
-    if config.is_file() {
-        return vec![peft_target(path, config)];
+}
+
+fn resolve_folder(dir: &Path, recursive: bool, top: bool) -> Result<Folder, Error> {
+    let config = dir.join(CONFIG_NAME);
+    match read_config_file(&config) {
+        Ok(Some(bytes)) => return Ok(Folder::Peft(peft_paths(dir, config), Some(bytes))),
+        Ok(None) => {}
+        // It exists but cannot be read: still a PEFT folder, whose load reports the error.
+        Err(_) => return Ok(Folder::Peft(peft_paths(dir, config), None)),
     }
-    let (files, dirs) = match list_dir(path) {
-        Ok(x) => x,
-        Err(e) => return vec![Err(e)],
-    };
+    let (files, dirs) = list_dir(dir)?;
     if files.len() == 1 && dirs.is_empty() && !top {
-        return vec![Ok(Target {
-            path: path.to_path_buf(),
+        return Ok(Folder::Single(Target {
+            path: dir.to_path_buf(),
             weights: files[0].clone(),
             config: None,
-        })];
+        }));
     }
-    let mut found: Vec<Result<Target, Error>> = files
+    let mut found: Vec<Found> = files
         .into_iter()
         .map(|f| {
-            Ok(Target {
+            Found::Target(Target {
                 path: f.clone(),
                 weights: f,
                 config: None,
@@ -191,20 +222,111 @@ fn discover_one(path: &Path, recursive: bool, top: bool) -> Vec<Result<Target, E
         })
         .collect();
     if recursive {
-        let dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| !d.is_symlink()).collect();
-        let nested: Vec<Vec<Result<Target, Error>>> = dirs.par_iter().map(|d| discover_one(d, true, false)).collect();
-        found.extend(nested.into_iter().flatten());
+        found.extend(dirs.into_iter().map(Found::Folder));
     }
-    found
+    Ok(Folder::Entries(found))
 }
 
-fn read_config(path: &Path) -> Result<(String, LoraConfig), Error> {
-    let mut file = fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    check_config_size(path, len)?;
-    let mut bytes = Vec::with_capacity(len as usize);
-    file.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
-    parse_config(path, bytes)
+fn peft_paths(dir: &Path, config: PathBuf) -> Target {
+    Target {
+        path: dir.to_path_buf(),
+        weights: dir.join(PEFT_WEIGHTS),
+        config: Some(config),
+    }
+}
+
+/// The error for a PEFT folder whose weights file is missing.
+fn missing_weights(dir: &Path) -> Error {
+    let why = if dir.join("adapter_model.bin").is_file() {
+        "adapter_model.bin is a pickle and is not read; convert it to adapter_model.safetensors"
+    } else {
+        "adapter_config.json but no adapter_model.safetensors"
+    };
+    Error::adapter(dir, "missing_weights", why)
+}
+
+/// The entries of one input path; its sub-folders are left for the walk.
+fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
+    let meta = match fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) => return vec![Err(Error::io(path, e))],
+    };
+    if meta.is_file() {
+        return vec![Ok(Found::Target(Target {
+            path: path.to_path_buf(),
+            weights: path.to_path_buf(),
+            config: None,
+        }))];
+    }
+    match resolve_folder(path, recursive, true) {
+        Ok(Folder::Peft(t, _)) => vec![peft_target(path, t.config.unwrap_or_default()).map(Found::Target)],
+        Ok(Folder::Single(t)) => vec![Ok(Found::Target(t))],
+        Ok(Folder::Entries(found)) => found.into_iter().map(Ok).collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// Walks `found` in parallel and in order, resolving sub-folders on the way: `visit` gets each
+/// adapter (with its config's bytes when already read), `failed` each error.
+fn walk<R: Send>(
+    found: Vec<Result<Found, Error>>,
+    recursive: bool,
+    visit: &(impl Fn(Target, Option<ConfigBytes>) -> R + Sync),
+    failed: &(impl Fn(Error) -> R + Sync),
+) -> Vec<R> {
+    let each = |f: Result<Found, Error>| -> Vec<R> {
+        match f {
+            Err(e) => vec![failed(e)],
+            Ok(Found::Target(t)) => vec![visit(t, None)],
+            Ok(Found::Folder(dir)) => match resolve_folder(&dir, recursive, false) {
+                Err(e) => vec![failed(e)],
+                Ok(Folder::Peft(t, open)) => vec![visit(t, open)],
+                Ok(Folder::Single(t)) => vec![visit(t, None)],
+                Ok(Folder::Entries(found)) => walk(found.into_iter().map(Ok).collect(), recursive, visit, failed),
+            },
+        }
+    };
+    if is_forked() {
+        return found.into_iter().flat_map(each).collect();
+    }
+    let nested: Vec<Vec<R>> = found.into_par_iter().with_min_len(8).map(each).collect();
+    nested.into_iter().flatten().collect()
+}
+
+fn expand_inputs(paths: &[PathBuf], recursive: bool) -> Vec<Result<Found, Error>> {
+    paths.iter().flat_map(|p| expand_input(p, recursive)).collect()
+}
+
+/// Finds every adapter under `paths`; folders are searched in parallel.
+pub fn discover(paths: &[PathBuf], recursive: bool) -> Vec<Result<Target, Error>> {
+    let visit = |t: Target, _config: Option<ConfigBytes>| match &t.config {
+        Some(_) if !t.weights.is_file() => Err(missing_weights(&t.path)),
+        _ => Ok(t),
+    };
+    walk(expand_inputs(paths, recursive), recursive, &visit, &Err)
+}
+
+/// Finds and loads every adapter under `paths` in one parallel walk, in `discover`'s order:
+/// what `scan(discover(paths))` gives, with fewer syscalls per adapter.
+pub fn scan_paths(
+    paths: &[PathBuf],
+    recursive: bool,
+    opts: ScanOptions,
+    threads: Option<usize>,
+    progress: bool,
+) -> Vec<Result<AdapterResult, Error>> {
+    with_progress(progress, |done| {
+        with_pool(threads, || {
+            let found = expand_inputs(paths, recursive);
+            done.total.store(found.len(), Ordering::Relaxed);
+            let visit = |t: Target, config: Option<ConfigBytes>| {
+                let r = load_read(t, config, opts);
+                done.count.fetch_add(1, Ordering::Relaxed);
+                r
+            };
+            walk(found, recursive, &visit, &Err)
+        })
+    })
 }
 
 /// Refuses a config too large to be one (before it is read whole).
@@ -221,15 +343,23 @@ pub fn check_config_size(path: &Path, len: u64) -> Result<(), Error> {
 
 /// Parses the bytes of an `adapter_config.json` (read from disk or fetched from a store).
 pub fn parse_config(path: &Path, bytes: Vec<u8>) -> Result<(String, LoraConfig), Error> {
-    let text = String::from_utf8(bytes).map_err(|_| {
+    let text = config_text(path, bytes)?;
+    let config = parse_config_text(path, &text)?;
+    Ok((text, config))
+}
+
+fn config_text(path: &Path, bytes: Vec<u8>) -> Result<String, Error> {
+    String::from_utf8(bytes).map_err(|_| {
         Error::adapter(
             path,
             "invalid_config",
             "not UTF-8 text: stream did not contain valid UTF-8",
         )
-    })?;
-    let config = LoraConfig::from_json(&text).map_err(|message| Error::adapter(path, "invalid_config", message))?;
-    Ok((text, config))
+    })
+}
+
+fn parse_config_text(path: &Path, text: &str) -> Result<LoraConfig, Error> {
+    LoraConfig::from_json(text).map_err(|message| Error::adapter(path, "invalid_config", message))
 }
 
 /// diffusers keeps the PEFT config of each component in `lora_adapter_metadata`, keys prefixed
@@ -247,26 +377,98 @@ thread_local! {
 
 /// Loads and classifies one adapter.
 pub fn load(target: Target, opts: ScanOptions) -> Result<AdapterResult, Error> {
-    let config = match &target.config {
-        Some(p) => Some(read_config(p)?),
-        None => None,
+    load_read(target, None, opts)
+}
+
+/// `load` with the config's bytes already read (None: read them here, if the target has a config).
+fn load_read(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> Result<AdapterResult, Error> {
+    let peft = target.config.is_some();
+    // The weights first: a PEFT folder without them is `missing_weights`, whatever its config holds.
+    let weights = match fs::File::open(&target.weights) {
+        Ok(f) => f,
+        Err(e) if peft && e.kind() == std::io::ErrorKind::NotFound => return Err(missing_weights(&target.path)),
+        Err(e) => return Err(Error::io(&target.weights, e)),
     };
+    let meta = weights.metadata().map_err(|e| Error::io(&target.weights, e))?;
+    if peft && !meta.is_file() {
+        return Err(missing_weights(&target.path));
+    }
+    let text = match (config, &target.config) {
+        (Some(bytes), Some(path)) => Some(config_text(path, bytes)?),
+        (None, Some(path)) => match read_config_file(path)? {
+            Some(bytes) => Some(config_text(path, bytes)?),
+            None => return Err(Error::io(path, std::io::ErrorKind::NotFound.into())),
+        },
+        _ => None,
+    };
+    let config_path = target.config.clone().unwrap_or_default();
+    let parse_config = |text: &String| parse_config_text(&config_path, text);
     BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
-        // Repeated tensor names are found by `classify` while it groups tensors (cheaper than a
-        // separate pass); `duplicate_tensor` turns them back into the header error.
-        let header = read_header_unchecked_names(&target.weights, opts.mode, &mut buf)?;
+        let (file_size, n) = match read_header_from(&weights, &target.weights, meta.len(), opts.mode, &mut buf) {
+            Ok(x) => x,
+            Err(e) => {
+                // A bad config is reported before a bad header, as when it is read first.
+                text.as_ref().map(parse_config).transpose()?;
+                return Err(e);
+            }
+        };
+        drop(weights);
+        let bytes = header_bytes(&buf, n);
         let content_hash = if opts.content_hash {
-            Some(hash_data(&target.weights, header.data_start())?)
+            Some(hash_data(&target.weights, N_LEN + n as u64)?)
         } else {
             None
         };
-        let alphas = target.weights.clone();
-        let result = build_result(target, config, &header, &alphas, opts, content_hash);
+        let key = memo::Key {
+            header: bytes,
+            file_size,
+            config: text.as_deref(),
+        };
+        let remember = !opts.keep_modules && !opts.fresh;
+        let remembered = if remember { memo::get(&key) } else { None };
+        let result = match remembered {
+            Some((class, config_json)) => AdapterResult {
+                config_json,
+                metadata: None,
+                header_size: n as u64,
+                file_size,
+                class,
+                content_hash,
+                target,
+            },
+            None => {
+                let config = match text {
+                    Some(text) => {
+                        let parsed = parse_config(&text)?;
+                        Some((text, parsed))
+                    }
+                    None => None,
+                };
+                // Repeated tensor names are found by `classify` while it groups tensors (cheaper
+                // than a separate pass); `duplicate_tensor` turns them back into the header error.
+                let header = parse_header_unchecked_names(bytes, file_size).map_err(|kind| Error::Header {
+                    path: target.weights.clone(),
+                    kind,
+                })?;
+                let alphas = target.weights.clone();
+                let result = build_result(target, config, &header, &alphas, opts, content_hash);
+                if remember {
+                    // The key's config is the file's text, which a PEFT result carries.
+                    let key = memo::Key {
+                        header: bytes,
+                        file_size,
+                        config: result.config_json.as_deref().filter(|_| peft),
+                    };
+                    memo::put(&key, &result.class, result.config_json.as_deref());
+                }
+                result
+            }
+        };
         match result.class.duplicate_tensor {
-            Some(name) => Err(Error::Header {
-                path: alphas,
-                kind: HeaderError::DuplicateTensor(name),
+            Some(ref name) => Err(Error::Header {
+                path: result.target.weights.clone(),
+                kind: HeaderError::DuplicateTensor(name.clone()),
             }),
             None => Ok(result),
         }
@@ -405,38 +607,53 @@ pub fn scan(
     threads: Option<usize>,
     progress: bool,
 ) -> Vec<Result<AdapterResult, Error>> {
-    let total = targets.len();
-    let done = AtomicUsize::new(0);
-    let finished = AtomicBool::new(false);
-    let work = || {
-        if is_forked() {
-            targets.into_iter().map(|t| load(t, opts)).collect::<Vec<_>>()
-        } else {
-            targets
-                .into_par_iter()
-                .with_min_len(16)
-                .map(|t| {
-                    let r = load(t, opts);
-                    done.fetch_add(1, Ordering::Relaxed);
-                    r
-                })
-                .collect()
-        }
-    };
-    if !progress {
-        return with_pool(threads, work);
+    with_progress(progress, |done| {
+        done.total.store(targets.len(), Ordering::Relaxed);
+        let load = |t| {
+            let r = load(t, opts);
+            done.count.fetch_add(1, Ordering::Relaxed);
+            r
+        };
+        with_pool(threads, || {
+            if is_forked() {
+                targets.into_iter().map(load).collect()
+            } else {
+                targets.into_par_iter().with_min_len(16).map(load).collect()
+            }
+        })
+    })
+}
+
+/// What a progress bar shows: adapters done, of about `total`.
+#[derive(Default)]
+struct Progress {
+    count: AtomicUsize,
+    total: AtomicUsize,
+}
+
+/// Runs `work`, with a bar on stderr refreshed from its `Progress` by a side thread when `show`.
+fn with_progress<R: Send>(show: bool, work: impl FnOnce(&Progress) -> R + Send) -> R {
+    let done = Progress::default();
+    if !show {
+        return work(&done);
     }
+    let finished = AtomicBool::new(false);
+    let draw = |start: Instant| {
+        let count = done.count.load(Ordering::Relaxed);
+        // Sub-folders found on the way can add adapters to the first estimate.
+        draw_progress(count, done.total.load(Ordering::Relaxed).max(count), start.elapsed());
+    };
     std::thread::scope(|s| {
         s.spawn(|| {
             let start = Instant::now();
             while !finished.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
-                draw_progress(done.load(Ordering::Relaxed), total, start.elapsed());
+                draw(start);
             }
-            draw_progress(done.load(Ordering::Relaxed), total, start.elapsed());
+            draw(start);
             eprintln!();
         });
-        let out = with_pool(threads, work);
+        let out = work(&done);
         finished.store(true, Ordering::Relaxed);
         out
     })

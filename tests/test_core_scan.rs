@@ -1,6 +1,7 @@
 //! The scan reads headers with the duplicate-name rule left to the classifier (which finds
 //! repeats while grouping tensors). Its verdict must equal the fully checked `parse_header`'s on
-//! every file: same error code, same repeated name, same precedence over layout errors.
+//! every file: same error code, same repeated name, same precedence over layout errors. The
+//! same files check that a result remembered from an identical header equals a fresh one.
 
 use std::path::PathBuf;
 
@@ -73,10 +74,20 @@ fn scan_finds_the_same_duplicates_as_parse_header() {
             weights: path.clone(),
             config: None,
         };
-        let got = load(target, ScanOptions::default())
-            .map(|_| ())
-            .map_err(|e| (e.code(), e.detail()));
-        assert_eq!(got, want, "{json}");
+        let outcome = |fresh: bool| {
+            let opts = ScanOptions {
+                fresh,
+                ..ScanOptions::default()
+            };
+            load(target.clone(), opts)
+                .map(|r| format!("{r:?}"))
+                .map_err(|e| (e.code(), e.detail()))
+        };
+        // Many cases repeat an earlier header byte for byte: a remembered result (`_core::memo`)
+        // must equal a fresh read in every field.
+        let remembered = outcome(false);
+        assert_eq!(remembered, outcome(true), "{json}");
+        assert_eq!(remembered.map(|_| ()), want, "{json}");
         match &want {
             Err((code, _)) if *code == "duplicate_tensor" => dups += 1,
             Err(_) => errors += 1,

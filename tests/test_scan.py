@@ -207,3 +207,15 @@ def test_python_dash_m_and_sample_round_trip(tmp_path):
         summary["moe_layouts"]
     )
     assert run.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_symlinked_folders_are_not_followed(fleet):
+    (fleet / "team-a" / "loop").symlink_to(fleet, target_is_directory=True)
+    (fleet / "alias").symlink_to(fleet / "team-a" / "good", target_is_directory=True)
+    report = lorafast.scan([fleet], progress=False)
+    names = {os.path.relpath(p, fleet) for p in report.paths}
+    assert "alias" not in names and not any(n.startswith("team-a/loop") for n in names)
+    assert len(report) == 6
+    found = {os.path.relpath(p, fleet): code for p, code in lorafast._core.discover([str(fleet)])}
+    assert found == {"team-a/good": None, "team-a/dora": None, "team-b/nested/deep": None, "kohya": None,
+                     "broken": None, "team-b/no-weights": "missing_weights"}  # fmt: skip
