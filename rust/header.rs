@@ -386,6 +386,20 @@ fn parse_metadata<'a>(cur: &mut Cursor<'a>) -> Result<Option<Metadata<'a>>, Head
     Ok(Some(pairs))
 }
 
+/// A header that opens with its `__metadata__` entry, as the safetensors serializer writes it:
+/// the parsed metadata and the rest of the header after its value (from the `,` or `}` on). None
+/// when the header does not start exactly so, or when the metadata is not valid.
+pub fn split_leading_metadata(bytes: &[u8]) -> Option<(Option<Metadata<'_>>, &[u8])> {
+    const OPENING: &[u8] = b"{\"__metadata__\":";
+    if !bytes.starts_with(OPENING) {
+        return None;
+    }
+    let mut cur = Cursor::new(bytes);
+    cur.pos = OPENING.len();
+    let metadata = parse_metadata(&mut cur).ok()?;
+    Some((metadata, &bytes[cur.pos..]))
+}
+
 /// Eight bytes from `s[at..]`, zero-padded past the end (a zero byte is not a digit or quote).
 #[inline(always)]
 fn word_at(s: &[u8], at: usize) -> u64 {

@@ -1,16 +1,21 @@
-//! Classifications remembered per scan thread, keyed on all that a classification reads: the
-//! header bytes, the file size and the config text.
+//! Classifications remembered per scan thread, keyed on all that validation and classification
+//! read: the header's tensor entries (bytes), the data section's size, the config text, and of the
+//! `__metadata__`, only `lora_adapter_metadata` (diffusers' config).
 //!
-//! The adapters of a fleet are mostly trained from a few recipes, so their headers are often
-//! byte for byte the same (same names, dtypes, shapes and therefore offsets). Validation and
-//! classification are a pure function of that input, so an adapter whose input equals one seen
-//! before gets the same result without parsing again. Every byte of the key is compared, never
-//! just a hash, so a hit is exact. Results that read tensor data (kohya `.alpha` values) are never
-//! remembered, because the data is not part of the key.
+//! The adapters of a fleet are mostly trained from a few recipes, so their tensor entries are often
+//! byte for byte the same (same names, dtypes, shapes and therefore offsets), while training tools
+//! write run-specific `__metadata__` (kohya's `ss_*` keys, timestamps, hashes). Validation and
+//! classification are a pure function of the key, so an adapter whose key equals one seen before
+//! gets the same result without parsing its entries again; its metadata, when it leads the header
+//! as the serializer writes it, is still parsed and checked. Every byte of the key is compared,
+//! never just a hash, so a hit is exact. Results that read tensor data (kohya `.alpha` values) are
+//! never remembered, because the data is not part of the key.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 
 use crate::classify::{flags, Classification};
+use crate::header::{split_leading_metadata, N_LEN};
 
 /// Entries kept per thread: enough for the handful of recipes a fleet is made from, few enough
 /// that a miss costs little (most entries differ in length or in their first bytes).
@@ -19,8 +24,10 @@ const ENTRIES: usize = 16;
 const MAX_HEADER: usize = 1 << 20;
 
 struct Entry {
-    header: Vec<u8>,
-    file_size: u64,
+    metadata_first: bool,
+    entries: Vec<u8>,
+    lora_metadata: Option<String>,
+    data_size: u64,
     config: Option<String>,
     class: Classification,
     /// The result's config text: the key's, or the one a diffusers header carries in its metadata.
@@ -32,20 +39,53 @@ thread_local! {
     static ENTRIES_OF_THREAD: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The input a classification depends on.
-#[derive(Clone, Copy)]
+/// The input a validation and classification depend on.
 pub struct Key<'a> {
-    pub header: &'a [u8],
-    pub file_size: u64,
-    pub config: Option<&'a str>,
+    /// Whether the header opened with a valid `__metadata__`, which `entries` then follow.
+    metadata_first: bool,
+    /// The header after its leading `__metadata__` value, or the whole header.
+    entries: &'a [u8],
+    /// The `lora_adapter_metadata` value of a leading `__metadata__`.
+    lora_metadata: Option<Cow<'a, str>>,
+    /// File size minus length prefix and header: the coverage check compares offsets with it.
+    data_size: u64,
+    /// The text of `adapter_config.json`.
+    config: Option<&'a str>,
+}
+
+impl<'a> Key<'a> {
+    /// The key of a header (`bytes`, read from a `file_size`-byte file) and its config's text.
+    pub fn of(bytes: &'a [u8], file_size: u64, config: Option<&'a str>) -> Self {
+        let data_size = file_size.saturating_sub(N_LEN + bytes.len() as u64);
+        let (metadata_first, entries, lora_metadata) = match split_leading_metadata(bytes) {
+            Some((metadata, rest)) => {
+                let lora = metadata
+                    .into_iter()
+                    .flatten()
+                    .find(|(k, _)| k == "lora_adapter_metadata")
+                    .map(|(_, v)| v);
+                (true, rest, lora)
+            }
+            None => (false, bytes, None),
+        };
+        Key {
+            metadata_first,
+            entries,
+            lora_metadata,
+            data_size,
+            config,
+        }
+    }
 }
 
 impl Entry {
     fn matches(&self, key: &Key<'_>) -> bool {
-        self.file_size == key.file_size
-            && self.header.len() == key.header.len()
+        self.data_size == key.data_size
+            && self.metadata_first == key.metadata_first
+            && self.entries.len() == key.entries.len()
             && self.config.as_deref() == key.config
-            && self.header == key.header
+            && self.lora_metadata.as_deref() == key.lora_metadata.as_deref()
+            && self.entries == key.entries
     }
 }
 
@@ -61,19 +101,27 @@ pub fn get(key: &Key<'_>) -> Option<(Classification, Option<String>)> {
 
 /// Remembers `class` for `key`, unless it depends on more than the key.
 pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
-    if class.flags & flags::KOHYA_ALPHA != 0 || key.header.len() > MAX_HEADER {
+    if class.flags & flags::KOHYA_ALPHA != 0 || key.entries.len() > MAX_HEADER {
         return;
     }
     ENTRIES_OF_THREAD.with(|entries| {
         let mut entries = entries.borrow_mut();
-        if entries.len() == ENTRIES {
-            entries.pop();
-        }
+        // The evicted entry's buffer takes the new bytes: a scan of unique headers then allocates
+        // nothing here once the memory is full.
+        let mut bytes = if entries.len() == ENTRIES {
+            entries.pop().map(|e| e.entries).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        bytes.clear();
+        bytes.extend_from_slice(key.entries);
         entries.insert(
             0,
             Entry {
-                header: key.header.to_vec(),
-                file_size: key.file_size,
+                metadata_first: key.metadata_first,
+                entries: bytes,
+                lora_metadata: key.lora_metadata.as_deref().map(str::to_owned),
+                data_size: key.data_size,
                 config: key.config.map(str::to_owned),
                 class: class.clone(),
                 config_json: config_json.map(str::to_owned),

@@ -420,14 +420,9 @@ fn load_read(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> 
         } else {
             None
         };
-        let key = memo::Key {
-            header: bytes,
-            file_size,
-            config: text.as_deref(),
-        };
         let remember = !opts.keep_modules && !opts.fresh;
-        let remembered = if remember { memo::get(&key) } else { None };
-        let result = match remembered {
+        let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()));
+        let result = match key.as_ref().and_then(memo::get) {
             Some((class, config_json)) => AdapterResult {
                 config_json,
                 metadata: None,
@@ -438,11 +433,8 @@ fn load_read(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> 
                 target,
             },
             None => {
-                let config = match text {
-                    Some(text) => {
-                        let parsed = parse_config(&text)?;
-                        Some((text, parsed))
-                    }
+                let config = match &text {
+                    Some(text) => Some((text.clone(), parse_config(text)?)),
                     None => None,
                 };
                 // Repeated tensor names are found by `classify` while it groups tensors (cheaper
@@ -453,14 +445,8 @@ fn load_read(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> 
                 })?;
                 let alphas = target.weights.clone();
                 let result = build_result(target, config, &header, &alphas, opts, content_hash);
-                if remember {
-                    // The key's config is the file's text, which a PEFT result carries.
-                    let key = memo::Key {
-                        header: bytes,
-                        file_size,
-                        config: result.config_json.as_deref().filter(|_| peft),
-                    };
-                    memo::put(&key, &result.class, result.config_json.as_deref());
+                if let Some(key) = &key {
+                    memo::put(key, &result.class, result.config_json.as_deref());
                 }
                 result
             }

@@ -25,7 +25,20 @@ const NAMES: &[&str] = &[
     "m.alpha",
 ];
 
-fn header_json(names: &[&str], shift: Option<usize>) -> String {
+/// Leading `__metadata__` values: none, run-specific ones the memo key leaves out, a diffusers
+/// config it keeps, and invalid ones.
+const METADATA: &[Option<&str>] = &[
+    None,
+    Some(r#"{"run":"a"}"#),
+    Some(r#"{"run":"bb"}"#),
+    Some(r#"{"lora_adapter_metadata":"{\"r\": 4}"}"#),
+    Some(r#"{"lora_adapter_metadata":"{\"r\": 8}","run":"c"}"#),
+    Some(r#"{"run":1}"#),
+    Some(r#"{"run":"a","run":"b"}"#),
+    Some("null"),
+];
+
+fn header_json(names: &[&str], shift: Option<usize>, metadata: Option<&str>) -> String {
     let entries: Vec<String> = names
         .iter()
         .enumerate()
@@ -37,7 +50,9 @@ fn header_json(names: &[&str], shift: Option<usize>) -> String {
             )
         })
         .collect();
-    format!("{{{}}}", entries.join(","))
+    let metadata = metadata.map(|m| format!(r#""__metadata__":{m}"#));
+    let all: Vec<String> = metadata.into_iter().chain(entries).collect();
+    format!("{{{}}}", all.join(","))
 }
 
 #[test]
@@ -58,7 +73,8 @@ fn scan_finds_the_same_duplicates_as_parse_header() {
             .map(|_| NAMES[(next() % NAMES.len() as u64) as usize])
             .collect();
         let shift = (next() % 4 == 0).then(|| (next() % count as u64) as usize);
-        let json = header_json(&names, shift);
+        let metadata = METADATA[(next() % METADATA.len() as u64) as usize];
+        let json = header_json(&names, shift, metadata);
         let data = names.len() * 4;
         let mut file = (json.len() as u64).to_le_bytes().to_vec();
         file.extend_from_slice(json.as_bytes());

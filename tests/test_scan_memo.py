@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from lorafast import _core
 from lorafast.testing import write_safetensors
-
 from test_scan import peft
 
 # Fields a scan row and a fresh inspect share (inspect also lists modules and metadata).
@@ -49,7 +48,8 @@ def test_repeated_headers_give_the_rows_of_a_fresh_read(tmp_path, threads):
         json.dump({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["k_proj"]}, f)
     # No config at all: the same header read as a bare file.
     shutil.copy(
-        tmp_path / "template" / "adapter_model.safetensors", tmp_path / "fleet" / "copy-07" / "adapter_model.safetensors"
+        tmp_path / "template" / "adapter_model.safetensors",
+        tmp_path / "fleet" / "copy-07" / "adapter_model.safetensors",
     )
     os.remove(tmp_path / "fleet" / "copy-07" / "adapter_config.json")
     # Same header, file cut short: the size is part of the key.
@@ -58,11 +58,11 @@ def test_repeated_headers_give_the_rows_of_a_fresh_read(tmp_path, threads):
     report = lorafast.scan([tmp_path / "fleet"], threads=threads, progress=False)
     assert len(report) == 40
     got = rows(report)
-    for path, row in zip(report.paths, got):
+    for path, row in zip(report.paths, got, strict=True):
         if row is not None:
             assert row == fresh(path), path
     fleet = tmp_path / "fleet"
-    by_name = {os.path.relpath(p, fleet).split(os.sep)[0]: r for p, r in zip(report.paths, got)}
+    by_name = {os.path.relpath(p, fleet).split(os.sep)[0]: r for p, r in zip(report.paths, got, strict=True)}
     codes = {p[0] for p in by_name["copy-05"]["problems"]}
     assert "config_rank_mismatch" in codes
     assert any(p[0] == "target_modules_mismatch" for p in by_name["copy-06"]["problems"])
@@ -99,7 +99,7 @@ def test_diffusers_metadata_config_survives_a_repeat(tmp_path):
         write_safetensors(tmp_path / f"pytorch_lora_weights_{i}.safetensors", tensors, metadata=meta)
     report = lorafast.scan([tmp_path], threads=1, progress=False)
     got = rows(report)
-    assert all(r == fresh(p) for p, r in zip(report.paths, got))
+    assert all(r == fresh(p) for p, r in zip(report.paths, got, strict=True))
     assert all(r["config_json"] == meta["lora_adapter_metadata"] for r in got)
 
 
@@ -111,3 +111,38 @@ def test_duplicate_names_stay_an_error_when_repeated(tmp_path):
         write_raw(tmp_path / f"dup-{i}.safetensors", ("{" + entry + "," + entry + "}").encode(), 4)
     report = lorafast.scan([tmp_path], threads=1, progress=False)
     assert [code for _, code, _ in report.errors] == ["duplicate_tensor"] * 3
+
+
+def test_run_specific_metadata_is_left_out_of_the_key_but_diffusers_config_is_not(tmp_path):
+    """Training tools write per-run `__metadata__`; only `lora_adapter_metadata` decides a result."""
+    tensors = {
+        "unet.down_blocks.0.attentions.0.to_q.lora_A.weight": ("F16", (4, 8)),
+        "unet.down_blocks.0.attentions.0.to_q.lora_B.weight": ("F16", (8, 4)),
+    }
+    metas = []
+    for i in range(6):
+        meta = {"ss_session_id": str(1000 + i), "ss_training_started_at": f"17000000{i:02d}"}
+        if i >= 3:  # a config whose rank disagrees with the tensors
+            meta["lora_adapter_metadata"] = json.dumps({"unet.r": 4 if i == 3 else 8, "unet.target_modules": ["to_q"]})
+        metas.append(meta)
+        write_safetensors(tmp_path / f"run-{i}.safetensors", tensors, metadata=meta)
+    # A leading metadata that is not valid must still fail, whatever was remembered.
+    header = json.dumps(
+        {
+            "__metadata__": {"ss_session_id": 7},
+            **{
+                k: {"dtype": "F16", "shape": list(s), "data_offsets": [0, 64]}
+                for k, (_, s) in list(tensors.items())[:1]
+            },
+        },
+        separators=(",", ":"),
+    ).encode()
+    from lorafast.testing import write_raw
+
+    write_raw(tmp_path / "run-9-bad.safetensors", header, 64)
+    report = lorafast.scan([tmp_path], threads=1, progress=False)
+    got = rows(report)
+    assert all(r == fresh(p) for p, r in zip(report.paths, got, strict=True) if r is not None)
+    assert [r["config_json"] is not None for r in got[:6]] == [False] * 3 + [True] * 3
+    assert [r["format"] for r in got[:6]] == ["diffusers"] * 6
+    assert [code for _, code, _ in report.errors] == ["invalid_metadata"]
