@@ -219,3 +219,13 @@ def test_symlinked_folders_are_not_followed(fleet):
     found = {os.path.relpath(p, fleet): code for p, code in lorafast._core.discover([str(fleet)])}
     assert found == {"team-a/good": None, "team-a/dora": None, "team-b/nested/deep": None, "kohya": None,
                      "broken": None, "team-b/no-weights": "missing_weights"}  # fmt: skip
+
+
+def test_a_folder_named_like_the_config_is_not_a_config(tmp_path):
+    odd = tmp_path / "odd"
+    (odd / "adapter_config.json").mkdir(parents=True)
+    peft(odd / "inner", r=4)
+    report = lorafast.scan([tmp_path], progress=False)
+    assert [os.path.relpath(p, tmp_path) for p in report.paths] == ["odd/inner"] and not report.errors
+    found = lorafast._core.discover([str(tmp_path)])
+    assert [(os.path.relpath(p, tmp_path), code) for p, code in found] == [("odd/inner", None)]
