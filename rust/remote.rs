@@ -216,7 +216,7 @@ mod imp {
     use std::str::FromStr;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex, Once};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use bytes::Bytes;
     use futures_util::{StreamExt, TryStreamExt};
@@ -339,41 +339,25 @@ mod imp {
     ) -> Vec<Result<AdapterResult, Error>> {
         let remote = Arc::new(Remote::new(ropts));
         let urls: Vec<String> = targets.iter().map(|t| t.path.to_string_lossy().into_owned()).collect();
-        let total = targets.len();
-        let done = Arc::new(AtomicUsize::new(0));
-        let finished = Arc::new(AtomicBool::new(false));
-        let bar = progress.then(|| {
-            let (done, finished) = (done.clone(), finished.clone());
-            std::thread::spawn(move || {
-                let start = Instant::now();
-                while !finished.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(100));
-                    scan::draw_progress(done.load(Ordering::Relaxed), total, start.elapsed());
-                }
-                scan::draw_progress(done.load(Ordering::Relaxed), total, start.elapsed());
-                eprintln!();
+        let concurrency = ropts.concurrency.max(1);
+        let rows = scan::with_progress(progress, |done| {
+            done.total.store(targets.len(), Ordering::Relaxed);
+            run(threads, &urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
+                let jobs = targets.into_iter().map(|t| {
+                    let remote = remote.clone();
+                    let url = t.path.to_string_lossy().into_owned();
+                    async move {
+                        let r = tokio::spawn(async move { remote.load(t, opts).await }).await;
+                        done.count.fetch_add(1, Ordering::Relaxed);
+                        r.unwrap_or_else(|e| Err(join_error(&url, &e)))
+                    }
+                });
+                futures_util::stream::iter(jobs)
+                    .buffered(concurrency)
+                    .collect::<Vec<_>>()
+                    .await
             })
         });
-        let concurrency = ropts.concurrency.max(1);
-        let rows = run(threads, &urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
-            let jobs = targets.into_iter().map(|t| {
-                let (remote, done) = (remote.clone(), done.clone());
-                let url = t.path.to_string_lossy().into_owned();
-                async move {
-                    let r = tokio::spawn(async move { remote.load(t, opts).await }).await;
-                    done.fetch_add(1, Ordering::Relaxed);
-                    r.unwrap_or_else(|e| Err(join_error(&url, &e)))
-                }
-            });
-            futures_util::stream::iter(jobs)
-                .buffered(concurrency)
-                .collect::<Vec<_>>()
-                .await
-        });
-        finished.store(true, Ordering::Relaxed);
-        if let Some(bar) = bar {
-            let _ = bar.join();
-        }
         rows
     }
 

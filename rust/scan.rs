@@ -612,35 +612,35 @@ pub fn scan(
 
 /// What a progress bar shows: adapters done, of about `total`.
 #[derive(Default)]
-struct Progress {
-    count: AtomicUsize,
-    total: AtomicUsize,
+pub(crate) struct Progress {
+    pub count: AtomicUsize,
+    pub total: AtomicUsize,
 }
 
 /// Runs `work`, with a bar on stderr refreshed from its `Progress` by a side thread when `show`.
-fn with_progress<R: Send>(show: bool, work: impl FnOnce(&Progress) -> R + Send) -> R {
+pub(crate) fn with_progress<R>(show: bool, work: impl FnOnce(&Progress) -> R) -> R {
     let done = Progress::default();
     if !show {
         return work(&done);
     }
-    let finished = AtomicBool::new(false);
     let draw = |start: Instant| {
         let count = done.count.load(Ordering::Relaxed);
         // Sub-folders found on the way can add adapters to the first estimate.
         draw_progress(count, done.total.load(Ordering::Relaxed).max(count), start.elapsed());
     };
+    // The drawer waits on a channel, not a sleep, so the end of the work wakes it at once.
+    let (finished, wait) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
-        s.spawn(|| {
+        s.spawn(move || {
             let start = Instant::now();
-            while !finished.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(100));
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(Duration::from_millis(100)) {
                 draw(start);
             }
             draw(start);
             eprintln!();
         });
         let out = work(&done);
-        finished.store(true, Ordering::Relaxed);
+        drop(finished);
         out
     })
 }
