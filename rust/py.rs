@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use numpy::ndarray::ArrayView1;
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
 use crate::error::{Error, HEADER_ERROR_CODES};
@@ -111,31 +112,37 @@ fn shape_tuple<'py>(py: Python<'py>, shape: &Option<Vec<u64>>) -> PyResult<Optio
     shape.as_ref().map(|s| PyTuple::new(py, s)).transpose()
 }
 
-fn module_dict<'py>(py: Python<'py>, m: &ModuleInfo, weight_file: &str) -> PyResult<Bound<'py, PyDict>> {
+/// Keys are interned: a module dict is built per module of every adapter inspected, and a fresh
+/// key string each time was most of its cost.
+fn module_dict<'py>(
+    py: Python<'py>,
+    m: &ModuleInfo,
+    weight_file: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("name", &m.name)?;
-    d.set_item("key", &m.key)?;
-    d.set_item("kind", m.kind.name())?;
-    d.set_item("leaf", &m.leaf)?;
-    d.set_item("layer", m.layer)?;
-    d.set_item("expert", m.expert)?;
-    d.set_item("num_experts", m.num_experts)?;
-    d.set_item("rank", m.rank)?;
-    d.set_item("in_features", m.in_features)?;
-    d.set_item("out_features", m.out_features)?;
-    d.set_item("dtype", m.dtype.map(Dtype::name))?;
-    d.set_item("a_key", &m.a_key)?;
-    d.set_item("b_key", &m.b_key)?;
-    d.set_item("a_shape", shape_tuple(py, &m.a_shape)?)?;
-    d.set_item("b_shape", shape_tuple(py, &m.b_shape)?)?;
-    d.set_item("alpha", m.alpha)?;
-    d.set_item("alpha_key", &m.alpha_key)?;
-    d.set_item("bias_key", &m.bias_key)?;
-    d.set_item("magnitude_key", &m.magnitude_key)?;
-    d.set_item("extra_keys", PyTuple::new(py, &m.extra_keys)?)?;
-    d.set_item("config_rank", m.config_rank)?;
-    d.set_item("use_rslora", m.use_rslora)?;
-    d.set_item("weight_file", weight_file)?;
+    d.set_item(intern!(py, "name"), &m.name)?;
+    d.set_item(intern!(py, "key"), &m.key)?;
+    d.set_item(intern!(py, "kind"), m.kind.name())?;
+    d.set_item(intern!(py, "leaf"), &m.leaf)?;
+    d.set_item(intern!(py, "layer"), m.layer)?;
+    d.set_item(intern!(py, "expert"), m.expert)?;
+    d.set_item(intern!(py, "num_experts"), m.num_experts)?;
+    d.set_item(intern!(py, "rank"), m.rank)?;
+    d.set_item(intern!(py, "in_features"), m.in_features)?;
+    d.set_item(intern!(py, "out_features"), m.out_features)?;
+    d.set_item(intern!(py, "dtype"), m.dtype.map(Dtype::name))?;
+    d.set_item(intern!(py, "a_key"), &m.a_key)?;
+    d.set_item(intern!(py, "b_key"), &m.b_key)?;
+    d.set_item(intern!(py, "a_shape"), shape_tuple(py, &m.a_shape)?)?;
+    d.set_item(intern!(py, "b_shape"), shape_tuple(py, &m.b_shape)?)?;
+    d.set_item(intern!(py, "alpha"), m.alpha)?;
+    d.set_item(intern!(py, "alpha_key"), &m.alpha_key)?;
+    d.set_item(intern!(py, "bias_key"), &m.bias_key)?;
+    d.set_item(intern!(py, "magnitude_key"), &m.magnitude_key)?;
+    d.set_item(intern!(py, "extra_keys"), PyTuple::new(py, &m.extra_keys)?)?;
+    d.set_item(intern!(py, "config_rank"), m.config_rank)?;
+    d.set_item(intern!(py, "use_rslora"), m.use_rslora)?;
+    d.set_item(intern!(py, "weight_file"), weight_file)?;
     Ok(d)
 }
 
@@ -181,6 +188,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
     )?;
     d.set_item("header_size", r.header_size)?;
     d.set_item("file_size", r.file_size)?;
+    let weight_file = PyString::new(py, &weight_file);
     let modules: Vec<Bound<'py, PyDict>> = c
         .modules
         .iter()

@@ -229,3 +229,19 @@ def test_a_folder_named_like_the_config_is_not_a_config(tmp_path):
     assert [os.path.relpath(p, tmp_path) for p in report.paths] == ["odd/inner"] and not report.errors
     found = lorafast._core.discover([str(tmp_path)])
     assert [(os.path.relpath(p, tmp_path), code) for p, code in found] == [("odd/inner", None)]
+
+
+def test_modules_built_from_core_dicts_equal_dataclass_construction(fleet):
+    import dataclasses
+
+    from lorafast.adapter import LoraModule
+
+    names = [f.name for f in dataclasses.fields(LoraModule)]
+    adapter = lorafast.inspect(fleet / "team-a" / "dora")
+    assert adapter.modules
+    for m in adapter.modules:
+        assert list(vars(m)) == names
+        rebuilt = LoraModule(**vars(m))
+        assert rebuilt == m and hash(rebuilt) == hash(m) and repr(rebuilt) == repr(m)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            m.rank = 1
