@@ -20,8 +20,11 @@ use crate::header::{split_leading_metadata, N_LEN};
 /// Entries kept per thread: enough for the handful of recipes a fleet is made from, few enough
 /// that a miss costs little (most entries differ in length or in their first bytes).
 const ENTRIES: usize = 16;
+/// Bytes of tensor entries kept per thread, at most: with many threads, memory stays bounded
+/// (64 threads: 256 MiB at worst; a 448-tensor adapter's entries take 57 KB).
+const BUDGET: usize = 4 << 20;
 /// Headers longer than this are not remembered (each entry keeps a copy of its header).
-const MAX_HEADER: usize = 1 << 20;
+const MAX_HEADER: usize = BUDGET / 4;
 
 struct Entry {
     metadata_first: bool,
@@ -108,11 +111,14 @@ pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
         let mut entries = entries.borrow_mut();
         // The evicted entry's buffer takes the new bytes: a scan of unique headers then allocates
         // nothing here once the memory is full.
-        let mut bytes = if entries.len() == ENTRIES {
-            entries.pop().map(|e| e.entries).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
+        let mut bytes = Vec::new();
+        let mut held: usize = entries.iter().map(|e| e.entries.capacity()).sum();
+        while entries.len() == ENTRIES || (held + key.entries.len() > BUDGET && !entries.is_empty()) {
+            if let Some(evicted) = entries.pop() {
+                held -= evicted.entries.capacity();
+                bytes = evicted.entries;
+            }
+        }
         bytes.clear();
         bytes.extend_from_slice(key.entries);
         entries.insert(
