@@ -906,22 +906,10 @@ pub fn parse_file(file: &[u8]) -> Result<Header<'_>, HeaderError> {
     parse_header(&file[8..8 + n as usize], file_size)
 }
 
-/// The most `Pread` asks for in its first read: the length prefix and, for most adapters, the
-/// whole header, in one call (a second call fetches the rest of a longer header).
+/// What `Pread` asks for in its first read: the length prefix and, for most adapters, the whole
+/// header, in one call (a second call fetches the rest of a longer header). One read is cheaper
+/// than two even when it copies a few kilobytes past the header.
 const SPECULATIVE_READ: u64 = 64 << 10;
-
-thread_local! {
-    /// The header length last read on this thread. Adapters scanned together are mostly alike, so
-    /// the next first read asks for about that much (rounded up to a page): copying a header is
-    /// most of a read's cost, and bytes past it are copied for nothing.
-    static LAST_HEADER_LEN: std::cell::Cell<u64> = const { std::cell::Cell::new(SPECULATIVE_READ) };
-}
-
-fn first_read_len(file_size: u64) -> usize {
-    let guess = LAST_HEADER_LEN.with(std::cell::Cell::get);
-    let len = (N_LEN + guess).next_multiple_of(4096).min(N_LEN + SPECULATIVE_READ);
-    file_size.min(len) as usize
-}
 
 fn truncated(path: &Path) -> Error {
     Error::io(
@@ -975,7 +963,7 @@ pub fn read_header_from(
     }
     match mode {
         ReadMode::Pread => {
-            let first = first_read_len(file_size);
+            let first = file_size.min(N_LEN + SPECULATIVE_READ) as usize;
             ensure_len(buf, first);
             let got = pread_full(file, &mut buf[..first], 0).map_err(|e| Error::io(path, e))?;
             if got < N_LEN as usize {
@@ -984,7 +972,6 @@ pub fn read_header_from(
             let prefix: [u8; 8] = buf[..8].try_into().unwrap_or_default();
             // N is bounded by MAX_HEADER_SIZE and by the file size before we allocate for it.
             let n = check_length(prefix, file_size).map_err(header_err)? as usize;
-            LAST_HEADER_LEN.with(|last| last.set(n as u64));
             let end = N_LEN as usize + n;
             if end > got {
                 if got < first {

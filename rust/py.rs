@@ -198,13 +198,14 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
     Ok(d)
 }
 
-fn full_options(mode: ReadMode, content_hash: bool) -> ScanOptions {
-    ScanOptions {
-        mode,
-        keep_modules: true,
+/// Load options from the Python keywords: `keep_modules` for inspect, not for bulk scans.
+fn load_options(mode: &str, content_hash: bool, keep_modules: bool) -> PyResult<ScanOptions> {
+    Ok(ScanOptions {
+        mode: parse_mode(mode)?,
+        keep_modules,
         content_hash,
         fresh: false,
-    }
+    })
 }
 
 /// Remote access settings from the Python keywords (defaults: see `remote.rs`).
@@ -249,7 +250,7 @@ fn inspect<'py>(
     storage_options: Option<Vec<(String, String)>>,
     timeout: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = full_options(parse_mode(mode)?, content_hash);
+    let opts = load_options(mode, content_hash, true)?;
     let ropts = remote_options(storage_options, timeout, None)?;
     let result = py.detach(|| {
         if is_url(&path.to_string_lossy()) {
@@ -277,7 +278,7 @@ fn inspect_many<'py>(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let opts = full_options(parse_mode(mode)?, content_hash);
+    let opts = load_options(mode, content_hash, true)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let results = py.detach(|| {
         use rayon::prelude::*;
@@ -481,12 +482,7 @@ fn scan(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = ScanOptions {
-        mode: parse_mode(mode)?,
-        keep_modules: false,
-        content_hash,
-        fresh: false,
-    };
+    let opts = load_options(mode, content_hash, false)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {
         let names = strings(&paths);
@@ -580,12 +576,7 @@ fn scan_targets(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = ScanOptions {
-        mode: parse_mode(mode)?,
-        keep_modules: false,
-        content_hash,
-        fresh: false,
-    };
+    let opts = load_options(mode, content_hash, false)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = py.detach(|| {
         let found = items

@@ -110,20 +110,15 @@ pub fn locate(path: &Path) -> Result<Target, Error> {
 }
 
 fn peft_target(dir: &Path, config: PathBuf) -> Result<Target, Error> {
-    let weights = dir.join(PEFT_WEIGHTS);
-    if !weights.is_file() {
-        let why = if dir.join("adapter_model.bin").is_file() {
-            "adapter_model.bin is a pickle and is not read; convert it to adapter_model.safetensors"
-        } else {
-            "adapter_config.json but no adapter_model.safetensors"
-        };
-        return Err(Error::adapter(dir, "missing_weights", why));
+    with_weights(peft_paths(dir, config))
+}
+
+/// A PEFT target whose weights file is there (checked by `stat`, where nothing opens it).
+fn with_weights(t: Target) -> Result<Target, Error> {
+    match &t.config {
+        Some(_) if !t.weights.is_file() => Err(missing_weights(&t.path)),
+        _ => Ok(t),
     }
-    Ok(Target {
-        path: dir.to_path_buf(),
-        weights,
-        config: Some(config),
-    })
 }
 
 /// (safetensors files, sub-folders) of a folder, sorted, hidden entries left out. A symlink to a
@@ -189,7 +184,7 @@ fn read_config_file(path: &Path) -> Result<Option<ConfigBytes>, Error> {
         Err(e) => Err(Error::io(path, e)),
         Ok(_) if bytes.len() as u64 > MAX_CONFIG_BYTES => {
             let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-            check_config_size(path, len.max(MAX_CONFIG_BYTES + 1)).map(|()| None)
+            Err(config_too_large(path, len.max(MAX_CONFIG_BYTES + 1)))
         }
         Ok(_) => Ok(Some(bytes)),
     }
@@ -259,7 +254,7 @@ fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
         }))];
     }
     match resolve_folder(path, recursive, true) {
-        Ok(Folder::Peft(t, _)) => vec![peft_target(path, t.config.unwrap_or_default()).map(Found::Target)],
+        Ok(Folder::Peft(t, _)) => vec![with_weights(t).map(Found::Target)],
         Ok(Folder::Single(t)) => vec![Ok(Found::Target(t))],
         Ok(Folder::Entries(found)) => found.into_iter().map(Ok).collect(),
         Err(e) => vec![Err(e)],
@@ -299,10 +294,7 @@ fn expand_inputs(paths: &[PathBuf], recursive: bool) -> Vec<Result<Found, Error>
 
 /// Finds every adapter under `paths`; folders are searched in parallel.
 pub fn discover(paths: &[PathBuf], recursive: bool) -> Vec<Result<Target, Error>> {
-    let visit = |t: Target, _config: Option<ConfigBytes>| match &t.config {
-        Some(_) if !t.weights.is_file() => Err(missing_weights(&t.path)),
-        _ => Ok(t),
-    };
+    let visit = |t: Target, _config: Option<ConfigBytes>| with_weights(t);
     walk(expand_inputs(paths, recursive), recursive, &visit, &Err)
 }
 
@@ -332,13 +324,17 @@ pub fn scan_paths(
 /// Refuses a config too large to be one (before it is read whole).
 pub fn check_config_size(path: &Path, len: u64) -> Result<(), Error> {
     if len > MAX_CONFIG_BYTES {
-        return Err(Error::adapter(
-            path,
-            "invalid_config",
-            format!("{len} bytes is too large for an adapter config"),
-        ));
+        return Err(config_too_large(path, len));
     }
     Ok(())
+}
+
+fn config_too_large(path: &Path, len: u64) -> Error {
+    Error::adapter(
+        path,
+        "invalid_config",
+        format!("{len} bytes is too large for an adapter config"),
+    )
 }
 
 /// Parses the bytes of an `adapter_config.json` (read from disk or fetched from a store).
@@ -595,16 +591,16 @@ pub fn scan(
 ) -> Vec<Result<AdapterResult, Error>> {
     with_progress(progress, |done| {
         done.total.store(targets.len(), Ordering::Relaxed);
-        let load = |t| {
+        let load_one = |t| {
             let r = load(t, opts);
             done.count.fetch_add(1, Ordering::Relaxed);
             r
         };
         with_pool(threads, || {
             if is_forked() {
-                targets.into_iter().map(load).collect()
+                targets.into_iter().map(load_one).collect()
             } else {
-                targets.into_par_iter().with_min_len(16).map(load).collect()
+                targets.into_par_iter().with_min_len(16).map(load_one).collect()
             }
         })
     })
