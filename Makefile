@@ -17,8 +17,19 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 .PHONY: setup
-setup: $(BIN)/python ## venv + editable debug build with test and dev extras (torch included)
+setup: $(BIN)/python engines ## venv + editable debug build with test and dev extras (torch included), engine wheels
 	$(BIN)/pip install -q -e ".[test,dev]"
+
+# The engines' released wheels, the oracles of tests/oracle: downloaded, never installed (tests/oracle/engines.py).
+ENGINE_WHEELS := sglang==0.5.23 vllm==0.33.0 vllm==0.30.0
+ENGINE_CACHE := .cache/engines
+.PHONY: engines
+engines: $(BIN)/python ## fetch the pinned SGLang and vLLM wheels for the oracle tests (pip download --no-deps)
+	@mkdir -p $(ENGINE_CACHE)
+	@for w in $(ENGINE_WHEELS); do \
+	  n=$${w%%==*}; v=$${w##*==}; \
+	  ls $(ENGINE_CACHE)/$$n-$$v-*.whl >/dev/null 2>&1 || $(BIN)/pip download -q --no-deps "$$w" -d $(ENGINE_CACHE) || exit 1; \
+	done
 
 .PHONY: build-release
 build-release: $(BIN)/python ## optimised build of the extension into the venv (fat LTO: slow to compile)
