@@ -7,7 +7,10 @@ written so far is restored from its snapshot, so the weights end bit-identical t
 names the module and the adapter. `MergeHandle.unmerge()` restores the snapshots the same way.
 
 `snapshot="subtract"` keeps no snapshot: unmerge (and a failure's rollback) subtract the delta again, which is
-lossy by up to an ulp per element but needs no memory beyond the factors.
+lossy by up to an ulp per element but needs no memory beyond the factors. Only blocks that were written are
+subtracted; the block being written when a failure struck is put back from a one-block copy (`kernel.Pending`).
+
+Merges and unmerges into the same weights take turns (`claims.py`): a second thread waits for the first.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lorafast.merging import kernel
+from lorafast.merging import claims, kernel
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import Source, normalize
 from lorafast.merging.targets import NameIndex, Target, WeightSpec, bias_factors, factors, preflight, stack_shape
@@ -62,7 +65,9 @@ class _Record:
     snap: Any  # snapshot tensor (E, R, C) or None
     done: list[tuple[int, int, int, int]] = field(default_factory=list)
     segments: list[kernel.Segment] | None = None  # kept for subtract mode
-    version: int = -1
+    pending: kernel.Pending | None = None  # subtract mode: the block being written, until it is in `done`
+    version: int = -1  # the tensor's version counter right after the merge
+    start_version: int = -1  # its logical version before the merge (see `_logical_version`)
     data_ptr: int = 0
     complete: bool = False
 
@@ -143,21 +148,23 @@ class MergeHandle:
         """
         import torch
 
-        if not self.merged:
-            raise MergeError("this merge is not applied (already unmerged or committed)", "not_merged")
-        stale = [r.target.name for r in self._records if _changed(r)]
-        if stale and not force:
-            raise MergeError(
-                f"weight {stale[0]!r} changed after the merge (or was replaced), so unmerging would drop that "
-                f"change; {len(stale)} weight(s) affected. Pass force=True to restore anyway",
-                "stale",
-                module=stale[0],
-                restored=False,
-            )
-        with torch.no_grad():
-            self._restore_all()
-        self.merged = False
-        self._records_release()
+        with claims.claimed(r.tensor for r in self._records):
+            if not self.merged:
+                raise MergeError("this merge is not applied (already unmerged or committed)", "not_merged")
+            stale = [r.target.name for r in self._records if _changed(r)]
+            if stale and not force:
+                raise MergeError(
+                    f"weight {stale[0]!r} changed after the merge (or was replaced), so unmerging would drop that "
+                    f"change; {len(stale)} weight(s) affected (merges into one model unmerge in reverse order). "
+                    "Pass force=True to restore anyway",
+                    "stale",
+                    module=stale[0],
+                    restored=False,
+                )
+            with torch.no_grad():
+                self._restore_all()
+            self.merged = False
+            self._records_release()
 
     def commit(self) -> None:
         """Keep the merged weights and free the snapshots; the merge can no longer be undone."""
@@ -170,10 +177,12 @@ class MergeHandle:
         for r in self._records:
             r.snap = None
             r.segments = None
+            r.pending = None
 
     def _restore_all(self) -> None:
         for r in reversed(self._records):
             self._restore(r)
+        _mark_restored(self._records)
 
     def _restore(self, r: _Record) -> None:
         if r.snap is not None:
@@ -182,7 +191,11 @@ class MergeHandle:
             else:
                 for e0, e1, r0, r1 in r.done:
                     r.view[e0:e1, r0:r1].copy_(r.snap[e0:e1, r0:r1])
-        elif r.segments is not None and r.done:
+        elif r.segments is not None:
+            if r.pending is not None:
+                r.pending.restore(r.view, r.done)  # the block whose write may have been cut short, bit for bit
+            if not r.done:
+                return
             ws = self._workspace(r.segments[0].L.device)
             for e0, e1, r0, r1 in r.done:
                 sub = [_slice_segment(s, e0, e1, r0, r1) for s in r.segments]
@@ -198,7 +211,33 @@ class MergeHandle:
 
 def _changed(r: _Record) -> bool:
     t = r.tensor
-    return int(t._version) != r.version or t.data_ptr() != r.data_ptr
+    same = int(t._version) == r.version or _logical_version(t) == r.version
+    return not same or t.data_ptr() != r.data_ptr
+
+
+# A restore writes the weight, which bumps its version counter, yet it leaves the weight as it was before that
+# merge. The tensor remembers this (attribute below), so merges stacked on one weight can be unmerged in reverse
+# order without being taken for changes made by someone else.
+_RESTORED = "_lorafast_restored"
+
+
+def _logical_version(t: Any) -> int:
+    """The tensor's version counter, or the earlier version it equals when the last write was a restore."""
+    v = int(t._version)
+    mark = getattr(t, _RESTORED, None)
+    return mark[1] if mark is not None and mark[0] == v else v
+
+
+def _mark_restored(records: list[_Record]) -> None:
+    first: dict[int, _Record] = {}
+    for r in records:
+        if r.done or r.complete:
+            first.setdefault(id(r.tensor), r)  # tied weights: the earliest record holds the version before all
+    for r in first.values():
+        try:
+            setattr(r.tensor, _RESTORED, (int(r.tensor._version), r.start_version))
+        except AttributeError:  # a tensor type without attributes: unmerging out of order stays "stale"
+            pass
 
 
 def _slice_segment(s: kernel.Segment, e0: int, e1: int, r0: int, r1: int) -> kernel.Segment:
@@ -399,9 +438,11 @@ def merge(
     `device`: where to compute (default: where each weight lives). `chunk_bytes`: bound on the work buffers.
     `safe`: refuse NaN/Inf results. `snapshot`: "cpu" (default) or "device" keep the original bits for an exact
     unmerge; "subtract" keeps none and unmerges by subtracting (lossy).
-    """
-    import torch
 
+    Thread safety: merges (and unmerges) into the same weights are serialized; a second thread's merge waits
+    for the first and then merges on top of it. Unmerge them in reverse order: unmerging the first while the
+    second is still merged raises `MergeError` code "stale".
+    """
     if snapshot not in SNAPSHOT_MODES:
         raise MergeError(f"snapshot must be one of {SNAPSHOT_MODES}, not {snapshot!r}", "bad_request")
     if chunk_bytes <= 0:
@@ -420,22 +461,8 @@ def merge(
             progress(done_bytes[0], total)
 
     _warn_tied(targets, tensors)
-    current: Target | None = None
-    try:
-        with ExitStack() as stack, torch.no_grad():
-            files = _Files(stack)
-            for target in targets:
-                current = target
-                tensor = tensors[target.component][target.key]
-                _apply(handle, target, tensor, files, device, chunk_bytes, safe, snapshot, tick)
-    except BaseException as exc:
-        with torch.no_grad():
-            handle._restore_all()
-        exact = snapshot != "subtract"
-        handle._records_release()
-        if not isinstance(exc, Exception):
-            raise  # KeyboardInterrupt & co: weights restored, the interrupt goes on as it was
-        raise _wrap(exc, current, exact) from exc
+    with claims.claimed(tensors[t.component][t.key] for t in targets):
+        _merge_all(handle, targets, tensors, device, chunk_bytes, safe, snapshot, tick)
     handle.merged = True
     for r in handle._records:
         r.complete = True
@@ -447,6 +474,39 @@ def merge(
     handle.bytes_merged = total
     handle.peak_workspace_bytes = max((w.peak_bytes for w in handle._workspaces.values()), default=0)
     return handle
+
+
+def _merge_all(
+    handle: MergeHandle,
+    targets: list[Target],
+    tensors: Mapping[str | None, Mapping[str, Any]],
+    device: Any,
+    chunk_bytes: int,
+    safe: bool,
+    snapshot: str,
+    tick: Callable[[int], None],
+) -> None:
+    """Merge every target in order; on any failure, roll back every block written and raise."""
+    import torch
+
+    current: Target | None = None
+    try:
+        with ExitStack() as stack, torch.no_grad():
+            files = _Files(stack)
+            for target in targets:
+                current = target
+                tensor = tensors[target.component][target.key]
+                _apply(handle, target, tensor, files, device, chunk_bytes, safe, snapshot, tick)
+    except BaseException as exc:
+        with torch.no_grad():
+            handle._restore_all()
+            # Subtraction cannot undo a non-finite write (safe=False): say so instead of claiming a restore.
+            broken = [] if snapshot != "subtract" else [r.target.name for r in handle._records if r.done and
+                                                        not kernel.finite(r.view)]  # fmt: skip
+        handle._records_release()
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt & co: weights restored, the interrupt goes on as it was
+        raise _wrap(exc, current, snapshot != "subtract", broken) from exc
 
 
 def _apply(
@@ -472,6 +532,9 @@ def _apply(
     elif snapshot == "device":
         snap = torch.empty_like(view)
     record = _Record(target, tensor, view, snap, segments=segments if snapshot == "subtract" else None)
+    record.start_version = _logical_version(tensor)
+    if snapshot == "subtract":
+        record.pending = kernel.Pending()
     handle._records.append(record)
     budget = min(chunk_bytes, kernel.CPU_BLOCK_BYTES) if dev.type == "cpu" else chunk_bytes
     handle._budget = budget
@@ -485,7 +548,10 @@ def _apply(
         fused = kernel.fused_factors(segments, view.dtype)
     try:
         if fused is not None:
-            ok = kernel.run_fused(view, fused, budget=budget, snap3=snap, safe=safe, done=record.done, progress=tick)
+            ok = kernel.run_fused(
+                view, fused, budget=budget, snap3=snap, safe=safe, done=record.done, pending=record.pending,
+                progress=tick
+            )  # fmt: skip
         else:
             ok = kernel.run(
                 view,
@@ -496,6 +562,7 @@ def _apply(
                 safe=safe,
                 check_before_write=safe and snapshot == "subtract",
                 done=record.done,
+                pending=record.pending,
                 progress=tick,
             )
         bad = not ok and not kernel.finite(view)  # the per-block test is a cheap range test; confirm exactly
@@ -503,24 +570,34 @@ def _apply(
         bad = True  # caught before the block was written
     if not bad:
         record.complete = True
+        record.pending = None  # every block is in `done`; free the one-block copy
         return
     raise MergeError(
-        f"NaN or Inf in merged weight {target.name!r} (adapters {', '.join(map(repr, target.adapters))}); "
-        "the merge was undone",
+        f"NaN or Inf in merged weight {target.name!r} (adapters {', '.join(map(repr, target.adapters))})",
         "non_finite",
         module=target.name,
         adapter=", ".join(target.adapters),
     )
 
 
-def _wrap(exc: Exception, target: Target | None, exact: bool) -> MergeError:
+def _wrap(exc: Exception, target: Target | None, exact: bool, broken: list[str] | None = None) -> MergeError:
     how = "restored bit for bit" if exact else "restored by subtraction (subtract mode: not bit-exact)"
+    restored = not broken
+    if broken:
+        how = (
+            f"NOT restored: {len(broken)} weight(s), first {broken[0]!r}, hold NaN or Inf that subtraction cannot "
+            "undo (safe=False in subtract mode)"
+        )
     if isinstance(exc, MergeError):
-        exc.restored = True
         if exc.module is None and target is not None:
             exc.module = target.name
         err = MergeError(
-            f"{exc.args[0]}; weights {how}", exc.code, module=exc.module, adapter=exc.adapter, problems=exc.problems
+            f"{exc.args[0]}; weights {how}",
+            exc.code,
+            module=exc.module,
+            adapter=exc.adapter,
+            problems=exc.problems,
+            restored=restored,
         )
         return err
     name = target.name if target is not None else None
@@ -531,6 +608,7 @@ def _wrap(exc: Exception, target: Target | None, exact: bool) -> MergeError:
         "failed",
         module=name,
         adapter=adapters,
+        restored=restored,
     )
 
 

@@ -39,6 +39,52 @@ class NonFinite(Exception):
     """A merged block holds NaN or Inf."""
 
 
+Block = tuple[int, int, int, int]
+
+#: Fault-test hook, None in normal use: called as `block_hook(stage, block)` at every stage of every block
+#: ("start", "computed", "written"), so a test can raise (KeyboardInterrupt, ...) at an exact point of a merge.
+block_hook: Callable[[str, Block], None] | None = None
+
+
+class Pending:
+    """Snapshot-free rollback's guard for the block being written (`snapshot="subtract"`).
+
+    Without a snapshot, a rollback subtracts the delta from the blocks in `done`, so `done` must hold exactly the
+    blocks that were written. An interrupt can land between the write and the `done.append`, so the block's
+    original bits are kept here (one block, at most the kernel's budget) from just before its write until it is
+    recorded in `done`. A rollback first puts `block` back from that copy, bit for bit, written or not.
+    """
+
+    def __init__(self) -> None:
+        self.block: Block | None = None
+        self._buf: torch.Tensor | None = None
+
+    def save(self, block: Block, w: torch.Tensor) -> None:
+        import torch
+
+        buf = self._buf
+        if buf is None or buf.numel() < w.numel() or buf.dtype != w.dtype or buf.device != w.device:
+            self.block = None
+            buf = self._buf = torch.empty(w.numel(), dtype=w.dtype, device=w.device)
+        buf[: w.numel()].view(w.shape).copy_(w)
+        self.block = block  # set last: only a complete copy may be restored
+
+    def restore(self, w3: torch.Tensor, done: list[Block]) -> None:
+        """Put the pending block back (if any) and drop it from `done`, whose blocks are then all written."""
+        if self.block is None or self._buf is None:
+            return
+        e0, e1, r0, r1 = self.block
+        w = w3[e0:e1, r0:r1]
+        w.copy_(self._buf[: w.numel()].view(w.shape))
+        if done and done[-1] == self.block:
+            done.pop()
+        self.block = None
+
+    def release(self) -> None:
+        self.block = None
+        self._buf = None
+
+
 class Workspace:
     """Work buffers on one device, allocated once at the largest size asked for and reused.
 
@@ -128,15 +174,18 @@ def run(
     snap3: torch.Tensor | None = None,
     safe: bool = True,
     check_before_write: bool = False,
-    done: list[tuple[int, int, int, int]] | None = None,
+    done: list[Block] | None = None,
+    pending: Pending | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> bool:
     """Merge `segments` into the `(E, R, C)` view `w3` in place, block by block.
 
-    Each block's original bits go to `snap3` first (when given) and the block is appended to `done`, so a caller
-    can restore exactly what was written. Returns False when `safe` and a block may have come out non-finite
-    (a cheap range test per block; the caller confirms with `finite`). With `check_before_write`, a non-finite
-    block raises `NonFinite` before it is written (for modes without a snapshot).
+    With `snap3`, each block's original bits go there first and the block is appended to `done` before it is
+    written, so a caller can restore exactly what was written. Without it, a block is appended to `done` only
+    after it was written (a rollback subtracts the delta from those), and `pending` guards the window between the
+    write and the append. Returns False when `safe` and a block may have come out non-finite (a cheap range test
+    per block; the caller confirms with `finite`). With `check_before_write`, a non-finite block raises
+    `NonFinite` before it is written (for modes without a snapshot).
     """
     import torch
 
@@ -146,12 +195,16 @@ def run(
     width = 8 if adt == torch.float64 else 4
     flag = torch.zeros((), dtype=torch.bool, device=ws.device) if safe else None
     fmax = torch.finfo(w3.dtype).max
-    for e0, e1, r0, r1 in blocks(stack, budget, nbuf, width):  # type: ignore[arg-type]
+    hook = block_hook
+    for block in blocks(stack, budget, nbuf, width):  # type: ignore[arg-type]
+        e0, e1, r0, r1 = block
+        if hook is not None:
+            hook("start", block)
         w = w3[e0:e1, r0:r1]
         if snap3 is not None:
             snap3[e0:e1, r0:r1].copy_(w)
-        if done is not None:
-            done.append((e0, e1, r0, r1))
+            if done is not None:
+                done.append(block)
         ne, nr, cols = e1 - e0, r1 - r0, stack[2]
         bufs = ws.get(ne * nr * cols, nbuf, adt)
         acc = bufs[0].view(ne, nr, cols)
@@ -181,13 +234,52 @@ def run(
             lo, hi = torch.aminmax(acc)
             bad = ~((lo >= -fmax) & (hi <= fmax))
             if check_before_write and bool(bad) and not bool(torch.isfinite(acc.to(w3.dtype)).all()):
-                raise NonFinite((e0, e1, r0, r1))
+                raise NonFinite(block)
             if flag is not None:
                 torch.logical_or(flag, bad, out=flag)
-        w.copy_(acc)
+        if hook is not None:
+            hook("computed", block)
+        _write(w, block, w.copy_, (acc,), snap3, done, pending, hook)
         if progress is not None:
             progress(w.numel() * w.element_size())
     return not bool(flag) if flag is not None else True
+
+
+def _write(
+    w: torch.Tensor,
+    block: Block,
+    write: Callable[..., object],
+    args: tuple[object, ...],
+    snap3: torch.Tensor | None,
+    done: list[Block] | None,
+    pending: Pending | None,
+    hook: Callable[[str, Block], None] | None,
+) -> None:
+    """Write one block; without a snapshot, record it in `done` after the write, guarded by `pending`."""
+    if snap3 is not None or done is None:
+        write(*args)
+        if hook is not None:
+            hook("written", block)
+        return
+    if pending is not None:
+        pending.save(block, w)
+    write(*args)
+    if hook is not None:
+        hook("written", block)
+    done.append(block)
+    if pending is not None:
+        pending.block = None
+
+
+def _add_in_place(w: torch.Tensor, segments: list[Segment], block: Block, sign: float) -> None:
+    """W[block] += sign · L @ R for every segment, in W's dtype with fp32 accumulation (the fused write)."""
+    e0, e1, r0, r1 = block
+    for seg in segments:
+        Lb, Rb = _sl(seg.L, e0, e1, r0, r1), _sl(seg.R, e0, e1)
+        if e1 - e0 == 1:
+            w[0].addmm_(Lb[0], Rb[0], alpha=sign)
+        else:
+            w.baddbmm_(Lb, Rb, alpha=sign)
 
 
 def _split(x: torch.Tensor, dtype: torch.dtype, parts: int) -> list[torch.Tensor]:
@@ -234,7 +326,8 @@ def run_fused(
     sign: float = 1.0,
     snap3: torch.Tensor | None = None,
     safe: bool = True,
-    done: list[tuple[int, int, int, int]] | None = None,
+    done: list[Block] | None = None,
+    pending: Pending | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> bool:
     """`run` for bf16 weights on an accelerator: W[block] += L @ R as one bf16 GEMM with fp32 accumulation and a
@@ -248,18 +341,19 @@ def run_fused(
     try:
         flag = torch.zeros((), dtype=torch.bool, device=w3.device) if safe else None
         stack = tuple(w3.shape)
-        for e0, e1, r0, r1 in blocks(stack, budget, 1, w3.element_size()):  # type: ignore[arg-type]
+        hook = block_hook
+        for block in blocks(stack, budget, 1, w3.element_size()):  # type: ignore[arg-type]
+            e0, e1, r0, r1 = block
+            if hook is not None:
+                hook("start", block)
             w = w3[e0:e1, r0:r1]
             if snap3 is not None:
                 snap3[e0:e1, r0:r1].copy_(w, non_blocking=True)
-            if done is not None:
-                done.append((e0, e1, r0, r1))
-            for seg in segments:
-                Lb, Rb = _sl(seg.L, e0, e1, r0, r1), _sl(seg.R, e0, e1)
-                if e1 - e0 == 1:
-                    w[0].addmm_(Lb[0], Rb[0], alpha=sign)
-                else:
-                    w.baddbmm_(Lb, Rb, alpha=sign)
+                if done is not None:
+                    done.append(block)
+            if hook is not None:
+                hook("computed", block)
+            _write(w, block, _add_in_place, (w, segments, block, sign), snap3, done, pending, hook)
             if flag is not None:
                 lo, hi = torch.aminmax(w)
                 torch.logical_or(flag, ~(torch.isfinite(lo) & torch.isfinite(hi)), out=flag)
