@@ -155,6 +155,26 @@ pub struct Problem {
     pub tensor: Option<String>,
 }
 
+/// Every problem code, in documentation order (the README's list; `lorafast.PROBLEM_CODES`).
+pub const PROBLEM_CODES: &[&str] = &[
+    "missing_lora_a",
+    "missing_lora_b",
+    "orphan_tensor",
+    "duplicate_factor",
+    "rank_mismatch",
+    "config_rank_mismatch",
+    "dtype_mismatch",
+    "target_modules_mismatch",
+    "unknown_tensor",
+    "invalid_alpha",
+    "moe_rank_not_divisible",
+    "unsupported_pattern",
+    "invalid_config_field",
+    "unknown_field",
+    "misaligned_offset",
+    "too_many_problems",
+];
+
 /// Problems kept per adapter; past this a single "too_many_problems" entry stands for the rest.
 const MAX_PROBLEMS: usize = 200;
 
@@ -339,7 +359,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
 
     // 2. Resolve every module.
     let inner_outer = target_parameter_leaves(config);
-    let mut layer_mask: Vec<u64> = Vec::new();
+    let mut layers = LayerSet::new(groups.len());
     let mut leaves: Vec<(u64, &str)> = Vec::new();
     let mut layouts: u8 = 0;
     let mut tally = TargetTally {
@@ -401,11 +421,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             leaves.push((leaf_tag, leaf));
         }
         if let Some(l) = layer {
-            let word = (l / 64) as usize;
-            if layer_mask.len() <= word {
-                layer_mask.resize(word + 1, 0);
-            }
-            layer_mask[word] |= 1 << (l % 64);
+            layers.insert(l);
         }
 
         // Ranks and features from shapes.
@@ -448,7 +464,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             _ => {
                 if let (Some(ra), Some(rb)) = (
                     if kind == ModuleKind::TargetParameters {
-                        a_shape.map(|s| s[0])
+                        a_shape.and_then(|s| s.first().copied())
                     } else {
                         rank
                     },
@@ -462,11 +478,8 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                         );
                     }
                 }
-                let (da, db) = (
-                    tensors[a.unwrap_or(0) as usize].dtype,
-                    tensors[b.unwrap_or(0) as usize].dtype,
-                );
-                if da != db {
+                let dtype = |i: Option<u32>| i.and_then(|i| tensors.get(i as usize)).map(|t| t.dtype);
+                if let Some((da, db)) = dtype(a).zip(dtype(b)).filter(|(da, db)| da != db) {
                     out.problem(
                         "dtype_mismatch",
                         format_args!(
@@ -512,7 +525,9 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             ModuleKind::Expert2d => layouts |= 1 << MoeLayout::PerExpert2d as u8,
             ModuleKind::TargetParameters => layouts |= 1 << MoeLayout::PeftTargetParameters as u8,
             ModuleKind::Stacked3d if g.key.contains("experts") => {
-                let outer = a_shape.is_some_and(|s| s[0] == 1) || b_shape.is_some_and(|s| s[0] == 1);
+                // A 0-d factor has no leading dim: it says nothing about the layout.
+                let outer =
+                    a_shape.is_some_and(|s| s.first() == Some(&1)) || b_shape.is_some_and(|s| s.first() == Some(&1));
                 layouts |= 1
                     << if outer {
                         MoeLayout::SharedOuter as u8
@@ -588,6 +603,26 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         if !c.unsupported_features.is_empty() {
             out.flags |= flags::UNSUPPORTED_FEATURES;
         }
+    }
+    // Every config read, each diffusers component's included: a wrong-typed field is read as absent.
+    let components = configs.components.iter().map(|(p, c)| (p.as_str(), c));
+    for (prefix, c) in configs.file.map(|c| ("", c)).into_iter().chain(components) {
+        for message in &c.invalid_fields {
+            out.problem(
+                "invalid_config_field",
+                format_args!(
+                    "{}{message}",
+                    if prefix.is_empty() {
+                        String::new()
+                    } else {
+                        format!("component {prefix:?}: ")
+                    }
+                ),
+                None,
+            );
+        }
+    }
+    if let Some(c) = config {
         if c.use_dora {
             out.flags |= flags::DORA;
         }
@@ -618,15 +653,57 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         },
         _ => MoeLayout::Mixed,
     };
-    for (w, bits) in layer_mask.iter().enumerate() {
-        let mut bits = *bits;
-        while bits != 0 {
-            out.layers.push(w as u32 * 64 + bits.trailing_zeros());
-            bits &= bits - 1;
-        }
-    }
+    out.layers = layers.into_sorted();
     out.target_modules = leaves.into_iter().map(|(_, l)| l.to_owned()).collect();
     out
+}
+
+/// The layer indices seen, sorted and without repeats at the end. Small indices go to a bit mask
+/// of at most one word per module, so its size follows the count of modules, never the largest
+/// index (a name with `layers.999999999` must not cost 125 MB); larger ones to a list.
+struct LayerSet {
+    mask: Vec<u64>,
+    max_words: usize,
+    far: Vec<u32>,
+}
+
+impl LayerSet {
+    fn new(modules: usize) -> LayerSet {
+        LayerSet {
+            mask: Vec::new(),
+            max_words: modules.max(1),
+            far: Vec::new(),
+        }
+    }
+
+    #[inline]
+    fn insert(&mut self, layer: u32) {
+        let word = (layer / 64) as usize;
+        if word >= self.max_words {
+            self.far.push(layer);
+            return;
+        }
+        if self.mask.len() <= word {
+            self.mask.resize(word + 1, 0);
+        }
+        self.mask[word] |= 1 << (layer % 64);
+    }
+
+    fn into_sorted(mut self) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (w, bits) in self.mask.iter().enumerate() {
+            let mut bits = *bits;
+            while bits != 0 {
+                out.push(w as u32 * 64 + bits.trailing_zeros());
+                bits &= bits - 1;
+            }
+        }
+        // Every far index is above every masked one.
+        self.far.sort_unstable();
+        self.far.dedup();
+        out.extend(self.far);
+        out
+    }
 }
 
 /// Tensors grouped by module key, and what the grouping saw on the way.
@@ -752,11 +829,7 @@ fn group_tensors<'h>(
 fn unsorted_tensor(out: &mut Classification, name: &str, config: Option<&LoraConfig>) {
     let saved_embedding =
         name.ends_with("embed_tokens.base_layer.weight") || name.ends_with("lm_head.base_layer.weight");
-    let in_modules_to_save = config.is_some_and(|c| {
-        c.modules_to_save
-            .iter()
-            .any(|m| name.contains(&format!(".{m}.")) || name.starts_with(&format!("{m}.")))
-    });
+    let in_modules_to_save = config.is_some_and(|c| c.saves(name));
     if saved_embedding {
         out.flags |= flags::FULL_WEIGHTS;
     } else if in_modules_to_save {
@@ -822,7 +895,10 @@ fn variant_dims(v: Variant, g: &Group<'_>, header: &Header<'_>) -> (Option<u64>,
     match v {
         Variant::Loha => {
             let (w1a, w1b) = (shape(".hada_w1_a"), shape(".hada_w1_b"));
-            let input = w1b.and_then(|s| s.get(1..)).map(|rest| rest.iter().product());
+            // A leading 0 dim makes a valid tensor whatever the rest multiply to: check.
+            let input = w1b
+                .and_then(|s| s.get(1..))
+                .and_then(|rest| rest.iter().try_fold(1u64, |n, &d| n.checked_mul(d)));
             (dim(w1b, 0), input, dim(w1a, 0))
         }
         Variant::Lokr => {
@@ -878,7 +954,9 @@ impl<'k> TargetTally<'k> {
                 }
                 let mut bits = mask;
                 while bits != 0 {
-                    self.matched[bits.trailing_zeros() as usize] = true;
+                    if let Some(m) = self.matched.get_mut(bits.trailing_zeros() as usize) {
+                        *m = true;
+                    }
                     bits &= bits - 1;
                 }
                 return mask != 0;
@@ -1025,8 +1103,10 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
     for (slot, g) in alphas.iter_mut().zip(groups) {
         let Some(i) = g.alpha else { continue };
         let t = &header.tensors[i as usize];
-        let nelem: u64 = header.shape(t).iter().product();
-        if nelem != 1 {
+        // Checked: `classify` must not panic, even on a header no validation has seen.
+        let nelem = header.shape(t).iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        if nelem != Some(1) {
+            let nelem = nelem.map_or_else(|| "too many".to_owned(), |n| n.to_string());
             out.problem(
                 "invalid_alpha",
                 format_args!("alpha tensor {:?} has {nelem} elements, expected 1", t.name),
@@ -1036,7 +1116,7 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
         }
         let mut buf = [0u8; 8];
         let width = (t.dtype.bits() / 8) as usize;
-        let at = header.data_start() + t.begin;
+        let at = header.data_start().saturating_add(t.begin);
         let value = match file.read_exact_at(&mut buf[..width.min(8)], at) {
             Ok(()) => scalar(t.dtype, &buf),
             Err(_) => None,

@@ -47,8 +47,13 @@ pub struct LoraConfig {
     pub unsupported_features: Vec<String>,
     /// Patterns our regex engine cannot compile (Python-only syntax); reported as problems.
     pub bad_patterns: Vec<String>,
+    /// Fields whose value has the wrong JSON type (`"r": "8"`), as messages; reported as
+    /// `invalid_config_field` problems. Such a field is read as if absent.
+    pub invalid_fields: Vec<String>,
     /// `target_modules` prepared once for the per-module checks.
     targets: TargetIndex,
+    /// `modules_to_save` prepared once for the per-tensor checks.
+    saved: SpanSet,
 }
 
 /// `target_modules` ready for matching. A list entry without dots matches a module exactly when
@@ -98,8 +103,8 @@ enum Field {
     Bool(bool),
     Number(Number),
     Str(String),
-    /// An array; only its string items are kept.
-    List(Vec<String>),
+    /// An array: its string items, and how many items were not strings.
+    List(Vec<String>, usize),
     /// An object: keys in first-seen order, each with its (last) value as a number, if it is one.
     Object(Vec<(String, Option<f64>)>),
 }
@@ -115,7 +120,11 @@ impl Field {
                 _ => Number::F64(n.as_f64().unwrap_or(f64::NAN)),
             }),
             Value::String(s) => Field::Str(s.clone()),
-            Value::Array(items) => Field::List(items.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()),
+            Value::Array(items) => {
+                let strings: Vec<String> = items.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+                let others = items.len() - strings.len();
+                Field::List(strings, others)
+            }
             Value::Object(map) => Field::Object(map.iter().map(|(k, v)| (k.clone(), v.as_f64())).collect()),
         }
     }
@@ -144,7 +153,7 @@ impl Field {
     /// The strings of a list, or the one string; anything else is no strings.
     fn strings(&self) -> Vec<String> {
         match self {
-            Field::List(items) => items.clone(),
+            Field::List(items, _) => items.clone(),
             Field::Str(s) => vec![s.clone()],
             _ => Vec::new(),
         }
@@ -217,30 +226,13 @@ fn read_object<'t>(text: &'t str, keep: impl Fn(&str) -> bool) -> Option<Vec<(Co
         return None;
     }
     let mut entries: Vec<(Cow<'t, str>, Field)> = Vec::new();
-    // Repeated keys are found by a scan while the object is small, by an index once it is not.
-    let mut index: FxHashMap<Cow<'t, str>, usize> = FxHashMap::default();
+    let mut index = KeyIndex::default();
     if cur.object_start().ok()? {
         loop {
             let key = cur.key().ok()?;
             if keep(&key) {
                 let value = read_field(&mut cur, 1).ok()?;
-                let seen = if entries.len() < 32 {
-                    entries.iter().position(|(k, _)| *k == key)
-                } else {
-                    if index.is_empty() {
-                        index.extend(entries.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)));
-                    }
-                    index.get(&key).copied()
-                };
-                match seen {
-                    Some(i) => entries[i].1 = value,
-                    None => {
-                        if !index.is_empty() {
-                            index.insert(key.clone(), entries.len());
-                        }
-                        entries.push((key, value));
-                    }
-                }
+                index.upsert(&mut entries, key, value);
             } else {
                 cur.skip_value(1).ok()?;
             }
@@ -251,6 +243,40 @@ fn read_object<'t>(text: &'t str, keep: impl Fn(&str) -> bool) -> Option<Vec<(Co
     }
     cur.finish().ok()?;
     Some(entries)
+}
+
+/// Where each key of a list of (key, value) entries is. Repeated keys are found by a scan while
+/// the list is small, by a hash index once it is not (a scan per key is quadratic).
+struct KeyIndex<K>(FxHashMap<K, usize>);
+
+impl<K> Default for KeyIndex<K> {
+    fn default() -> Self {
+        KeyIndex(FxHashMap::default())
+    }
+}
+
+impl<K: Clone + Eq + std::hash::Hash> KeyIndex<K> {
+    /// Sets `key`'s value: first position, last value, as serde_json's order-preserving map.
+    fn upsert<V>(&mut self, entries: &mut Vec<(K, V)>, key: K, value: V) {
+        let seen = if entries.len() < 32 {
+            entries.iter().position(|(k, _)| *k == key)
+        } else {
+            if self.0.is_empty() {
+                self.0
+                    .extend(entries.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)));
+            }
+            self.0.get(&key).copied()
+        };
+        match seen {
+            Some(i) => entries[i].1 = value,
+            None => {
+                if !self.0.is_empty() {
+                    self.0.insert(key.clone(), entries.len());
+                }
+                entries.push((key, value));
+            }
+        }
+    }
 }
 
 /// Reads one value inside `open` containers as a `Field`.
@@ -268,12 +294,13 @@ fn read_field(cur: &mut Cursor<'_>, open: u32) -> crate::json::Result<Field> {
         }
         Some(b'[') => {
             cur.enter(open)?;
-            let mut items = Vec::new();
+            let (mut items, mut others) = (Vec::new(), 0);
             if cur.array_start()? {
                 loop {
                     if cur.peek() == Some(b'"') {
                         items.push(cur.string()?.into_owned());
                     } else {
+                        others += 1;
                         cur.skip_value(open + 1)?;
                     }
                     if !cur.array_next()? {
@@ -281,11 +308,12 @@ fn read_field(cur: &mut Cursor<'_>, open: u32) -> crate::json::Result<Field> {
                     }
                 }
             }
-            Field::List(items)
+            Field::List(items, others)
         }
         Some(b'{') => {
             cur.enter(open)?;
             let mut entries: Vec<(String, Option<f64>)> = Vec::new();
+            let mut index = KeyIndex::default();
             if cur.object_start()? {
                 loop {
                     let key = cur.key()?;
@@ -295,10 +323,7 @@ fn read_field(cur: &mut Cursor<'_>, open: u32) -> crate::json::Result<Field> {
                         cur.skip_value(open + 1)?;
                         None
                     };
-                    match entries.iter_mut().find(|(k, _)| *k == key) {
-                        Some(entry) => entry.1 = value,
-                        None => entries.push((key.into_owned(), value)),
-                    }
+                    index.upsert(&mut entries, key.into_owned(), value);
                     if !cur.object_next()? {
                         break;
                     }
@@ -372,7 +397,7 @@ impl LoraConfig {
         let mut bad_patterns = Vec::new();
         let target_modules = match get("target_modules") {
             Some(Field::Str(s)) => Some(TargetModules::Pattern(s.clone())),
-            Some(v @ Field::List(_)) => Some(TargetModules::List(v.strings())),
+            Some(v @ Field::List(..)) => Some(TargetModules::List(v.strings())),
             _ => None,
         };
         let mut unsupported_features = Vec::new();
@@ -388,6 +413,7 @@ impl LoraConfig {
             }
         }
         let targets = TargetIndex::new(target_modules.as_ref());
+        let modules_to_save = get("modules_to_save").map(Field::strings).unwrap_or_default();
         LoraConfig {
             peft_type: get("peft_type").and_then(Field::as_str).map(str::to_owned),
             r: get("r").and_then(Field::as_number).and_then(Number::as_u64),
@@ -405,12 +431,20 @@ impl LoraConfig {
             base_model_name_or_path: get("base_model_name_or_path")
                 .and_then(Field::as_str)
                 .map(str::to_owned),
-            modules_to_save: get("modules_to_save").map(Field::strings).unwrap_or_default(),
+            saved: SpanSet::new(&modules_to_save),
+            modules_to_save,
             lora_bias: flag("lora_bias"),
             unsupported_features,
             bad_patterns,
+            invalid_fields: invalid_fields(fields),
             targets,
         }
+    }
+
+    /// Is the tensor `name` inside a `modules_to_save` module: does `.{m}.` occur in it, or does
+    /// it start with `{m}.`, for an entry `m`?
+    pub fn saves(&self, name: &str) -> bool {
+        self.saved.inside(name)
     }
 
     /// PEFT's `get_pattern_key`: the first pattern (in file order) whose regex matches.
@@ -519,6 +553,136 @@ impl TargetIndex {
             },
             None => TargetIndex::default(),
         }
+    }
+}
+
+/// The JSON type a field must have; null always passes (PEFT's default).
+#[derive(Clone, Copy)]
+enum Want {
+    Str,
+    Bool,
+    /// A bool or a string (`init_lora_weights`).
+    BoolOrStr,
+    /// A non-negative integer (`r`).
+    Count,
+    Number,
+    /// A list of strings, or one string.
+    Strings,
+    /// An object of numbers; `true`: of non-negative integers (`rank_pattern`).
+    Numbers(bool),
+}
+
+/// The expected type of each known field that has one (the unsupported-feature flags take any).
+const TYPES: [(&str, Want, &str); 14] = [
+    ("peft_type", Want::Str, "a string"),
+    ("r", Want::Count, "a non-negative integer"),
+    ("lora_alpha", Want::Number, "a number"),
+    ("alpha", Want::Number, "a number"),
+    ("use_rslora", Want::Bool, "true or false"),
+    ("use_dora", Want::Bool, "true or false"),
+    ("lora_bias", Want::Bool, "true or false"),
+    (
+        "rank_pattern",
+        Want::Numbers(true),
+        "an object of non-negative integers",
+    ),
+    ("alpha_pattern", Want::Numbers(false), "an object of numbers"),
+    ("target_modules", Want::Strings, "a string or a list of strings"),
+    ("target_parameters", Want::Strings, "a list of strings"),
+    ("modules_to_save", Want::Strings, "a list of strings"),
+    ("base_model_name_or_path", Want::Str, "a string"),
+    ("init_lora_weights", Want::BoolOrStr, "true, false or a method name"),
+];
+
+/// Messages for the fields whose value has the wrong type.
+fn invalid_fields(fields: &Fields<'_>) -> Vec<String> {
+    let is_count = |v: f64| v >= 0.0 && v.fract() == 0.0;
+    let mut out = Vec::new();
+    for (name, want, expected) in TYPES {
+        let Some(value) = fields.get(name) else { continue };
+        let fits = match (want, value) {
+            (_, Field::Null) => true,
+            (Want::Str | Want::BoolOrStr, Field::Str(_)) => true,
+            (Want::Bool | Want::BoolOrStr, Field::Bool(_)) => true,
+            (Want::Count, Field::Number(n)) => n.as_u64().is_some(),
+            (Want::Number, Field::Number(_)) => true,
+            (Want::Strings, Field::Str(_)) => true,
+            (Want::Strings, Field::List(_, others)) => *others == 0,
+            (Want::Numbers(count), Field::Object(entries)) => {
+                entries.iter().all(|(_, v)| v.is_some_and(|v| !count || is_count(v)))
+            }
+            _ => false,
+        };
+        if !fits {
+            out.push(format!(
+                "config field {name:?} is {}; expected {expected}",
+                value.describe()
+            ));
+        }
+    }
+    out
+}
+
+impl Field {
+    /// What the value is, for messages.
+    fn describe(&self) -> &'static str {
+        match self {
+            Field::Null => "null",
+            Field::Bool(_) => "a boolean",
+            Field::Number(Number::U64(_)) => "an integer",
+            Field::Number(Number::I64(_)) => "a negative integer",
+            Field::Number(Number::F64(_)) => "a fractional number",
+            Field::Str(_) => "a string",
+            Field::List(_, 0) => "a list",
+            Field::List(..) => "a list with items that are not strings",
+            Field::Object(_) => "an object with values of the wrong type",
+        }
+    }
+}
+
+/// Strings matched against runs of whole dotted components of a name (`modules_to_save`).
+#[derive(Debug, Clone, Default)]
+struct SpanSet {
+    entries: rustc_hash::FxHashSet<String>,
+    /// The distinct dot counts of the entries, ascending: the run lengths worth looking up.
+    dots: Vec<usize>,
+    /// The distinct entry lengths: a cheap filter before hashing a run.
+    lens: rustc_hash::FxHashSet<usize>,
+}
+
+impl SpanSet {
+    fn new(items: &[String]) -> SpanSet {
+        let mut dots: Vec<usize> = items
+            .iter()
+            .map(|m| memchr::memchr_iter(b'.', m.as_bytes()).count())
+            .collect();
+        dots.sort_unstable();
+        dots.dedup();
+        SpanSet {
+            entries: items.iter().cloned().collect(),
+            dots,
+            lens: items.iter().map(String::len).collect(),
+        }
+    }
+
+    /// Is some entry a run of whole components of `name` that a dot follows? That is `.{m}.`
+    /// inside `name` or `{m}.` at its start, found with one lookup per (component, dot count)
+    /// instead of one substring search per entry.
+    fn inside(&self, name: &str) -> bool {
+        if self.entries.is_empty() {
+            return false;
+        }
+        let dots: Vec<usize> = memchr::memchr_iter(b'.', name.as_bytes()).collect();
+        for s in 0..dots.len() {
+            let start = if s == 0 { 0 } else { dots[s - 1] + 1 };
+            for &d in &self.dots {
+                let Some(&end) = dots.get(s + d) else { break };
+                if self.lens.contains(&(end - start)) && self.entries.contains(&name[start..end]) {
+                    return true;
+                }
+            }
+        }
+        false
     }
 }
 

@@ -229,15 +229,13 @@ pub fn parse_header_unchecked_names(bytes: &[u8], file_size: u64) -> Result<Head
 }
 
 fn parse_with(bytes: &[u8], file_size: u64, check_names: bool) -> Result<Header<'_>, HeaderError> {
-    // Strings are UTF-8-checked as they are read; on a syntax error, report bad UTF-8 first,
-    // as the safetensors crate (which validates the whole header up front) would.
-    match parse_inner(bytes, file_size, check_names) {
-        Err(HeaderError::InvalidJson { message, offset }) => match std::str::from_utf8(bytes) {
-            Err(e) => Err(HeaderError::InvalidUtf8(e.valid_up_to())),
-            Ok(_) => Err(HeaderError::InvalidJson { message, offset }),
-        },
-        other => other,
-    }
+    // Strings are UTF-8-checked as they are read, so an error found earlier in the text can hide
+    // bad UTF-8 further on. The safetensors crate checks the whole header's UTF-8 before anything
+    // else: on any error, report bad UTF-8 first, as it would.
+    parse_inner(bytes, file_size, check_names).map_err(|e| match std::str::from_utf8(bytes) {
+        Err(bad) => HeaderError::InvalidUtf8(bad.valid_up_to()),
+        Ok(_) => e,
+    })
 }
 
 /// Containers open around a tensor entry's fields: the header object and the entry itself.
@@ -365,6 +363,17 @@ fn parse_metadata<'a>(cur: &mut Cursor<'a>) -> Result<Option<Metadata<'a>>, Head
         return Err(HeaderError::InvalidMetadata("not an object".into()));
     }
     let mut pairs: Metadata<'a> = Vec::new();
+    // Repeated keys are looked for once, by hashing, after the pairs are read (a scan per key
+    // was quadratic). An error part way reports a repeat before it first, as a scan per key would.
+    let read = read_metadata_pairs(cur, &mut pairs);
+    if let Some(i) = first_repeat(pairs.iter().map(|(k, _)| k.as_ref())) {
+        return Err(HeaderError::DuplicateKey(format!("__metadata__.{}", pairs[i].0)));
+    }
+    read?;
+    Ok(Some(pairs))
+}
+
+fn read_metadata_pairs<'a>(cur: &mut Cursor<'a>, pairs: &mut Metadata<'a>) -> Result<(), HeaderError> {
     if cur.object_start().map_err(syntax)? {
         loop {
             let key = cur.key().map_err(syntax)?;
@@ -374,16 +383,13 @@ fn parse_metadata<'a>(cur: &mut Cursor<'a>) -> Result<Option<Metadata<'a>>, Head
                 )));
             }
             let value = cur.string().map_err(syntax)?;
-            if pairs.iter().any(|(k, _)| *k == key) {
-                return Err(HeaderError::DuplicateKey(format!("__metadata__.{key}")));
-            }
             pairs.push((key, value));
             if !cur.object_next().map_err(syntax)? {
                 break;
             }
         }
     }
-    Ok(Some(pairs))
+    Ok(())
 }
 
 /// A header that opens with its `__metadata__` entry, as the safetensors serializer writes it:
@@ -1005,8 +1011,7 @@ pub fn read_header_from(
 
 /// `read_header_from` on the file at `path`.
 pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Result<(u64, usize), Error> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let file_size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let (file, file_size) = crate::open::open_regular(path)?;
     read_header_from(&file, path, file_size, mode, buf)
 }
 
