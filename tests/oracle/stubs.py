@@ -10,6 +10,267 @@ from __future__ import annotations
 # --- vLLM ------------------------------------------------------------------------------------------------
 
 # --- SGLang (LLM: config, adapter, manager, memory pool, loader) -----------------------------------------
+# What runs for real (tests/oracle/sglang_runner.py): `lora_config`, `lora`, `lora_manager`, `mem_pool`, `utils`,
+# `layers` (the wrappers' slice methods), `DefaultModelLoader`, `LoadConfig`, `LoRARef`, transformers' configs.
+# Stubs, each with why:
+#
+# 1. Third-party modules the engine imports but the LoRA paths never call (zmq, starlette, flashinfer, sgl_kernel,
+#    triton_kernels, IPython, ...): when, and only when, an import made from the engine's own files finds no
+#    such module, it gets a module whose every attribute is an inert class. `dill.dumps` returns b"" (a config
+#    module serializes a logit processor at import time). Real `msgspec` and `pybase64` are needed (server
+#    args are msgspec structs): `make engines` installs them into .cache/engines/sglang-deps.
+# 2. `sglang.kernels` (JIT CUDA kernels; its import looks for compiled sources) and `sglang.srt.entrypoints`
+#    (the HTTP API; pydantic models over openai types) are replaced by inert modules.
+# 3. `sglang/__init__.py` (imports the whole runtime front end) is not run: `sglang` is a bare package.
+# 4. `LoRAManager.__init__` needs a GPU backend and published parallel state: the manager is built with
+#    `__new__` and given the attributes `__init__` sets (CPU device, no attention DP, lru eviction, the
+#    experts-shared-outer override and strict-loading flags). `init_state` then runs unmodified except
+#    `lora_backend.validate_lora_targets` (kernel backend) and `_validate_replicated_q_targets` (decode
+#    context parallel; off at TP 1), which are no-ops, and `update_lora_info` (hands buffers to kernels).
+# 5. Process-group topology: `mem_pool.get_parallel()` answers TP 1 / EP 1 / PP last rank.
+# 6. Base-model layers (`QKVParallelLinear`, `MergedColumnParallelLinear`, `RowParallelLinear`, `FusedMoE`,
+#    `VocabParallelEmbedding`, `ParallelLMHead`, `ReplicatedLinear`): their constructors need process groups,
+#    so instances of the real classes are made with `__new__` and carry the attributes the LoRA code reads
+#    (partition sizes from the HF config, `moe_runner_config.is_gated`, a small weight). The module tree
+#    follows SGLang's Llama/Qwen2/Mixtral/Qwen2-MoE/Qwen3-MoE models (`model.layers.N.self_attn.qkv_proj`,
+#    `mlp.experts`, `mlp.shared_expert.gate_up_proj`, `block_sparse_moe.experts`, ...).
+# 7. LoRA wrappers: `set_lora_module` builds the real wrapper class chosen by `get_lora_layer`'s table with
+#    `__new__` (their constructors allocate kernel-backend state) and installs it with the real
+#    `replace_submodule`; the slice methods that `load_lora_weight_to_buffer` calls are the wheel's own.
+# 8. Published server args: `DefaultModelLoader` reads `get_server_args()` (None: nothing published, so no
+#    checksum verification) and four `get_model()` loader flags, given their ServerArgs defaults.
+
+SGLANG_REPLACED = ("sglang.kernels", "sglang.srt.entrypoints")
+SGLANG_SPECIAL = {"dill": {"dumps": lambda *a, **k: b""}}
+
+
+def _sglang_stub_class(name: str) -> type:
+    import abc
+
+    class _Meta(abc.ABCMeta):  # ABCMeta: engine classes mix stubs with ABC bases
+        def __getattr__(cls, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _sglang_stub_class(attr)
+
+    return _Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
+                            "__init_subclass__": classmethod(lambda cls, **k: None),
+                            "__getattr__": lambda self, attr: _sglang_stub_class(attr)})  # fmt: skip
+
+
+def install_sglang_llm() -> None:
+    """Stubs 1-3, for importing `sglang.srt.lora.*` from the unpacked wheel first on sys.path."""
+    import importlib.abc
+    import importlib.machinery
+    import os
+    import sys
+    import types
+
+    spec = importlib.machinery.PathFinder.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the unpacked sglang wheel is not on sys.path")
+    package_dir = list(spec.submodule_search_locations)[0]
+    root = os.path.dirname(package_dir)
+    deps = os.path.join(os.path.dirname(root), "sglang-deps")
+    if not os.path.isdir(deps):
+        raise RuntimeError(f"{deps} missing; run `make engines` (installs msgspec and pybase64 there)")
+    sys.path.insert(1, deps)
+
+    class Inert(types.ModuleType):
+        def __getattr__(self, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            value = _sglang_stub_class(attr)
+            setattr(self, attr, value)
+            return value
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if not any(name == p or name.startswith(p + ".") for p in SGLANG_REPLACED):
+                top = name.split(".")[0]
+                if top == "sglang" or top in sys.stdlib_module_names:
+                    return None
+                for finder in sys.meta_path:
+                    if finder is self:
+                        continue
+                    try:
+                        if finder.find_spec(name, path, target) is not None:
+                            return None
+                    except Exception:  # noqa: BLE001 - a broken finder is not our concern
+                        pass
+                frame = sys._getframe(1)
+                while frame and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename):
+                    frame = frame.f_back
+                if frame is None or not frame.f_code.co_filename.startswith(root):
+                    return None  # only imports made by the engine's own files are stubbed
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            module = Inert(spec.name)
+            module.__path__ = []
+            module.__dict__.update(SGLANG_SPECIAL.get(spec.name, {}))
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, Finder())
+    bare = types.ModuleType("sglang")
+    bare.__path__ = [package_dir]
+    sys.modules["sglang"] = bare
+
+
+def _shell(cls, **attrs):
+    """An instance of a real engine class without its constructor (which needs process groups or a GPU)."""
+    import torch
+
+    obj = cls.__new__(cls)
+    torch.nn.Module.__init__(obj)
+    for key, value in attrs.items():
+        setattr(obj, key, value)
+    return obj
+
+
+def sglang_manager_shell(manager_cls, model, hf_config, *, max_loras_per_batch, load_config, experts_shared_outer,
+                         strict_loading):  # fmt: skip
+    """Stubs 4, 5 and 7: a LoRAManager as `__init__` leaves it on one CPU rank."""
+    import types
+
+    import torch
+    from sglang.srt.lora import layers as lora_layers
+    from sglang.srt.lora import mem_pool
+    from sglang.srt.utils import replace_submodule
+
+    mem_pool.get_parallel = lambda: types.SimpleNamespace(
+        tp_size=1, tp_rank=0, attn_tp_size=1, moe_ep_size=1, moe_ep_rank=0, moe_tp_size=1, moe_tp_rank=0,
+        pp_group=types.SimpleNamespace(is_last_rank=True),
+    )  # fmt: skip
+    from sglang.srt.model_loader import loader
+
+    loader.get_server_args = lambda: None
+    loader.get_model = lambda: types.SimpleNamespace(
+        weight_loader_disable_mmap=False, weight_loader_prefetch_checkpoints=False,
+        weight_loader_prefetch_num_threads=4, weight_loader_drop_cache_after_load=False, model_checksum=None,
+    )  # fmt: skip
+    mgr = manager_cls.__new__(manager_cls)
+    mgr.base_model = model
+    mgr.base_hf_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    mgr.max_loras_per_batch = max_loras_per_batch
+    mgr.load_config = load_config
+    mgr.dtype = torch.float32
+    mgr.device = torch.device("cpu")
+    mgr.attn_tp_size = 1
+    mgr.lora_added_tokens_size = None
+    mgr.enable_lora_overlap_loading = False
+    mgr.attn_dp_enabled = False
+    mgr.pending_lora_load_events = {}
+    mgr.eviction_policy = "lru"
+    mgr._experts_shared_outer_override = experts_shared_outer
+    mgr.moe_lora_runner_backend = None
+    mgr.lora_use_virtual_experts = False
+    mgr.lora_strict_loading = strict_loading
+    mgr.speculative_algorithm = None
+    mgr.lora_backend = types.SimpleNamespace(validate_lora_targets=lambda **kw: None, name="triton")
+    mgr._validate_replicated_q_targets = lambda target_modules: None
+    mgr.update_lora_info = lambda: None
+
+    table = (
+        (lora_layers.FusedMoE, lora_layers.FusedMoEWithLoRA),
+        (lora_layers.ParallelLMHead, lora_layers.ParallelLMHeadWithLoRA),
+        (lora_layers.VocabParallelEmbedding, lora_layers.VocabParallelEmbeddingWithLoRA),
+        (lora_layers.ReplicatedLinear, lora_layers.ReplicatedLinearWithLoRA),
+        (lora_layers.QKVParallelLinear, lora_layers.QKVParallelLinearWithLoRA),
+        (lora_layers.MergedColumnParallelLinear, lora_layers.MergedColumnParallelLinearWithLoRA),
+        (lora_layers.ColumnParallelLinear, lora_layers.ColumnParallelLinearWithLoRA),
+        (lora_layers.RowParallelLinear, lora_layers.RowParallelLinearWithLoRA),
+    )
+
+    def set_lora_module(module_name, module, **kwargs):
+        wrapper_cls = next(w for base, w in table if isinstance(module, base))
+        attrs = {"base_layer": module, "set_lora": False, "lora_backend": mgr.lora_backend}
+        if wrapper_cls is lora_layers.FusedMoEWithLoRA:
+            attrs.update(tp_size=1, intermediate_size_per_partition=module.intermediate_size_per_partition,
+                         _uses_interleaved_gate_up=False)  # fmt: skip
+        wrapper = _shell(wrapper_cls, **attrs)
+        replace_submodule(model, module_name, wrapper)
+        return wrapper
+
+    mgr.set_lora_module = set_lora_module
+    return mgr
+
+
+def sglang_tiny_model(config):
+    """Stub 6: the module tree of SGLang's model for `config`, built from shells of the real layer classes."""
+    import types
+
+    import torch
+    from sglang.srt.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    nn = torch.nn
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    weight = lambda: nn.Parameter(torch.zeros(1), requires_grad=False)  # noqa: E731 - shapes are read elsewhere
+
+    def linear(cls, in_dim, outs, **extra):
+        return _shell(cls, input_size=in_dim, input_size_per_partition=in_dim, output_sizes=list(outs),
+                      output_partition_sizes=list(outs), output_size=sum(outs), tp_group=None, bias=None,
+                      skip_bias_add=False, weight=weight(), **extra)  # fmt: skip
+
+    def mlp(inter):
+        m = nn.Module()
+        m.gate_up_proj = linear(MergedColumnParallelLinear, hidden, (inter, inter))
+        m.down_proj = linear(RowParallelLinear, inter, (hidden,))
+        return m
+
+    def experts(inter):
+        return _shell(FusedMoE, moe_runner_config=types.SimpleNamespace(is_gated=True), is_shared_fused_moe=False,
+                      moe_tp_rank=0, moe_tp_size=1, intermediate_size_per_partition=inter, weight=weight())  # fmt: skip
+
+    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    model_type = config.model_type
+    root = nn.Module()
+    root.config = config
+    root.model = nn.Module()
+    root.model.embed_tokens = _shell(VocabParallelEmbedding, org_vocab_size=config.vocab_size,
+                                     embedding_dim=hidden, weight=weight())  # fmt: skip
+    layers = nn.ModuleList()
+    for layer_id in range(config.num_hidden_layers):
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        layer.self_attn.qkv_proj = linear(
+            QKVParallelLinear, hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
+            q_proj_shard_size=heads * head_dim, kv_proj_shard_size=kv_heads * head_dim, num_kv_head_replicas=1,
+            kv_tp_group=None, total_num_heads=heads, total_num_kv_heads=kv_heads, head_size=head_dim,
+        )  # fmt: skip
+        layer.self_attn.o_proj = linear(RowParallelLinear, heads * head_dim, (hidden,))
+        if not n_experts:
+            layer.mlp = mlp(config.intermediate_size)
+        elif model_type == "mixtral":
+            layer.block_sparse_moe = nn.Module()
+            layer.block_sparse_moe.gate = linear(ReplicatedLinear, hidden, (n_experts,))
+            layer.block_sparse_moe.experts = experts(config.intermediate_size)
+        else:
+            layer.mlp = nn.Module()
+            layer.mlp.gate = linear(ReplicatedLinear, hidden, (n_experts,))
+            layer.mlp.experts = experts(config.moe_intermediate_size)
+            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            if shared:
+                layer.mlp.shared_expert = mlp(shared)
+        layers.append(layer)
+        del layer_id
+    root.model.layers = layers
+    root.lm_head = _shell(ParallelLMHead, org_vocab_size=config.vocab_size, embedding_dim=hidden,
+                          weight=weight(), shard_indices=None)  # fmt: skip
+    return root
 
 # --- SGLang diffusion (the lora/ package of the multimodal generator) ------------------------------------
 # What runs for real: `format_adapter.py` and `peft_adapter.py`, imported as modules, with their real imports

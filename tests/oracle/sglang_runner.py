@@ -1,0 +1,114 @@
+"""Oracle runner: SGLang's own LoRA code (unpacked release wheel) on adapters from disk, JSON in, JSON out.
+
+Runs unmodified: `LoRAConfig`, `LoRAAdapter.initialize_weights` (with `DefaultModelLoader`'s weight-file choice
+and the weight normalization), `LoRAManager.init_state` (adapter loads, `init_lora_shapes`, shared-outer
+detection, `init_lora_modules`, a real `LoRAMemoryPool` on CPU), the first-use path (`fetch_new_loras` ->
+`load_lora_weight_to_buffer`) and dynamic `load_lora_adapter`. What is stubbed is listed in
+`tests/oracle/stubs.py` (SGLang LLM section): the manager's constructor (GPU backend, process groups), the
+constructors of the base model's layers (they need process groups; the instances carry the attributes the LoRA
+code reads) and of their LoRA wrappers (they need the kernel backend).
+
+Payload: {"cases": [{"id", "base": {hf config dict}, "adapters": [{"name", "path", "pinned"}], "max_lora_rank",
+"target_modules", "max_loras_per_batch", "experts_shared_outer", "strict_loading", "dynamic": [{"name", "path"}]}]}
+Result: {"results": {id: {"startup": ..., "first_use": [...], "dynamic": [...]}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import stubs  # tests/oracle/stubs.py (on PYTHONPATH via engines.run)
+
+stubs.install_sglang_llm()
+
+import torch  # noqa: E402
+from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
+from sglang.srt.lora.lora_manager import LoRAManager  # noqa: E402
+from sglang.srt.lora.lora_registry import LoRARef  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+
+def _error(exc: BaseException) -> list[str]:
+    return [type(exc).__name__, str(exc)]
+
+
+def _startup(case: dict, model: torch.nn.Module) -> tuple[LoRAManager | None, dict]:
+    refs = [
+        LoRARef(lora_name=a["name"], lora_path=a["path"], pinned=a.get("pinned", False),
+                lora_id=LoRARef.deterministic_id(a["name"], a["path"]))
+        for a in case["adapters"]
+    ]  # fmt: skip
+    mgr = stubs.sglang_manager_shell(
+        LoRAManager, model, model.config, max_loras_per_batch=case.get("max_loras_per_batch", 8),
+        load_config=LoadConfig(), experts_shared_outer=case.get("experts_shared_outer"),
+        strict_loading=case.get("strict_loading", False),
+    )  # fmt: skip
+    tm = case.get("target_modules")
+    try:
+        mgr.init_state(max_lora_rank=case.get("max_lora_rank"), target_modules=None if tm is None else set(tm),
+                       lora_paths=refs)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the engine's own exception is the answer
+        return None, {"error": _error(exc)}
+    pool = mgr.memory_pool
+    buffers = {}
+    for name, layers in sorted(pool.A_buffer.items()):
+        buffers[name] = [list(layers[0].shape), list(pool.B_buffer[name][0].shape)]
+    for kind, a_buf, b_buf in (("embed_tokens", pool.embedding_A_buffer, pool.embedding_B_buffer),
+                               ("lm_head", pool.lm_head_A_buffer, pool.lm_head_B_buffer)):  # fmt: skip
+        if kind in a_buf:
+            buffers[kind] = [list(a_buf[kind].shape), list(b_buf[kind].shape)]
+    return mgr, {
+        "target_modules": sorted(mgr.target_modules),
+        "max_lora_rank": mgr.max_lora_rank,
+        "shared_outer": bool(mgr.experts_shared_outer_loras),
+        "added_tokens": mgr.lora_added_tokens_size,
+        "buffers": buffers,
+        "ids": [r.lora_id for r in refs],
+    }
+
+
+def _first_use(mgr: LoRAManager, uid: str):
+    try:
+        mgr.fetch_new_loras({uid})
+    except Exception as exc:  # noqa: BLE001
+        return _error(exc)
+    return None
+
+
+def run_case(case: dict) -> dict:
+    model = stubs.sglang_tiny_model(AutoConfig.for_model(**case["base"]))
+    mgr, startup = _startup(case, model)
+    out: dict = {"startup": startup}
+    if mgr is None:
+        return out
+    out["first_use"] = [_first_use(mgr, uid) for uid in startup["ids"]]
+    dynamic = []
+    for a in case.get("dynamic", ()):
+        ref = LoRARef(lora_name=a["name"], lora_path=a["path"], pinned=a.get("pinned", False))
+        result = mgr.load_lora_adapter(ref)
+        entry = {"success": bool(result.success), "error_message": result.error_message}
+        if result.success:
+            entry["first_use"] = _first_use(mgr, ref.lora_id)
+        dynamic.append(entry)
+    out["dynamic"] = dynamic
+    return out
+
+
+def main() -> None:
+    payload = json.load(sys.stdin)
+    torch.set_num_threads(1)
+    results = {}
+    for case in payload["cases"]:
+        try:
+            results[case["id"]] = run_case(case)
+        except Exception as exc:  # noqa: BLE001 - a runner bug must show up as a disagreement, not a crash
+            import traceback
+
+            results[case["id"]] = {"runner_error": _error(exc), "trace": traceback.format_exc()[-3000:]}
+    json.dump({"results": results, "pid": os.getpid()}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
