@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
 _PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli")
@@ -34,7 +35,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     from .scanner import scan
 
     progress = False if args.quiet else None
-    storage = dict(_key_value(kv) for kv in args.storage_option) or None
+    storage = dict(args.storage_option) or None
     report = scan(args.paths, recursive=not args.no_recursive, threads=args.threads, progress=progress,
                   content_hash=args.hash, storage_options=storage, timeout=args.timeout, backend=args.backend,
                   ray_address=args.ray_address)  # fmt: skip
@@ -62,11 +63,35 @@ def cmd_scan(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
+# Argument types: argparse turns their ArgumentTypeError into a one-line usage error, exit status 2.
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
     return key, value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    """A timeout: positive, not NaN. Huge values (even inf) pass; the library clamps them."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if math.isnan(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return x
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -118,23 +143,32 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (no usage dump): `lorafast scan: error: ...`, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lorafast", description="Header-only tools for LoRA adapter fleets.")
+    parser = _Parser(prog="lorafast", description="Header-only tools for LoRA adapter fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("scan", help="classify every adapter under the given files and folders")
     p.add_argument("paths", nargs="+")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.add_argument("--threads", type=int, default=None, help="worker threads (default: LORAFAST_NUM_THREADS or cores)")
+    p.add_argument(
+        "--threads", type=_positive_int, default=None, help="worker threads (default: LORAFAST_NUM_THREADS or cores)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-recursive", action="store_true", help="do not descend into sub-folders")
     p.add_argument("--hash", action="store_true", help="add the sha256 of each data section (reads all data)")
     p.add_argument("--summary-only", action="store_true", help="with --json: leave out per-adapter records")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ray: scan shards in Ray tasks")
     p.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS or a local one)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="object store option for URL paths (endpoint, region, allow_http, ...); repeatable")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=None, help="seconds per remote request (default 10)")
+    p.add_argument("--timeout", type=_seconds, default=None, help="seconds per remote request (default 10)")
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("inspect", help="everything about one adapter")

@@ -439,6 +439,8 @@ class Plan:
     weights_sharded: bool | Mapping[str, bool] = False
     resolve: bool = False
     tolerance: float = 0.0
+    #: path -> error for adapters that could not be inspected (planned with unknown scales)
+    unreadable: Mapping[str, str] = field(default_factory=dict)
     _adapter_cache: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __iter__(self) -> Iterator[TargetPlan]:
@@ -492,6 +494,7 @@ class Plan:
             else dict(self.weights_sharded),
             "resolve": self.resolve,
             "tolerance": self.tolerance,
+            "unreadable": dict(self.unreadable),
             "current": self.current.to_dict(),
             "next_state": self.next_state.to_dict(),
         }
@@ -991,6 +994,7 @@ class _Planner:
             weights_sharded=self.weights_sharded,
             resolve=self.resolve,
             tolerance=self.tolerance,
+            unreadable=dict(self.read_errors),
             _adapter_cache={k: v for k, v in self.cache.items() if v is not None},
         )
 
@@ -1205,6 +1209,12 @@ def _run_cli(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
             modules=args.modules,
         )
+        if p.unreadable and not args.allow_unreadable:  # a plan for files that are not there would mislead
+            path, error = next(iter(p.unreadable.items()))
+            raise ValueError(
+                f"cannot read adapter {path!r}: {error} ({len(p.unreadable)} unreadable; "
+                "--allow-unreadable plans them with unknown scales)"
+            )
     except ValueError as e:  # SGLang's own errors and PlanError: say why, exit 1
         if args.json:
             print(json.dumps({"error": str(e), "type": type(e).__name__, "notes": getattr(e, "__notes__", [])}))
@@ -1248,4 +1258,9 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--modules", nargs="+", choices=PIPELINE_MODULES, help="pipeline components (default: transformer)")
     p.add_argument("--state", metavar="JSON", help="current pipeline state (a PipelineState or a previous plan --json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--allow-unreadable",
+        action="store_true",
+        help="plan adapters that cannot be read here (e.g. Hub ids SGLang downloads) with unknown scales",
+    )
     p.set_defaults(func=_run_cli)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
 from collections import Counter
@@ -88,6 +89,22 @@ def _storage_items(storage_options: Mapping[str, Any] | None) -> list[tuple[str,
     return [(str(k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in storage_options.items()]
 
 
+def _check_threads(threads: Any) -> int | None:
+    """`threads` as the core takes it: None or a positive int (not a bool, a float or 0, which the core would
+    otherwise read as "all cores" or truncate)."""
+    if threads is None:
+        return None
+    try:
+        if isinstance(threads, bool):
+            raise TypeError
+        n = operator.index(threads)  # int and numpy integers; not float
+    except TypeError:
+        raise TypeError(f"threads must be a positive int or None, not {type(threads).__name__} {threads!r}") from None
+    if n < 1:
+        raise ValueError(f"threads must be at least 1, not {n}")
+    return n
+
+
 def inspect(
     path: PathLike,
     *,
@@ -108,7 +125,7 @@ def inspect(
 
 
 def inspect_many(
-    paths: Sequence[PathLike],
+    paths: PathLike | bytes | Sequence[PathLike],
     *,
     content_hash: bool = False,
     threads: int | None = None,
@@ -116,10 +133,17 @@ def inspect_many(
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> list[Adapter | Exception]:
-    """`inspect` for many paths or URLs in parallel; a failure comes back as its exception, in place."""
+    """`inspect` for many paths or URLs in parallel; a failure comes back as its exception, in place.
+
+    A single path (str, bytes or os.PathLike) is one adapter, as in `scan`, not a sequence of characters.
+    """
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [os.fsdecode(paths)]
+    elif not isinstance(paths, Iterable):
+        raise TypeError(f"paths must be a path or a sequence of paths, not {type(paths).__name__}")
     plist = [os.fspath(p) for p in paths]
     raw = _core.inspect_many(
-        plist, "pread", content_hash, threads, _storage_items(storage_options), timeout, concurrency
+        plist, "pread", content_hash, _check_threads(threads), _storage_items(storage_options), timeout, concurrency
     )
     return [r if isinstance(r, Exception) else _adapter(r) for r in raw]
 
@@ -234,7 +258,8 @@ def scan(
 
     One bad adapter never stops the scan: it becomes a row with status `STATUS_ERROR` and an
     entry in `.errors`. `threads` defaults to `LORAFAST_NUM_THREADS` or the available cores.
-    `progress=None` shows a bar on stderr for long scans when stderr is a terminal.
+    `progress=None` shows a bar on stderr for long scans when stderr is a terminal. `threads` must be a positive
+    int (`TypeError` for a bool or float, `ValueError` for 0 or less).
 
     Paths may be URLs: `s3://bucket/prefix/`, `gs://`, `az://`, `http(s)://` and
     `hf://org/repo[@revision]/path`. Only headers and configs are fetched, with range requests,
@@ -248,6 +273,7 @@ def scan(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     plist = [os.fspath(p) for p in paths]
+    threads = _check_threads(threads)
     remote: dict[str, Any] = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
     if backend == "ray":
         from .distributed import scan as ray_scan

@@ -1,0 +1,131 @@
+"""Usage errors and argument checks (issue 12 #8, #13, #14, #18): one-line messages and the documented exit
+codes, never a traceback; nonsense thread counts and a bare string path refused or taken as one path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lorafast
+import numpy as np
+import pytest
+from lorafast.cli import main
+from lorafast.sample import write_samples
+
+FIXTURES = Path(__file__).parent / "fixtures" / "real"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("samples")
+    write_samples(out, 4, seed=0)
+    return out
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--threads", "-1"], "--threads: must be at least 1"),
+        (["--threads", "0"], "--threads: must be at least 1"),
+        (["--threads", "2.5"], "--threads: expected a whole number"),
+        (["--timeout", "-1"], "--timeout: must be a positive number"),
+        (["--timeout", "nan"], "--timeout: must be a positive number"),
+        (["--timeout", "0"], "--timeout: must be a positive number"),
+        (["--timeout", "soon"], "--timeout: expected a number of seconds"),
+        (["--storage-option", "novalue"], "--storage-option: expected KEY=VALUE"),
+        (["--storage-option", "=value"], "--storage-option: expected KEY=VALUE"),
+    ],
+)
+def test_scan_usage_errors_are_one_line_and_exit_2(
+    adapters: Path, extra: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_main(["scan", str(adapters), "--quiet", *extra], capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("lorafast scan: error: argument ") and words in err, err
+
+
+@pytest.mark.parametrize("timeout", ["1e20", "1e300", "inf", "18446744073709551616"])
+def test_huge_timeouts_are_accepted_without_a_traceback(
+    adapters: Path, timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_main(["scan", str(adapters), "--quiet", "--json", "--timeout", timeout], capsys)
+    assert code == 0, err
+    assert '"adapters": 4' in out and "Traceback" not in err
+
+
+def test_usage_error_in_a_real_process_prints_no_traceback(adapters: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorafast", "scan", str(adapters), "--threads", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_plan_with_a_missing_adapter_exits_1_naming_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nonexistent"
+    code, out, err = run_main(["plan", "-a", f"x={missing}:0.5"], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("error: cannot read adapter ") and repr(str(missing)) in err and "Traceback" not in err
+
+    code, out, _ = run_main(["plan", "-a", f"x={missing}:0.5", "--allow-unreadable"], capsys)
+    assert code == 0 and "scales unknown" in out
+
+    p = lorafast.plan([lorafast.LoraRequest("x", str(missing), 0.5)])  # the library plans it, and says so
+    assert list(p.unreadable) == [str(missing)] and "FileNotFoundError" in p.unreadable[str(missing)]
+    assert p.to_dict()["unreadable"] == dict(p.unreadable)
+
+
+def test_plan_with_readable_adapters_has_nothing_unreadable(capsys: pytest.CaptureFixture[str]) -> None:
+    path = next(p for p in sorted(FIXTURES.iterdir()) if (p / "adapter_config.json").exists())
+    code, out, err = run_main(["plan", "-a", f"x={path}:0.5"], capsys)
+    assert code == 0, err
+    assert lorafast.plan([lorafast.LoraRequest("x", str(path), 0.5)]).unreadable == {}
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_nonpositive_thread_counts_raise_value_error(adapters: Path, bad: int) -> None:
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        lorafast.scan([adapters], threads=bad)
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        lorafast.inspect_many([adapters], threads=bad)
+
+
+@pytest.mark.parametrize("bad", [True, False, 2.0, "2"])
+def test_non_integer_thread_counts_raise_type_error(adapters: Path, bad: object) -> None:
+    with pytest.raises(TypeError, match="threads must be a positive int"):
+        lorafast.scan([adapters], threads=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="threads must be a positive int"):
+        lorafast.inspect_many([adapters], threads=bad)  # type: ignore[arg-type]
+
+
+def test_integer_like_thread_counts_work(adapters: Path) -> None:
+    a = lorafast.scan([adapters], threads=1)
+    b = lorafast.scan([adapters], threads=np.int64(2))
+    assert len(a) == len(b) == 4 and a.paths == b.paths
+
+
+def test_inspect_many_takes_a_single_path_as_one_path() -> None:
+    path = next(p for p in sorted(FIXTURES.iterdir()) if (p / "adapter_config.json").exists())
+    expected = lorafast.inspect(path)
+    for single in (str(path), path, str(path).encode()):
+        got = lorafast.inspect_many(single)  # type: ignore[arg-type]
+        assert len(got) == 1 and got[0] == expected, single
+    assert lorafast.inspect_many([str(path)]) == [expected]
+    with pytest.raises(TypeError, match="paths must be a path or a sequence of paths"):
+        lorafast.inspect_many(42)  # type: ignore[arg-type]
