@@ -11,6 +11,9 @@ pub mod memo;
 pub mod names;
 pub mod remote;
 pub mod scan;
+pub mod torch;
+pub mod torch_pickle;
+pub mod torch_zip;
 
 #[cfg(feature = "python")]
 mod py;

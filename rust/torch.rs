@@ -1,0 +1,250 @@
+//! `.bin` / `.pt` weights (`torch.save`'s zip format) read like a safetensors header: tensor
+//! names, dtypes and shapes from `data.pkl`, interpreted by `torch_pickle` without running it,
+//! each checked against its storage record in the zip (`torch_zip`). The entries become a
+//! `Header`, so these adapters get the same classification and checks as safetensors ones.
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use rustc_hash::FxHashMap;
+
+use crate::error::Error;
+use crate::header::{Header, TensorEntry, Warning, N_LEN};
+use crate::scan::{build_result, check_config_size, parse_config, AdapterResult, ScanOptions, Target};
+use crate::torch_pickle::{read_state_dict, Tensor};
+use crate::torch_zip::{read_at, Archive};
+
+/// PEFT's pickled weights, in vLLM's order after `adapter_model.safetensors`.
+pub const PEFT_TORCH_WEIGHTS: [&str; 2] = ["adapter_model.bin", "adapter_model.pt"];
+/// A larger `data.pkl` is refused unread (a 100,000-tensor state dict pickles to about 20 MB).
+pub const MAX_PICKLE_BYTES: u64 = 64 << 20;
+
+/// Every code a torch file can be refused with (exported to Python as `TORCH_ERROR_CODES`).
+pub const TORCH_ERROR_CODES: &[&str] = &[
+    "legacy_torch_format",
+    "invalid_zip",
+    "invalid_pickle",
+    "unsafe_pickle",
+    "pickle_limit",
+    "invalid_torch_tensor",
+    "not_a_state_dict",
+    "unsupported_byteorder",
+];
+
+/// Why a torch file was refused, before the path is known.
+#[derive(Debug)]
+pub enum TorchError {
+    Format { code: &'static str, message: String },
+    Io(io::Error),
+}
+
+impl TorchError {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        TorchError::Format {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            TorchError::Format { code, .. } => code,
+            TorchError::Io(_) => "io_error",
+        }
+    }
+
+    pub fn into_error(self, path: &Path) -> Error {
+        match self {
+            TorchError::Format { code, message } => Error::adapter(path, code, message),
+            TorchError::Io(e) => Error::io(path, e),
+        }
+    }
+}
+
+/// A torch file read as a header.
+#[derive(Debug)]
+pub struct TorchHeader {
+    /// `header_size` is 0, so `data_start()` is 8 and `data_start() + begin` is the file offset
+    /// of a tensor's first byte, where `classify` reads kohya `.alpha` scalars.
+    pub header: Header<'static>,
+    /// Size of `data.pkl`, reported as the header size.
+    pub pickle_size: u64,
+    /// The archive's top folder (`archive`, or the saved file's stem).
+    pub prefix: String,
+}
+
+/// Whether `path` names torch-pickled weights (by extension, as vLLM and PEFT name them).
+pub fn is_torch_weights(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "bin" || e == "pt" || e == "pth")
+}
+
+/// The pickled weights of a PEFT folder without `adapter_model.safetensors`, as vLLM picks them.
+pub fn fallback_weights(dir: &Path) -> Option<PathBuf> {
+    PEFT_TORCH_WEIGHTS
+        .iter()
+        .map(|name| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Reads the tensors of the torch file `file` (`file_size` bytes).
+pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, TorchError> {
+    let magic = read_at(file, 0, file_size.min(4) as usize)?;
+    if magic.first() == Some(&0x80) {
+        return Err(TorchError::new(
+            "legacy_torch_format",
+            "a pre-1.6 (non-zip) torch file, whose pickle is not read; re-save it with a current torch.save",
+        ));
+    }
+    if magic != b"PK\x03\x04" {
+        return Err(TorchError::new(
+            "invalid_zip",
+            "not a zip archive (torch.save's format)",
+        ));
+    }
+    let zip = Archive::open(file, file_size)?;
+    if let Some(order) = zip.record("byteorder") {
+        let text = zip.read(order, 16)?;
+        if text != b"little" {
+            return Err(TorchError::new(
+                "unsupported_byteorder",
+                format!(
+                    "byteorder {:?}; only little-endian files are read",
+                    String::from_utf8_lossy(&text)
+                ),
+            ));
+        }
+    }
+    let pkl = zip.record("data.pkl").ok_or_else(|| {
+        TorchError::new(
+            "invalid_zip",
+            format!("no {}/data.pkl record: not a torch.save file", zip.prefix()),
+        )
+    })?;
+    let pickle = zip.read(pkl, MAX_PICKLE_BYTES.min(file_size))?;
+    let state = read_state_dict(&pickle)?;
+
+    // Each storage once: its record must hold exactly the bytes the persistent id declares.
+    let mut starts: FxHashMap<&str, u64> = FxHashMap::default();
+    for (name, t) in &state.tensors {
+        let key = t.storage.key.as_str();
+        if starts.contains_key(key) {
+            continue;
+        }
+        let record = zip.record(&format!("data/{key}")).ok_or_else(|| {
+            TorchError::new(
+                "invalid_torch_tensor",
+                format!("tensor {name:?}: its storage record data/{key} is missing"),
+            )
+        })?;
+        if record.size != t.storage.nbytes() {
+            return Err(TorchError::new(
+                "invalid_torch_tensor",
+                format!(
+                    "tensor {name:?}: storage data/{key} holds {} bytes, its {} {} elements need {}",
+                    record.size,
+                    t.storage.numel,
+                    t.storage.dtype.name(),
+                    t.storage.nbytes()
+                ),
+            ));
+        }
+        starts.insert(key, zip.data_offset(record)?);
+    }
+
+    let mut tensors = Vec::with_capacity(state.tensors.len());
+    let mut dims = Vec::new();
+    for (name, t) in &state.tensors {
+        let dtype = t.dtype.safetensors().ok_or_else(|| {
+            TorchError::new(
+                "invalid_torch_tensor",
+                format!(
+                    "tensor {name:?}: dtype {} has no safetensors equivalent",
+                    t.dtype.name()
+                ),
+            )
+        })?;
+        let (begin, end) = byte_range(t, starts[t.storage.key.as_str()]);
+        tensors.push(TensorEntry {
+            name: Cow::Owned(name.clone()),
+            dtype,
+            shape_start: dims.len() as u32,
+            shape_len: t.shape.len() as u32,
+            begin: begin - N_LEN,
+            end: end - N_LEN,
+        });
+        dims.extend_from_slice(&t.shape);
+    }
+    let mut warnings = Vec::new();
+    if !state.skipped.is_empty() {
+        let shown: Vec<&str> = state.skipped.iter().take(5).map(String::as_str).collect();
+        warnings.push(Warning {
+            code: "non_tensor_value",
+            message: format!(
+                "{} state-dict value(s) are not tensors and were skipped: {shown:?}{}",
+                state.skipped.len(),
+                if state.skipped.len() > shown.len() { " ..." } else { "" }
+            ),
+        });
+    }
+    Ok(TorchHeader {
+        header: Header {
+            tensors,
+            dims,
+            metadata: None,
+            header_size: 0,
+            file_size,
+            warnings,
+            names_checked: true,
+        },
+        pickle_size: pkl.size,
+        prefix: zip.prefix().to_owned(),
+    })
+}
+
+/// The file bytes `t` spans: its extent in its storage, whose data starts at `start`. Bounds and
+/// overflow were checked against the storage (and the storage against the file) already.
+fn byte_range(t: &Tensor, start: u64) -> (u64, u64) {
+    let size = t.dtype.itemsize();
+    let begin = start + t.offset * size;
+    (begin, begin + t.extent() * size)
+}
+
+/// Opens and reads the torch file at `path`.
+pub fn read_torch_header(path: &Path) -> Result<TorchHeader, Error> {
+    let (file, size) = open_weights(path)?;
+    read_torch_file(&file, size).map_err(|e| e.into_error(path))
+}
+
+fn open_weights(path: &Path) -> Result<(File, u64), Error> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::io(path, io::Error::other("not a regular file")));
+    }
+    Ok((file, meta.len()))
+}
+
+/// Loads and classifies an adapter whose weights are a torch file (`config`: the config's bytes,
+/// when already read). A bad config is reported before a bad weights file, as for safetensors.
+pub fn load(target: Target, config: Option<Vec<u8>>, opts: ScanOptions) -> Result<AdapterResult, Error> {
+    let (file, size) = open_weights(&target.weights)?;
+    let config = match (&target.config, config) {
+        (Some(path), Some(bytes)) => Some(parse_config(path, bytes)?),
+        (Some(path), None) => {
+            let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+            check_config_size(path, len)?;
+            let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+            Some(parse_config(path, bytes)?)
+        }
+        (None, _) => None,
+    };
+    let torch = read_torch_file(&file, size).map_err(|e| e.into_error(&target.weights))?;
+    drop(file);
+    let alphas = target.weights.clone();
+    // content_hash is kohya's hash of a safetensors data section; a torch file has none.
+    let mut result = build_result(target, config, &torch.header, &alphas, opts, None);
+    result.header_size = torch.pickle_size;
+    Ok(result)
+}

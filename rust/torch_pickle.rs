@@ -1,0 +1,873 @@
+//! A restricted reader of the pickle `torch.save` writes (`data.pkl`, protocol 2). It runs nothing:
+//! it interprets only the opcodes and the few globals torch's tensor rebuild uses, models each
+//! allowed call by its effect, and refuses every other opcode or global by name. What it gives is
+//! each tensor's storage reference, dtype, offset, shape and stride.
+//!
+//! Work and memory are bounded: every opcode consumes input, the stack, the memo and the number of
+//! objects built are capped, and so is nesting (a deep value would overflow the stack when
+//! dropped). Mutable containers (dicts, lists) are frozen once placed inside another value, and a
+//! frozen one cannot be changed again. Every value a container holds is then frozen too, so no
+//! container can come to hold itself: values form a DAG, never a cycle, and only the state dict's
+//! top level and tensor arguments are ever walked.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use rustc_hash::FxHashMap;
+
+use crate::header::Dtype;
+use crate::torch::TorchError;
+
+/// Nesting depth of values (tuples, dicts, lists); torch's state dicts need 4.
+pub const MAX_DEPTH: u32 = 64;
+/// Items on the stack at once; the pickler batches dict items by 1,000.
+pub const MAX_STACK: usize = 1 << 16;
+/// Memo entries; a state dict memoizes about 10 objects per tensor.
+pub const MAX_MEMO: usize = 1 << 22;
+/// Strings, tuples, containers, storages and tensors built; about 8 per tensor.
+pub const MAX_OBJECTS: usize = 1 << 22;
+/// Dimensions of one tensor.
+pub const MAX_DIMS: usize = 64;
+/// Length of a GLOBAL's module or name line.
+const MAX_GLOBAL_LINE: usize = 256;
+
+/// A torch element type, as an index into `DTYPES`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TorchDtype(u8);
+
+/// (torch name, legacy storage class, bytes per element, safetensors dtype).
+const DTYPES: &[(&str, Option<&str>, u64, Option<Dtype>)] = &[
+    ("float64", Some("DoubleStorage"), 8, Some(Dtype::F64)),
+    ("float32", Some("FloatStorage"), 4, Some(Dtype::F32)),
+    ("float16", Some("HalfStorage"), 2, Some(Dtype::F16)),
+    ("bfloat16", Some("BFloat16Storage"), 2, Some(Dtype::BF16)),
+    ("int64", Some("LongStorage"), 8, Some(Dtype::I64)),
+    ("int32", Some("IntStorage"), 4, Some(Dtype::I32)),
+    ("int16", Some("ShortStorage"), 2, Some(Dtype::I16)),
+    ("int8", Some("CharStorage"), 1, Some(Dtype::I8)),
+    ("uint8", Some("ByteStorage"), 1, Some(Dtype::U8)),
+    ("bool", Some("BoolStorage"), 1, Some(Dtype::BOOL)),
+    ("complex64", Some("ComplexFloatStorage"), 8, Some(Dtype::C64)),
+    ("complex128", Some("ComplexDoubleStorage"), 16, None),
+    // Since torch 2.1 these are saved as an UntypedStorage plus the dtype (`_rebuild_tensor_v3`).
+    ("uint16", None, 2, Some(Dtype::U16)),
+    ("uint32", None, 4, Some(Dtype::U32)),
+    ("uint64", None, 8, Some(Dtype::U64)),
+    ("float8_e5m2", None, 1, Some(Dtype::F8_E5M2)),
+    ("float8_e4m3fn", None, 1, Some(Dtype::F8_E4M3)),
+    ("float8_e5m2fnuz", None, 1, Some(Dtype::F8_E5M2FNUZ)),
+    ("float8_e4m3fnuz", None, 1, Some(Dtype::F8_E4M3FNUZ)),
+    ("float8_e8m0fnu", None, 1, Some(Dtype::F8_E8M0)),
+    ("complex32", None, 4, None),
+    ("float4_e2m1fn_x2", None, 1, None),
+];
+
+/// `UntypedStorage` holds bytes.
+const UINT8: TorchDtype = TorchDtype(8);
+
+impl TorchDtype {
+    pub fn name(self) -> &'static str {
+        DTYPES[self.0 as usize].0
+    }
+
+    pub fn itemsize(self) -> u64 {
+        DTYPES[self.0 as usize].2
+    }
+
+    /// The safetensors dtype of the same element type, if there is one.
+    pub fn safetensors(self) -> Option<Dtype> {
+        DTYPES[self.0 as usize].3
+    }
+
+    fn by_name(name: &str) -> Option<Self> {
+        DTYPES.iter().position(|d| d.0 == name).map(|i| TorchDtype(i as u8))
+    }
+
+    fn by_storage(class: &str) -> Option<Self> {
+        DTYPES
+            .iter()
+            .position(|d| d.1 == Some(class))
+            .map(|i| TorchDtype(i as u8))
+    }
+}
+
+/// A storage as a persistent id names it: the record `data/<key>`, `numel` elements of `dtype`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Storage {
+    pub key: String,
+    pub dtype: TorchDtype,
+    pub numel: u64,
+}
+
+impl Storage {
+    /// Its size in bytes (checked when it is read).
+    pub fn nbytes(&self) -> u64 {
+        self.numel * self.dtype.itemsize()
+    }
+}
+
+/// One tensor as `set_(storage, offset, shape, stride)` would rebuild it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    pub storage: Rc<Storage>,
+    pub dtype: TorchDtype,
+    /// In elements of `dtype`.
+    pub offset: u64,
+    pub shape: Vec<u64>,
+    pub stride: Vec<u64>,
+}
+
+impl Tensor {
+    /// The elements of the storage it spans, from `offset` (0 when it has no elements).
+    pub fn extent(&self) -> u64 {
+        if self.shape.contains(&0) {
+            return 0;
+        }
+        // Checked when the tensor was built.
+        1 + self
+            .shape
+            .iter()
+            .zip(&self.stride)
+            .map(|(n, s)| (n - 1) * s)
+            .sum::<u64>()
+    }
+}
+
+/// The top-level dict: its tensors in insertion order (a repeated key keeps its first place and
+/// its last value, as in Python), and the keys whose values are not tensors.
+#[derive(Debug, Default)]
+pub struct StateDict {
+    pub tensors: Vec<(String, Tensor)>,
+    pub skipped: Vec<String>,
+}
+
+/// The callables and types a torch state dict names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Global {
+    OrderedDict,
+    RebuildV2,
+    RebuildV3,
+    RebuildParameter,
+    RebuildParameterWithState,
+    GetLayout,
+    Size,
+    StorageType(TorchDtype),
+    Dtype(TorchDtype),
+}
+
+fn global(module: &str, name: &str) -> Option<Global> {
+    Some(match (module, name) {
+        ("collections", "OrderedDict") => Global::OrderedDict,
+        ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildV2,
+        ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildV3,
+        ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
+        ("torch._utils", "_rebuild_parameter_with_state") => Global::RebuildParameterWithState,
+        ("torch.serialization", "_get_layout") => Global::GetLayout,
+        ("torch", "Size") => Global::Size,
+        ("torch" | "torch.storage", "UntypedStorage") => Global::StorageType(UINT8),
+        ("torch", n) if n.ends_with("Storage") => Global::StorageType(TorchDtype::by_storage(n)?),
+        ("torch", n) => Global::Dtype(TorchDtype::by_name(n)?),
+        _ => return None,
+    })
+}
+
+/// A dict (plain or ordered) or a list. Dict items are stored flat: key, value, key, value.
+#[derive(Debug)]
+struct Container {
+    ordered: bool,
+    depth: Cell<u32>,
+    frozen: Cell<bool>,
+    items: RefCell<Vec<Value>>,
+}
+
+#[derive(Debug)]
+struct Tuple {
+    depth: u32,
+    items: Vec<Value>,
+}
+
+#[derive(Debug, Clone)]
+enum Value {
+    None,
+    /// Its value is never needed (requires_grad).
+    Bool,
+    Int(i64),
+    Float,
+    Str(Rc<str>),
+    Tuple(Rc<Tuple>),
+    Dict(Rc<Container>),
+    List(Rc<Container>),
+    Global(Global),
+    Storage(Rc<Storage>),
+    Tensor(Rc<Tensor>),
+    Layout,
+}
+
+impl Value {
+    fn kind(&self) -> &'static str {
+        match self {
+            Value::None => "None",
+            Value::Bool => "bool",
+            Value::Int(_) => "int",
+            Value::Float => "float",
+            Value::Str(_) => "str",
+            Value::Tuple(_) => "tuple",
+            Value::Dict(c) if c.ordered => "OrderedDict",
+            Value::Dict(_) => "dict",
+            Value::List(_) => "list",
+            Value::Global(_) => "global",
+            Value::Storage(_) => "storage",
+            Value::Tensor(_) => "tensor",
+            Value::Layout => "layout",
+        }
+    }
+
+    fn depth(&self) -> u32 {
+        match self {
+            Value::Tuple(t) => t.depth,
+            Value::Dict(c) | Value::List(c) => c.depth.get(),
+            _ => 0,
+        }
+    }
+
+    /// Marks a container as held by another value: it cannot change from now on.
+    fn freeze(&self) {
+        if let Value::Dict(c) | Value::List(c) = self {
+            c.frozen.set(true);
+        }
+    }
+}
+
+/// Opcode names, for messages; None for a byte that is no pickle opcode.
+fn opcode_name(op: u8) -> Option<&'static str> {
+    Some(match op {
+        b'(' => "MARK",
+        b'.' => "STOP",
+        b'0' => "POP",
+        b'1' => "POP_MARK",
+        b'2' => "DUP",
+        b'F' => "FLOAT",
+        b'I' => "INT",
+        b'J' => "BININT",
+        b'K' => "BININT1",
+        b'L' => "LONG",
+        b'M' => "BININT2",
+        b'N' => "NONE",
+        b'P' => "PERSID",
+        b'Q' => "BINPERSID",
+        b'R' => "REDUCE",
+        b'S' => "STRING",
+        b'T' => "BINSTRING",
+        b'U' => "SHORT_BINSTRING",
+        b'V' => "UNICODE",
+        b'X' => "BINUNICODE",
+        b'a' => "APPEND",
+        b'b' => "BUILD",
+        b'c' => "GLOBAL",
+        b'd' => "DICT",
+        b'}' => "EMPTY_DICT",
+        b'e' => "APPENDS",
+        b'g' => "GET",
+        b'h' => "BINGET",
+        b'i' => "INST",
+        b'j' => "LONG_BINGET",
+        b'l' => "LIST",
+        b']' => "EMPTY_LIST",
+        b'o' => "OBJ",
+        b'p' => "PUT",
+        b'q' => "BINPUT",
+        b'r' => "LONG_BINPUT",
+        b's' => "SETITEM",
+        b't' => "TUPLE",
+        b')' => "EMPTY_TUPLE",
+        b'u' => "SETITEMS",
+        b'G' => "BINFLOAT",
+        0x80 => "PROTO",
+        0x81 => "NEWOBJ",
+        0x82 => "EXT1",
+        0x83 => "EXT2",
+        0x84 => "EXT4",
+        0x85 => "TUPLE1",
+        0x86 => "TUPLE2",
+        0x87 => "TUPLE3",
+        0x88 => "NEWTRUE",
+        0x89 => "NEWFALSE",
+        0x8a => "LONG1",
+        0x8b => "LONG4",
+        b'B' => "BINBYTES",
+        b'C' => "SHORT_BINBYTES",
+        0x8c => "SHORT_BINUNICODE",
+        0x8d => "BINUNICODE8",
+        0x8e => "BINBYTES8",
+        0x8f => "EMPTY_SET",
+        0x90 => "ADDITEMS",
+        0x91 => "FROZENSET",
+        0x92 => "NEWOBJ_EX",
+        0x93 => "STACK_GLOBAL",
+        0x94 => "MEMOIZE",
+        0x95 => "FRAME",
+        0x96 => "BYTEARRAY8",
+        0x97 => "NEXT_BUFFER",
+        0x98 => "READONLY_BUFFER",
+        _ => return None,
+    })
+}
+
+fn invalid(at: usize, message: impl std::fmt::Display) -> TorchError {
+    TorchError::new("invalid_pickle", format!("{message} (byte {at} of data.pkl)"))
+}
+
+fn unsafe_at(at: usize, message: impl std::fmt::Display) -> TorchError {
+    TorchError::new(
+        "unsafe_pickle",
+        format!("{message} (byte {at} of data.pkl); nothing was run"),
+    )
+}
+
+fn limit(at: usize, message: impl std::fmt::Display) -> TorchError {
+    TorchError::new("pickle_limit", format!("{message} (byte {at} of data.pkl)"))
+}
+
+fn bad_tensor(message: impl std::fmt::Display) -> TorchError {
+    TorchError::new("invalid_torch_tensor", message.to_string())
+}
+
+struct Machine<'p> {
+    data: &'p [u8],
+    pos: usize,
+    /// Where the opcode being run started, for messages.
+    at: usize,
+    stack: Vec<Value>,
+    marks: Vec<usize>,
+    memo: Vec<Value>,
+    objects: usize,
+}
+
+impl<'p> Machine<'p> {
+    fn take(&mut self, n: usize) -> Result<&'p [u8], TorchError> {
+        let data: &'p [u8] = self.data;
+        let end = self.pos.checked_add(n).filter(|&e| e <= data.len());
+        let end = end.ok_or_else(|| invalid(self.at, "pickle ends inside an opcode's argument"))?;
+        let out = &data[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8, TorchError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32, TorchError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+
+    fn line(&mut self) -> Result<&'p str, TorchError> {
+        let rest = &self.data[self.pos..];
+        let n = rest
+            .iter()
+            .take(MAX_GLOBAL_LINE + 1)
+            .position(|&b| b == b'\n')
+            .ok_or_else(|| invalid(self.at, "GLOBAL argument is not a short line"))?;
+        let line = self.take(n + 1)?;
+        std::str::from_utf8(&line[..n])
+            .ok()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_graphic()))
+            .ok_or_else(|| invalid(self.at, "GLOBAL argument is not a dotted name"))
+    }
+
+    fn count(&mut self) -> Result<(), TorchError> {
+        self.objects += 1;
+        if self.objects > MAX_OBJECTS {
+            return Err(limit(self.at, format!("more than {MAX_OBJECTS} objects")));
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, v: Value) -> Result<(), TorchError> {
+        if self.stack.len() >= MAX_STACK {
+            return Err(limit(self.at, format!("more than {MAX_STACK} items on the stack")));
+        }
+        self.stack.push(v);
+        Ok(())
+    }
+
+    /// The lowest stack index the current opcode may pop (above the innermost MARK).
+    fn fence(&self) -> usize {
+        self.marks.last().copied().unwrap_or(0)
+    }
+
+    fn pop(&mut self) -> Result<Value, TorchError> {
+        if self.stack.len() <= self.fence() {
+            return Err(invalid(self.at, "stack underflow"));
+        }
+        Ok(self.stack.pop().expect("checked"))
+    }
+
+    fn top(&self) -> Result<&Value, TorchError> {
+        if self.stack.len() <= self.fence() {
+            return Err(invalid(self.at, "stack underflow"));
+        }
+        Ok(self.stack.last().expect("checked"))
+    }
+
+    /// The items above the innermost MARK, which is removed.
+    fn pop_mark(&mut self) -> Result<Vec<Value>, TorchError> {
+        let mark = self.marks.pop().ok_or_else(|| invalid(self.at, "no MARK to pop to"))?;
+        Ok(self.stack.split_off(mark))
+    }
+
+    fn tuple(&mut self, items: Vec<Value>) -> Result<Value, TorchError> {
+        self.count()?;
+        let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
+        if depth > MAX_DEPTH {
+            return Err(limit(self.at, format!("values nested deeper than {MAX_DEPTH}")));
+        }
+        items.iter().for_each(Value::freeze);
+        Ok(Value::Tuple(Rc::new(Tuple { depth, items })))
+    }
+
+    fn container(&mut self, ordered: bool) -> Result<Rc<Container>, TorchError> {
+        self.count()?;
+        Ok(Rc::new(Container {
+            ordered,
+            depth: Cell::new(1),
+            frozen: Cell::new(false),
+            items: RefCell::new(Vec::new()),
+        }))
+    }
+
+    /// Adds `items` to the container on top of the stack (a dict when `dict`, else a list).
+    fn extend(&mut self, items: Vec<Value>, dict: bool) -> Result<(), TorchError> {
+        let at = self.at;
+        let c = match (self.top()?, dict) {
+            (Value::Dict(c), true) | (Value::List(c), false) => Rc::clone(c),
+            (other, _) => {
+                let what = if dict { "SETITEM(S)" } else { "APPEND(S)" };
+                return Err(unsafe_at(at, format!("{what} on a {}", other.kind())));
+            }
+        };
+        if dict && items.len() % 2 != 0 {
+            return Err(invalid(at, "SETITEMS with an odd number of items"));
+        }
+        if dict {
+            for key in items.iter().step_by(2) {
+                if matches!(key, Value::Dict(_) | Value::List(_)) {
+                    return Err(invalid(at, format!("unhashable {} used as a dict key", key.kind())));
+                }
+            }
+        }
+        items.iter().for_each(Value::freeze);
+        // Checked after freezing the items, so a container given itself is refused too.
+        if c.frozen.get() {
+            return Err(unsafe_at(
+                at,
+                "a container is changed after being placed in another value",
+            ));
+        }
+        let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
+        if depth > MAX_DEPTH {
+            return Err(limit(at, format!("values nested deeper than {MAX_DEPTH}")));
+        }
+        c.depth.set(c.depth.get().max(depth));
+        c.items.borrow_mut().extend(items);
+        Ok(())
+    }
+
+    fn memo_index(&self, idx: u32) -> Result<usize, TorchError> {
+        let idx = idx as usize;
+        if idx >= self.memo.len() {
+            return Err(invalid(
+                self.at,
+                format!("memo index {idx} was never stored (memo holds {})", self.memo.len()),
+            ));
+        }
+        Ok(idx)
+    }
+
+    fn put(&mut self, idx: u32) -> Result<(), TorchError> {
+        let v = self.top()?.clone();
+        let idx = idx as usize;
+        match idx.cmp(&self.memo.len()) {
+            std::cmp::Ordering::Less => self.memo[idx] = v,
+            std::cmp::Ordering::Equal if idx < MAX_MEMO => self.memo.push(v),
+            std::cmp::Ordering::Equal => return Err(limit(self.at, format!("more than {MAX_MEMO} memo entries"))),
+            // The pickler numbers memo entries densely; a gap is how a huge index attacks memory.
+            std::cmp::Ordering::Greater => {
+                return Err(invalid(
+                    self.at,
+                    format!("memo index {idx} skips ahead of the {} entries stored", self.memo.len()),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn persistent(&mut self, pid: Value) -> Result<Value, TorchError> {
+        let at = self.at;
+        let not_storage = || invalid(at, "persistent id is not a torch storage");
+        let Value::Tuple(t) = &pid else {
+            return Err(not_storage());
+        };
+        let storage = match t.items.as_slice() {
+            [Value::Str(tag), Value::Global(Global::StorageType(dtype)), Value::Str(key), Value::Str(_location), Value::Int(numel)]
+                if &**tag == "storage" && *numel >= 0 =>
+            {
+                let numel = *numel as u64;
+                if numel.checked_mul(dtype.itemsize()).is_none() {
+                    return Err(bad_tensor(format!(
+                        "storage {key:?}: {numel} elements overflow 64 bits"
+                    )));
+                }
+                Storage {
+                    key: key.to_string(),
+                    dtype: *dtype,
+                    numel,
+                }
+            }
+            _ => return Err(not_storage()),
+        };
+        self.count()?;
+        Ok(Value::Storage(Rc::new(storage)))
+    }
+
+    fn reduce(&mut self, callable: Value, args: Value) -> Result<Value, TorchError> {
+        let at = self.at;
+        let Value::Global(g) = callable else {
+            return Err(unsafe_at(at, format!("REDUCE calls a {}", callable.kind())));
+        };
+        let Value::Tuple(args) = args else {
+            return Err(invalid(at, "REDUCE arguments are not a tuple"));
+        };
+        let args = args.items.as_slice();
+        match (g, args) {
+            (Global::OrderedDict, []) => Ok(Value::Dict(self.container(true)?)),
+            (Global::RebuildV2, [..]) if matches!(args.len(), 6 | 7) => self.rebuild(args, None),
+            (Global::RebuildV3, [.., Value::Global(Global::Dtype(d))]) if args.len() == 7 => {
+                self.rebuild(&args[..6], Some(*d))
+            }
+            (Global::RebuildV3, [.., Value::Global(Global::Dtype(d)), _]) if args.len() == 8 => {
+                self.rebuild(&args[..6], Some(*d))
+            }
+            (Global::RebuildParameter, [t @ Value::Tensor(_), Value::Bool, Value::Dict(_)])
+            | (Global::RebuildParameterWithState, [t @ Value::Tensor(_), Value::Bool, Value::Dict(_), _]) => {
+                Ok(t.clone())
+            }
+            (Global::GetLayout, [Value::Str(_)]) => Ok(Value::Layout),
+            (Global::Size, [Value::Tuple(t)]) if t.items.iter().all(|v| matches!(v, Value::Int(_))) => {
+                Ok(Value::Tuple(Rc::clone(t)))
+            }
+            (Global::StorageType(_) | Global::Dtype(_), _) => Err(unsafe_at(at, "REDUCE calls a type or dtype")),
+            (g, _) => Err(invalid(at, format!("{g:?} called with unexpected arguments"))),
+        }
+    }
+
+    /// `_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks[, dtype][, metadata])`.
+    fn rebuild(&mut self, args: &[Value], dtype: Option<TorchDtype>) -> Result<Value, TorchError> {
+        let at = self.at;
+        let (storage, offset, size, stride) = match args {
+            [Value::Storage(s), Value::Int(o), Value::Tuple(size), Value::Tuple(stride), Value::Bool, Value::Dict(_), ..] => {
+                (s, *o, size, stride)
+            }
+            _ => return Err(invalid(at, "tensor rebuilt from unexpected arguments")),
+        };
+        let ints = |t: &Tuple| -> Option<Vec<u64>> {
+            t.items
+                .iter()
+                .map(|v| match v {
+                    Value::Int(i) if *i >= 0 => Some(*i as u64),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (Some(shape), Some(stride)) = (ints(size), ints(stride)) else {
+            return Err(invalid(at, "tensor size or stride is not a tuple of non-negative ints"));
+        };
+        if offset < 0 || shape.len() != stride.len() || shape.len() > MAX_DIMS {
+            return Err(bad_tensor(format!(
+                "storage {:?}: offset {offset}, size {shape:?} and stride {stride:?} do not describe a tensor",
+                storage.key
+            )));
+        }
+        let dtype = dtype.unwrap_or(storage.dtype);
+        let tensor = Tensor {
+            storage: Rc::clone(storage),
+            dtype,
+            offset: offset as u64,
+            shape,
+            stride,
+        };
+        check_bounds(&tensor)?;
+        self.count()?;
+        Ok(Value::Tensor(Rc::new(tensor)))
+    }
+
+    fn run(&mut self) -> Result<Value, TorchError> {
+        loop {
+            self.at = self.pos;
+            let op = *self
+                .data
+                .get(self.pos)
+                .ok_or_else(|| invalid(self.at, "pickle ends without STOP"))?;
+            self.pos += 1;
+            if self.at == 0 && op != 0x80 {
+                return Err(invalid(0, "not a protocol-2 pickle (no PROTO opcode)"));
+            }
+            match op {
+                0x80 => {
+                    let proto = self.u8()?;
+                    if self.at != 0 || proto != 2 {
+                        return Err(unsafe_at(
+                            self.at,
+                            format!("PROTO {proto}: only torch.save's protocol 2 is read"),
+                        ));
+                    }
+                }
+                b'.' => {
+                    if !self.marks.is_empty() || self.stack.len() != 1 {
+                        return Err(invalid(self.at, "STOP with an unbalanced stack"));
+                    }
+                    if self.pos != self.data.len() {
+                        return Err(invalid(self.at, "bytes after STOP"));
+                    }
+                    return Ok(self.stack.pop().expect("checked"));
+                }
+                b'(' => {
+                    if self.marks.len() >= MAX_STACK {
+                        return Err(limit(self.at, format!("more than {MAX_STACK} MARKs")));
+                    }
+                    self.marks.push(self.stack.len());
+                }
+                b'}' => {
+                    let c = self.container(false)?;
+                    self.push(Value::Dict(c))?;
+                }
+                b']' => {
+                    let c = self.container(false)?;
+                    self.push(Value::List(c))?;
+                }
+                b')' => {
+                    let t = self.tuple(Vec::new())?;
+                    self.push(t)?;
+                }
+                b'N' => self.push(Value::None)?,
+                0x88 | 0x89 => self.push(Value::Bool)?,
+                b'J' => {
+                    let v = self.u32()? as i32;
+                    self.push(Value::Int(v.into()))?;
+                }
+                b'K' => {
+                    let v = self.u8()?;
+                    self.push(Value::Int(v.into()))?;
+                }
+                b'M' => {
+                    let b = self.take(2)?;
+                    self.push(Value::Int(u16::from_le_bytes([b[0], b[1]]).into()))?;
+                }
+                0x8a => {
+                    let n = self.u8()? as usize;
+                    if n > 8 {
+                        return Err(limit(self.at, format!("LONG1 of {n} bytes is wider than 64 bits")));
+                    }
+                    let b = self.take(n)?;
+                    let v = match b.last() {
+                        None => 0,
+                        Some(&last) => {
+                            let fill = if last & 0x80 != 0 { 0xFF } else { 0 };
+                            let mut w = [fill; 8];
+                            w[..n].copy_from_slice(b);
+                            i64::from_le_bytes(w)
+                        }
+                    };
+                    self.push(Value::Int(v))?;
+                }
+                b'G' => {
+                    self.take(8)?;
+                    self.push(Value::Float)?;
+                }
+                b'X' => {
+                    let n = self.u32()? as usize;
+                    let b = self.take(n)?;
+                    let s = std::str::from_utf8(b).map_err(|_| invalid(self.at, "BINUNICODE is not UTF-8"))?;
+                    self.count()?;
+                    self.push(Value::Str(Rc::from(s)))?;
+                }
+                b'q' | b'r' => {
+                    let idx = if op == b'q' { self.u8()?.into() } else { self.u32()? };
+                    self.put(idx)?;
+                }
+                b'h' | b'j' => {
+                    let idx = if op == b'h' { self.u8()?.into() } else { self.u32()? };
+                    let idx = self.memo_index(idx)?;
+                    let v = self.memo[idx].clone();
+                    self.push(v)?;
+                }
+                b'c' => {
+                    let module = self.line()?;
+                    let name = self.line()?;
+                    let g = global(module, name)
+                        .ok_or_else(|| unsafe_at(self.at, format!("global {module}.{name} is not allowed")))?;
+                    self.push(Value::Global(g))?;
+                }
+                b'Q' => {
+                    let pid = self.pop()?;
+                    let storage = self.persistent(pid)?;
+                    self.push(storage)?;
+                }
+                b't' => {
+                    let items = self.pop_mark()?;
+                    let t = self.tuple(items)?;
+                    self.push(t)?;
+                }
+                0x85..=0x87 => {
+                    let n = (op - 0x84) as usize;
+                    if self.stack.len() < self.fence() + n {
+                        return Err(invalid(self.at, "stack underflow"));
+                    }
+                    let items = self.stack.split_off(self.stack.len() - n);
+                    let t = self.tuple(items)?;
+                    self.push(t)?;
+                }
+                b'R' => {
+                    let args = self.pop()?;
+                    let callable = self.pop()?;
+                    args.freeze();
+                    let v = self.reduce(callable, args)?;
+                    self.push(v)?;
+                }
+                b'b' => {
+                    let state = self.pop()?;
+                    state.freeze();
+                    match (self.top()?, &state) {
+                        // OrderedDict's attributes (`state_dict._metadata`): read, then ignored.
+                        (Value::Dict(c), Value::Dict(_) | Value::None) if c.ordered => {}
+                        (target, _) => {
+                            return Err(unsafe_at(
+                                self.at,
+                                format!("BUILD sets a {} on a {}", state.kind(), target.kind()),
+                            ))
+                        }
+                    }
+                }
+                b's' => {
+                    let v = self.pop()?;
+                    let k = self.pop()?;
+                    self.extend(vec![k, v], true)?;
+                }
+                b'u' => {
+                    let items = self.pop_mark()?;
+                    self.extend(items, true)?;
+                }
+                b'a' => {
+                    let v = self.pop()?;
+                    self.extend(vec![v], false)?;
+                }
+                b'e' => {
+                    let items = self.pop_mark()?;
+                    self.extend(items, false)?;
+                }
+                _ => {
+                    return Err(match opcode_name(op) {
+                        Some(name) => unsafe_at(self.at, format!("opcode {name} (0x{op:02x}) is not allowed")),
+                        None => invalid(self.at, format!("unknown opcode 0x{op:02x}")),
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Refuses a tensor that reaches past its storage, as `set_` would.
+fn check_bounds(t: &Tensor) -> Result<(), TorchError> {
+    let overflow = || bad_tensor(format!("storage {:?}: tensor size overflows 64 bits", t.storage.key));
+    let mut extent: u64 = 1;
+    for (&n, &s) in t.shape.iter().zip(&t.stride) {
+        if n == 0 {
+            return Ok(());
+        }
+        extent = (n - 1)
+            .checked_mul(s)
+            .and_then(|x| x.checked_add(extent))
+            .ok_or_else(overflow)?;
+    }
+    let needed = t
+        .offset
+        .checked_add(extent)
+        .and_then(|e| e.checked_mul(t.dtype.itemsize()))
+        .ok_or_else(overflow)?;
+    let has = t.storage.nbytes();
+    if needed > has {
+        return Err(bad_tensor(format!(
+            "storage {:?}: a {} tensor of size {:?}, stride {:?} at offset {} needs {needed} bytes, the storage has {has}",
+            t.storage.key,
+            t.dtype.name(),
+            t.shape,
+            t.stride,
+            t.offset
+        )));
+    }
+    Ok(())
+}
+
+/// Reads the state dict pickled in `data` (the bytes of `data.pkl`).
+pub fn read_state_dict(data: &[u8]) -> Result<StateDict, TorchError> {
+    let mut m = Machine {
+        data,
+        pos: 0,
+        at: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: Vec::new(),
+        objects: 0,
+    };
+    let top = m.run()?;
+    let Value::Dict(c) = &top else {
+        return Err(TorchError::new(
+            "not_a_state_dict",
+            format!("the pickle holds a {}, not a dict of tensors", top.kind()),
+        ));
+    };
+    let items = c.items.borrow();
+    let mut order: Vec<(&Rc<str>, &Value)> = Vec::with_capacity(items.len() / 2);
+    let mut seen: FxHashMap<&str, usize> = FxHashMap::default();
+    for pair in items.chunks_exact(2) {
+        let Value::Str(key) = &pair[0] else {
+            return Err(TorchError::new(
+                "not_a_state_dict",
+                format!("a key of the state dict is a {}, not a str", pair[0].kind()),
+            ));
+        };
+        match seen.get(&**key) {
+            Some(&i) => order[i].1 = &pair[1],
+            None => {
+                seen.insert(key, order.len());
+                order.push((key, &pair[1]));
+            }
+        }
+    }
+    let mut out = StateDict::default();
+    for (key, value) in order {
+        match value {
+            Value::Tensor(t) => out.tensors.push((key.to_string(), (**t).clone())),
+            _ => out.skipped.push(key.to_string()),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_allowed_global_is_known() {
+        assert_eq!(
+            global("torch", "BFloat16Storage"),
+            Some(Global::StorageType(TorchDtype(3)))
+        );
+        assert_eq!(global("torch", "float8_e4m3fn").map(|_| ()), Some(()));
+        assert_eq!(global("torch", "QInt8Storage"), None);
+        assert_eq!(global("os", "system"), None);
+        assert_eq!(global("torch", "load"), None);
+        assert_eq!(TorchDtype::by_name("uint8"), Some(UINT8));
+    }
+}
