@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._core import HEADER_ERROR_CODES
-from .errors import AdapterError, HeaderError, LorafastError
+from ._core import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES
+from .errors import AdapterError, HeaderError, InternalError, LorafastError
 
 __version__ = "0.1.0"
 
@@ -34,11 +34,20 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "merge": ("merging", "merge"),
     "MergeHandle": ("merging", "MergeHandle"),
     "compat": ("compat", None),
+    "BaseModel": ("base", "BaseModel"),
+    "read_base": ("base", "read_base"),
+    "check": ("check", "check"),
+    "CheckReport": ("check", "CheckReport"),
+    "identify": ("families", "identify"),
+    "fingerprint": ("families", "fingerprint"),
 }
 
 if TYPE_CHECKING:
     from . import compat as compat
     from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
+    from .base import BaseModel, read_base
+    from .check import CheckReport, check
+    from .families import fingerprint, identify
     from .groups import plan_groups
     from .header import Header, TensorInfo, read_header
     from .merging import MergeHandle, merge
@@ -66,12 +75,16 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ADAPTER_ERROR_CODES",
     "HEADER_ERROR_CODES",
     "Adapter",
     "AdapterError",
+    "BaseModel",
+    "CheckReport",
     "AdapterFormat",
     "Header",
     "HeaderError",
+    "InternalError",
     "LoraModule",
     "LoraRequest",
     "LorafastError",
@@ -81,12 +94,16 @@ __all__ = [
     "Problem",
     "ScanReport",
     "TensorInfo",
+    "check",
     "compat",
+    "fingerprint",
+    "identify",
     "inspect",
     "inspect_many",
     "merge",
     "plan",
     "plan_groups",
+    "read_base",
     "read_header",
     "scan",
 ]

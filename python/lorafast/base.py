@@ -1,0 +1,530 @@
+"""`read_base`: a base model's weight names, dtypes and shapes, read from safetensors headers only.
+
+Handles a single `.safetensors`, a sharded checkpoint (`*.safetensors.index.json`), a diffusers pipeline folder
+(`model_index.json` plus one folder per component) and single-file diffusion checkpoints (kohya/ComfyUI style,
+split into components by their key prefixes). Quantized weights are reported with their logical shape and the
+scheme (`fp8`, `int4`, `mxfp4`, ...), never read as plain matrices of the packed shape.
+
+Local headers go through the Rust reader (`_core.read_header`, validated like every other header). URLs
+(`http(s)://`, `hf://org/repo[@rev]/path`) are fetched with range requests: only headers and JSON files, the
+header bytes written into a sparse temporary file of the object's size so the same validator checks them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _core
+from .errors import HeaderError, _CodedError
+
+PathLike = str | os.PathLike[str]
+
+#: Key prefixes of single-file diffusion checkpoints -> pipeline component names.
+SINGLE_FILE_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.diffusion_model.", "denoiser"),  # renamed to unet / transformer below
+    ("cond_stage_model.transformer.", "text_encoder"),  # SD 1.x
+    ("cond_stage_model.model.", "text_encoder"),  # SD 2.x (open_clip names)
+    ("conditioner.embedders.0.transformer.", "text_encoder"),  # SDXL
+    ("conditioner.embedders.1.model.", "text_encoder_2"),  # SDXL (open_clip names)
+    ("first_stage_model.", "vae"),
+    ("text_encoders.clip_l.transformer.", "text_encoder"),  # SD3 / Flux ComfyUI bundles
+    ("text_encoders.clip_g.transformer.", "text_encoder_2"),
+    ("text_encoders.t5xxl.transformer.", "text_encoder_3"),
+)
+#: Top-level names of original-layout denoisers stored without a prefix (BFL Flux, Wan, HunyuanVideo releases).
+_BARE_DENOISER_KEYS = ("double_blocks.", "single_blocks.", "joint_blocks.", "blocks.", "input_blocks.")
+#: Weight files tried, in order, in a model or component folder.
+_INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+_FILE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+
+
+class BaseModelError(_CodedError):
+    """A base checkpoint cannot be read: `code` is one of `missing_file`, `missing_shard`, `bad_index`,
+    `missing_config`, `bad_config`, `no_weights`; `path` names the file."""
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One base weight. `shape` is the logical shape (what a LoRA factor must fit); for a quantized weight
+    `stored_shape` is what the file holds and `quantized` names the scheme."""
+
+    dtype: str
+    shape: tuple[int, ...] | None  # None: the logical shape is not in the header (bitsandbytes 4-bit)
+    file: str
+    quantized: str | None = None
+    stored_shape: tuple[int, ...] | None = None
+
+
+@dataclass
+class BaseModel:
+    """A base checkpoint as seen from its headers. For a pipeline, `weights` holds every component's weights as
+    `<component>.<name>` and `components` the components themselves."""
+
+    path: str
+    kind: str  # checkpoint | sharded | pipeline | single_file_diffusion
+    weights: dict[str, Weight]
+    config: dict[str, Any] | None = None
+    architecture: str | None = None
+    components: dict[str, BaseModel] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+    quantization: str | None = None  # the scheme when any weight is quantized
+
+    @property
+    def loaded_weights(self) -> dict[str, Weight]:
+        """The weights under the names transformers 5 gives them after loading (its checkpoint conversion: a
+        Llava-style wrapper's `language_model.model.` becomes `model.language_model.`, per-expert MoE weights
+        become fused `experts.gate_up_proj` / `experts.down_proj`). Only the names that change are listed."""
+        view = self.__dict__.get("_loaded")
+        if view is None:
+            view = self.__dict__["_loaded"] = _loaded_view(self.weights, self.config)
+        return view
+
+    @property
+    def num_weights(self) -> int:
+        return len(self.weights)
+
+    @property
+    def name(self) -> str:
+        base = os.path.basename(self.path.rstrip("/"))
+        return base or self.path
+
+    def __repr__(self) -> str:
+        comps = f", components={sorted(self.components)}" if self.components else ""
+        return f"BaseModel({self.path!r}, kind={self.kind!r}, {len(self.weights)} weights{comps})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the files come from
+
+
+class _Local:
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts) if parts else self.root
+
+    def exists(self, rel: str) -> bool:
+        return os.path.isfile(self.join(rel))
+
+    def is_dir(self) -> bool:
+        return os.path.isdir(self.root)
+
+    def text(self, rel: str) -> str:
+        with open(self.join(rel), encoding="utf-8") as f:
+            return f.read()
+
+    def header(self, rel: str) -> dict[str, Any]:
+        return _core.read_header(self.join(rel), "pread")
+
+    def listdir(self) -> list[str]:
+        return sorted(os.listdir(self.root))
+
+
+class _Http:
+    """A web folder: `http(s)://host/path` or the resolve URL of an `hf://` repo. Web servers cannot be listed,
+    so the standard file names are tried in turn."""
+
+    def __init__(self, url: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> None:
+        self.root, self.headers = _http_root(url, storage_options)
+        self.timeout = 10.0 if timeout is None else timeout
+        self._missing: set[str] = set()
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts]) if parts else self.root
+
+    def is_dir(self) -> bool:
+        return not self.root.endswith(".safetensors")
+
+    def _get(self, rel: str, rng: tuple[int, int] | None = None) -> tuple[bytes, int | None]:
+        import urllib.error
+        import urllib.request
+
+        url = self.join(rel) if rel else self.root
+        headers = dict(self.headers)
+        if rng is not None:
+            headers["Range"] = f"bytes={rng[0]}-{rng[1] - 1}"
+        req = urllib.request.Request(url, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                body = resp.read()
+                total = None
+                cr = resp.headers.get("Content-Range")
+                if cr and "/" in cr:
+                    total = int(cr.rsplit("/", 1)[1])
+                elif rng is None or resp.status == 200:
+                    total = len(body)
+                    body = body[rng[0] : rng[1]] if rng is not None else body
+                return body, total
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise FileNotFoundError(2, f"no such file: {url}", url) from None
+            raise OSError(f"{url}: HTTP {e.code} {e.reason}") from None
+        except urllib.error.URLError as e:
+            raise OSError(f"{url}: {e.reason}") from None
+
+    def exists(self, rel: str) -> bool:
+        if rel in self._missing:
+            return False
+        try:
+            self._get(rel, (0, 1))
+            return True
+        except FileNotFoundError:
+            self._missing.add(rel)
+            return False
+
+    def text(self, rel: str) -> str:
+        return self._get(rel)[0].decode("utf-8")
+
+    def header(self, rel: str) -> dict[str, Any]:
+        first, total = self._get(rel, (0, 64 << 10))
+        if total is None or len(first) < 8:
+            total = len(first)
+        n = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
+        want = min(8 + n, total)
+        if len(first) < want:
+            first += self._get(rel, (len(first), want))[0]
+        # The same validator as local files: the header in a sparse file as long as the object.
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False) as tmp:
+            tmp.write(first[:want])
+            tmp.truncate(total)
+        try:
+            raw = _core.read_header(tmp.name, "pread")
+        except HeaderError as e:
+            raise HeaderError(str(e).replace(tmp.name, self.join(rel)), e.code, self.join(rel)) from None
+        finally:
+            os.unlink(tmp.name)
+        return raw
+
+    def listdir(self) -> list[str]:
+        return []
+
+
+def _http_root(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, dict[str, str]]:
+    headers = {str(k): str(v) for k, v in (storage_options or {}).get("headers", {}).items()}
+    if url.startswith("hf://"):
+        rest = url[len("hf://") :]
+        prefix = ""
+        if rest.startswith(("datasets/", "spaces/")):
+            prefix, rest = rest.split("/", 1)
+            prefix += "/"
+        parts = rest.split("/")
+        if len(parts) < 2:
+            raise ValueError(f"not an hf:// URL of a repo: {url!r}")
+        org, repo = parts[0], parts[1]
+        repo, _, rev = repo.partition("@")
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+        path = "/".join(parts[2:])
+        root = f"{endpoint}/{prefix}{org}/{repo}/resolve/{rev or 'main'}" + (f"/{path}" if path else "")
+        token = (storage_options or {}).get("token") or os.environ.get("HF_TOKEN") or os.environ.get(
+            "HUGGING_FACE_HUB_TOKEN"
+        )
+        if token:
+            headers.setdefault("Authorization", f"Bearer {token}")
+        return root, headers
+    return url, headers
+
+
+def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> _Local | _Http:
+    if path.startswith(("http://", "https://", "hf://")):
+        return _Http(path, timeout, storage_options)
+    if "://" in path:
+        scheme = path.split("://", 1)[0]
+        raise BaseModelError(
+            f"read_base reads local paths, http(s):// and hf:// URLs; {scheme}:// bases are not supported yet",
+            "unsupported_url",
+            path,
+        )
+    return _Local(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_base(
+    path_or_url: PathLike, *, storage_options: Mapping[str, Any] | None = None, timeout: float | None = None
+) -> BaseModel:
+    """Read a base checkpoint header-only: a `.safetensors` file, a sharded checkpoint folder (or its index
+    file), a diffusers pipeline folder, or a single-file diffusion checkpoint.
+
+    Raises `BaseModelError` (missing shard, index naming absent files, missing config, ...) or `HeaderError`
+    for a malformed shard, each naming the file; `FileNotFoundError` when the path does not exist.
+    """
+    path = os.fspath(path_or_url)
+    src = _opener(path, timeout, storage_options)
+    if isinstance(src, _Local) and not os.path.exists(path):
+        raise FileNotFoundError(2, f"no such base model: {path}", path)
+    if path.endswith(".index.json"):
+        folder, index = path.rsplit("/", 1) if isinstance(src, _Http) else os.path.split(path)
+        sub = _Http(folder, timeout, storage_options) if isinstance(src, _Http) else _Local(folder)
+        return _read_model(sub, index_name=index)
+    if not src.is_dir():
+        return _read_single(src, path)
+    if src.exists("model_index.json"):
+        return _read_pipeline(src)
+    return _read_model(src)
+
+
+def _read_single(src: _Local | _Http, path: str) -> BaseModel:
+    folder, name = (path.rsplit("/", 1) if isinstance(src, _Http) else os.path.split(path)) or ("", path)
+    sub: _Local | _Http = src
+    if isinstance(src, _Http):
+        sub = _Http.__new__(_Http)
+        sub.__dict__.update(src.__dict__, root=folder)
+    else:
+        sub = _Local(folder or ".")
+    weights, meta_quant = _weights_of(sub, [name])
+    config = _optional_json(sub, "config.json")
+    comps = _split_single_file(weights, path)
+    if comps:
+        return BaseModel(path, "single_file_diffusion", weights, config, _single_file_arch(comps), comps,
+                         (path,), meta_quant)  # fmt: skip
+    return BaseModel(path, "checkpoint", weights, config, _architecture(config), {}, (path,), meta_quant)
+
+
+def _read_model(src: _Local | _Http, index_name: str | None = None) -> BaseModel:
+    """A transformers model folder or a diffusers component folder: config.json plus weights."""
+    index = index_name or next((n for n in _INDEX_NAMES if src.exists(n)), None)
+    if index is not None:
+        files = _index_files(src, index)
+        kind = "sharded"
+    else:
+        single = next((n for n in _FILE_NAMES if src.exists(n)), None)
+        if single is None:
+            found = [n for n in src.listdir() if n.endswith(".safetensors")]
+            if len(found) != 1:
+                why = "no" if not found else f"{len(found)}"
+                raise BaseModelError(
+                    f"{src.join()}: {why} safetensors weights (expected {' or '.join(_INDEX_NAMES + _FILE_NAMES)})",
+                    "no_weights",
+                    src.join(),
+                )
+            single = found[0]
+        files = [single]
+        kind = "checkpoint"
+    weights, quant = _weights_of(src, files)
+    config = _required_json(src, "config.json")
+    qcfg = (config or {}).get("quantization_config")
+    if isinstance(qcfg, dict):
+        weights = _apply_quant_config(weights, qcfg)
+        quant = quant or str(qcfg.get("quant_method") or "quantized")
+    return BaseModel(src.join(), kind, weights, config, _architecture(config), {},
+                     tuple(src.join(f) for f in files), quant)  # fmt: skip
+
+
+def _read_pipeline(src: _Local | _Http) -> BaseModel:
+    index = _json(src, "model_index.json", "bad_config")
+    comps: dict[str, BaseModel] = {}
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
+            continue
+        lib = value[0]
+        if lib not in ("diffusers", "transformers"):
+            continue
+        sub = _sub(src, name)
+        if not any(sub.exists(n) for n in _INDEX_NAMES + _FILE_NAMES + ("config.json",)):
+            continue  # schedulers, tokenizers: no weights, no config of their own
+        comps[name] = _read_model(sub)
+    weights = {f"{c}.{k}": w for c, m in comps.items() for k, w in m.weights.items()}
+    quant = next((m.quantization for m in comps.values() if m.quantization), None)
+    files = tuple(f for m in comps.values() for f in m.files)
+    return BaseModel(src.join(), "pipeline", weights, index, index.get("_class_name"), comps, files, quant)
+
+
+def _sub(src: _Local | _Http, name: str) -> _Local | _Http:
+    if isinstance(src, _Local):
+        return _Local(src.join(name))
+    sub = _Http.__new__(_Http)
+    sub.__dict__.update(src.__dict__, root=src.join(name), _missing=set())
+    return sub
+
+
+def _index_files(src: _Local | _Http, index: str) -> list[str]:
+    data = _json(src, index, "bad_index")
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise BaseModelError(f"{src.join(index)}: no weight_map of tensor name -> file", "bad_index", src.join(index))
+    files = sorted(set(wm.values()))
+    absent = [f for f in files if not src.exists(f)]
+    if absent:
+        raise BaseModelError(
+            f"{src.join(index)} names shard files that do not exist: {', '.join(absent[:5])}"
+            + (f" (and {len(absent) - 5} more)" if len(absent) > 5 else ""),
+            "missing_shard",
+            src.join(absent[0]),
+        )
+    return files
+
+
+def _weights_of(src: _Local | _Http, files: list[str]) -> tuple[dict[str, Weight], str | None]:
+    weights: dict[str, Weight] = {}
+    for f in files:
+        full = src.join(f)
+        try:
+            raw = src.header(f)
+        except HeaderError as e:
+            msg = str(e) if full in str(e) else f"{full}: {e}"
+            raise HeaderError(msg, e.code, full) from None
+        except FileNotFoundError:
+            raise BaseModelError(f"missing weight file {full}", "missing_file", full) from None
+        for name, dtype, shape, _ in raw["tensors"]:
+            weights[name] = Weight(dtype, shape, full)
+    return _mark_quantized(weights)
+
+
+def _mark_quantized(weights: dict[str, Weight]) -> tuple[dict[str, Weight], str | None]:
+    """Packed and scaled weights as what they stand for: fp8 weights with their scales, packed int4
+    (`weight_packed`, GPTQ/AWQ `qweight`) and MXFP4 blocks (`*_blocks` + `*_scales`, gpt-oss)."""
+    scheme: str | None = None
+    extra: dict[str, Weight] = {}
+    for name, w in weights.items():
+        if w.dtype.startswith("F8_"):
+            weights[name] = Weight(w.dtype, w.shape, w.file, "fp8", w.shape)
+            scheme = scheme or "fp8"
+        elif name.endswith(".weight_packed") and w.shape is not None and len(w.shape) == 2:
+            # compressed-tensors pack-quantized: int32 (out, in / 8) for 4 bits
+            logical = (w.shape[0], w.shape[1] * 8)
+            extra[name[: -len("_packed")]] = Weight(w.dtype, logical, w.file, "int4", w.shape)
+            scheme = scheme or "int4"
+        elif name.endswith("_blocks") and w.dtype == "U8" and w.shape is not None and len(w.shape) == 4:
+            # MXFP4: (E, rows, cols / 32, 16) bytes of two 4-bit values each
+            e, rows, nb, bs = w.shape
+            extra[name[: -len("_blocks")]] = Weight("MXFP4", (e, rows, nb * bs * 2), w.file, "mxfp4", w.shape)
+            scheme = scheme or "mxfp4"
+        elif name.endswith(".weight") and name[:-7] + ".weight.absmax" in weights:
+            weights[name] = Weight(w.dtype, None, w.file, "bnb_4bit", w.shape)
+            scheme = scheme or "bnb_4bit"
+    weights.update(extra)
+    return weights, scheme
+
+
+def _apply_quant_config(weights: dict[str, Weight], qcfg: Mapping[str, Any]) -> dict[str, Weight]:
+    """GPTQ / AWQ: `qweight` int32 holds 32/bits values per element; the logical weight is (out, in)."""
+    method = str(qcfg.get("quant_method") or "").lower()
+    bits = int(qcfg.get("bits") or qcfg.get("w_bit") or 4)
+    per = 32 // bits if bits in (2, 4, 8) else 8
+    for name, w in list(weights.items()):
+        if not name.endswith(".qweight") or w.shape is None or len(w.shape) != 2:
+            continue
+        rows, cols = w.shape
+        logical = (cols * per, rows) if method == "awq" else (cols, rows * per)  # awq packs out, gptq packs in
+        weights[name[: -len("qweight")] + "weight"] = Weight(w.dtype, logical, w.file, f"int{bits}", w.shape)
+    return weights
+
+
+# transformers 5 conversion on load (transformers/conversion_mapping.py), the torch-free part that renames and fuses
+_WRAPPER_RENAMES = ((r"^language_model\.lm_head\.", "lm_head."), (r"^language_model\.model\.", "model.language_model."),
+                    (r"^language_model\.", "model.language_model."), (r"^vision_tower\.", "model.vision_tower."),
+                    (r"^multi_modal_projector\.", "model.multi_modal_projector."))  # fmt: skip
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _loaded_view(weights: Mapping[str, Weight], config: Mapping[str, Any] | None) -> dict[str, Weight]:
+    cfg = config or {}
+    view: dict[str, Weight] = {}
+    renames: list[tuple[re.Pattern[str], str]] = []
+    if isinstance(cfg.get("text_config"), dict) and isinstance(cfg.get("vision_config"), dict):
+        if any(n.startswith("language_model.") for n in weights):
+            renames = [(re.compile(a), b) for a, b in _WRAPPER_RENAMES]
+    if cfg.get("model_type") in ("mixtral", "minimax"):
+        renames.append((re.compile(r"\.block_sparse_moe\."), ".mlp."))
+    experts: dict[tuple[str, str], dict[int, Weight]] = {}
+    for name, w in weights.items():
+        new = name
+        for pat, rep in renames:
+            new, n = pat.subn(rep, new, count=1)
+            if n and pat.pattern.startswith("^"):
+                break
+        m = _EXPERT.match(new)
+        if m is not None and w.shape is not None and len(w.shape) == 2:
+            proj = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(m.group(3), "down")
+            experts.setdefault((m.group(1), proj), {})[int(m.group(2))] = w
+        if new != name:
+            view[new] = w
+    for (owner, proj), per in experts.items():
+        if proj == "up":
+            continue
+        e = len(per)
+        first = per[min(per)]
+        assert first.shape is not None
+        rows, cols = first.shape
+        if proj == "gate":
+            up = experts.get((owner, "up"), {})
+            rows += up[min(up)].shape[0] if up and up[min(up)].shape else 0  # type: ignore[index]
+            view[f"{owner}.gate_up_proj"] = Weight(first.dtype, (e, rows, cols), first.file, first.quantized)
+        else:
+            view[f"{owner}.down_proj"] = Weight(first.dtype, (e, rows, cols), first.file, first.quantized)
+    return view
+
+
+def _split_single_file(weights: dict[str, Weight], path: str) -> dict[str, BaseModel]:
+    """Components of a single-file diffusion checkpoint, by key prefix; {} for anything else."""
+    parts: dict[str, dict[str, Weight]] = {}
+    for name, w in weights.items():
+        for prefix, comp in SINGLE_FILE_PREFIXES:
+            if name.startswith(prefix):
+                parts.setdefault(comp, {})[name[len(prefix) :]] = w
+                break
+    if "denoiser" not in parts:
+        bare = {n: w for n, w in weights.items() if n.startswith(_BARE_DENOISER_KEYS)}
+        if not bare or not any(n.startswith(("double_blocks.", "joint_blocks.", "input_blocks.")) for n in bare):
+            return {}
+        parts["denoiser"] = bare
+    den = parts.pop("denoiser")
+    den_name = "unet" if any(n.startswith("input_blocks.") for n in den) else "transformer"
+    comps = {den_name: BaseModel(f"{path}#{den_name}", "component", den, None, None, {}, (path,))}
+    for comp, ws in parts.items():
+        comps[comp] = BaseModel(f"{path}#{comp}", "component", ws, None, None, {}, (path,))
+    return comps
+
+
+def _single_file_arch(comps: Mapping[str, BaseModel]) -> str | None:
+    from .families import identify_weights
+
+    return identify_weights(comps)
+
+
+def _architecture(config: Mapping[str, Any] | None) -> str | None:
+    if not config:
+        return None
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    cls = config.get("_class_name")
+    return cls if isinstance(cls, str) else None
+
+
+def _json(src: _Local | _Http, rel: str, code: str) -> dict[str, Any]:
+    try:
+        data = json.loads(src.text(rel))
+    except FileNotFoundError:
+        raise BaseModelError(f"missing {src.join(rel)}", "missing_config" if code == "bad_config" else "bad_index",
+                             src.join(rel)) from None  # fmt: skip
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BaseModelError(f"{src.join(rel)} is not valid JSON: {e}", code, src.join(rel)) from None
+    if not isinstance(data, dict):
+        raise BaseModelError(f"{src.join(rel)} is not a JSON object", code, src.join(rel))
+    return data
+
+
+def _required_json(src: _Local | _Http, rel: str) -> dict[str, Any]:
+    if not src.exists(rel):
+        raise BaseModelError(
+            f"{src.join()} has weights but no {rel}; pass the model folder with its config", "missing_config",
+            src.join(rel),
+        )  # fmt: skip
+    return _json(src, rel, "bad_config")
+
+
+def _optional_json(src: _Local | _Http, rel: str) -> dict[str, Any] | None:
+    return _json(src, rel, "bad_config") if src.exists(rel) else None
+
+
+__all__ = ["BaseModel", "BaseModelError", "Weight", "read_base"]

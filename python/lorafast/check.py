@@ -1,0 +1,717 @@
+"""`check`: does each adapter fit each base model? Header-only, for a whole fleet at once.
+
+For every (adapter, base) pair each adapter module is mapped onto a base weight by the engines' rule (exact
+module paths, after PEFT's `base_model.model.` prefix and a pipeline component prefix are removed; kohya's
+underscore names by their flattened form) and its factor shapes are fitted with the same functions `merge` uses
+(`merging.targets`), so check and merge never disagree on a fit. A module found only under another prefix
+(`model.layers.…` against a multimodal `model.language_model.layers.…`) counts as missing: the engines match it
+nowhere and serve the base model. Such modules carry a hint naming the prefix that would fix them.
+
+Verdicts: `ok` (every module maps and fits), `partial` (some modules match no weight; engines ignore them),
+`no_match` (no module matches: an engine that checks leaf names loads it and serves the base model),
+`shape_mismatch` (a module maps to a weight it does not fit: the load fails) and `error` (unreadable adapter).
+
+Speed: adapters whose headers are byte-identical in their tensor entries (one recipe, one rank) share one
+structure; each structure is classified once and checked once per base, and the per-pair counts are spread
+over the fleet with numpy. Bases are read once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from . import _core
+from .adapter import Adapter, LoraModule
+from .base import BaseModel, read_base
+from .merging.targets import WeightSpec, _plan_linear, _plan_stacked, _plan_target_parameters, stack_shape
+
+if TYPE_CHECKING:
+    import numpy as np
+
+VERDICTS: tuple[str, ...] = ("ok", "partial", "no_match", "shape_mismatch", "error")
+OK, PARTIAL, NO_MATCH, SHAPE_MISMATCH, ERROR = range(5)
+#: module statuses
+MODULE_STATUSES = ("ok", "missing", "prefix_only", "shape_mismatch", "no_component", "unverified")
+
+_PEFT_PREFIXES = ("peft_model.base_model.model.", "base_model.model.")
+#: diffusers PEFT key prefixes and kohya prefixes -> pipeline component
+_COMPONENT_KEYS: tuple[tuple[str, str], ...] = (
+    ("unet.", "unet"), ("transformer.", "transformer"), ("text_encoder_2.", "text_encoder_2"),
+    ("text_encoder.", "text_encoder"), ("prior.", "prior"), ("decoder.", "decoder"),
+)  # fmt: skip
+_KOHYA_KEYS: tuple[tuple[str, str], ...] = (
+    ("lora_unet_", "unet"), ("lora_te1_", "text_encoder"), ("lora_te2_", "text_encoder_2"),
+    ("lora_te_", "text_encoder"), ("lora_transformer_", "transformer"), ("lora_prior_unet_", "prior"),
+)  # fmt: skip
+_DENOISERS = ("unet", "transformer", "prior", "decoder")
+# a flat {str: str} __metadata__ object (run-specific kohya keys): left out of the structure key
+_METADATA = re.compile(rb'"__metadata__"\s*:\s*\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}\s*,?')
+#: adapter_config.json fields that change which modules exist or how their shapes are read
+_STRUCTURE_FIELDS = ("peft_type", "fan_in_fan_out", "target_parameters", "use_dora", "lora_bias")
+
+
+@dataclass(frozen=True)
+class ModuleCheck:
+    """One adapter module against one base: the weight it maps to, the shape it needs and the one there is."""
+
+    module: str  # the module key as in the adapter file
+    status: str  # see MODULE_STATUSES
+    weight: str | None = None
+    expected: tuple[int, ...] | None = None  # the (out, in[, kernel]) the factors need
+    actual: tuple[int, ...] | None = None  # the base weight's (logical) shape
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    """What the engine does with this adapter on this base: `accepted` or `rejected`, with its exact errors."""
+
+    engine: str
+    version: str | None
+    outcome: str
+    errors: tuple[str, ...] = ()
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class PairResult:
+    adapter: str
+    base: str
+    verdict: str
+    matched: int
+    missing: int
+    mismatched: int
+    modules: tuple[ModuleCheck, ...]
+    hint: str | None = None
+    engine: EngineOutcome | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+    def to_dict(self, modules: bool = True) -> dict[str, Any]:
+        d: dict[str, Any] = {"adapter": self.adapter, "base": self.base, "verdict": self.verdict,
+                             "matched": self.matched, "missing": self.missing, "mismatched": self.mismatched,
+                             "hint": self.hint, "error": self.error}  # fmt: skip
+        if self.engine is not None:
+            d["engine"] = vars(self.engine) | {"errors": list(self.engine.errors)}
+        if modules:
+            d["modules"] = [vars(m) for m in self.modules if m.status != "ok"]
+        return d
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One base: its weights, and the lookups a module path needs
+
+
+class _BaseIndex:
+    def __init__(self, base: BaseModel) -> None:
+        self.base = base
+        # a module path may name a weight as stored or as transformers names it once loaded
+        models: dict[str | None, BaseModel] = dict(base.components) if base.components else {None: base}
+        self.comps: dict[str | None, Mapping[str, Any]] = {c: {**m.weights, **m.loaded_weights} for c, m in models.items()}
+        # stored names that transformers renames on load: hints name the loaded form
+        self._renamed = {c: {n for n, w in m.weights.items() if id(w) in {id(v) for v in m.loaded_weights.values()}}
+                         for c, m in models.items()}  # fmt: skip
+        self.denoiser = next((c for c in _DENOISERS if c in self.comps), None)
+        self._flat: dict[str | None, dict[str, list[str]]] = {}
+        self._tails: dict[str | None, dict[str, list[str]]] = {}
+        self.cache: dict[Any, ModuleCheck] = {}
+
+    def route(self, key: str) -> tuple[str | None, str, bool, str | None]:
+        """(component, path inside it, kohya form, missing component) for an adapter module key."""
+        for p in _PEFT_PREFIXES:
+            if key.startswith(p):
+                key = key[len(p) :]
+                break
+        comp: str | None = None
+        kohya = False
+        for p, c in _KOHYA_KEYS:
+            if key.startswith(p):
+                key, comp, kohya = key[len(p) :], c, True
+                break
+        else:
+            for p, c in _COMPONENT_KEYS:
+                if key.startswith(p):
+                    key, comp = key[len(p) :], c
+                    break
+        if None in self.comps:
+            # a single model: it is the pipeline's denoiser (or the text encoder checkpoint it was given as)
+            return None, key, kohya, None
+        if comp is None:
+            comp = self.denoiser
+            if comp is None:
+                return None, key, kohya, "denoiser"
+        if comp not in self.comps:
+            return None, key, kohya, comp
+        return comp, key, kohya, None
+
+    def flat(self, comp: str | None) -> dict[str, list[str]]:
+        table = self._flat.get(comp)
+        if table is None:
+            table = {}
+            for n in self.comps[comp]:
+                if n.endswith(".weight"):
+                    table.setdefault(n[:-7].replace(".", "_"), []).append(n)
+            self._flat[comp] = table
+        return table
+
+    def tails(self, comp: str | None) -> dict[str, list[str]]:
+        """Weight names by their last three components: where to look for a name under another prefix."""
+        table = self._tails.get(comp)
+        if table is None:
+            table = {}
+            hidden = self._renamed.get(comp, set())
+            for n in self.comps[comp]:
+                if n not in hidden:
+                    table.setdefault(".".join(n.rsplit(".", 3)[-3:]), []).append(n)
+            self._tails[comp] = table
+        return table
+
+
+def _expected(m: LoraModule) -> tuple[int, ...] | None:
+    a, b = m.a_shape, m.b_shape
+    if a is None or b is None:
+        if m.in_features and m.out_features:
+            return (m.out_features, m.in_features)
+        return None
+    if m.kind == "embedding" and len(a) == 2 and len(b) == 2:
+        return (a[1], b[0])
+    if m.kind == "stacked_3d" and len(a) == 3 and len(b) == 3:
+        return (max(a[0], b[0]), b[1], a[2])
+    if m.kind == "conv" and len(a) > 2:
+        return (b[0], a[1], *a[2:])
+    if m.kind == "target_parameters" and len(a) == 2 and len(b) == 2:
+        return (b[0], a[1])
+    return (b[0], _prod(a[1:]))
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _spec(shape: tuple[int, ...]) -> WeightSpec:
+    return WeightSpec(tuple(shape), cast(Any, None))  # fitting reads the shape only
+
+
+def _fit(m: LoraModule, shape: tuple[int, ...], fifo: bool) -> str | None:
+    """Why the module's factors do not fit a weight of `shape`, or None when they do (merge's own rules)."""
+    spec = _spec(shape)
+    if m.kind == "stacked_3d":
+        form, why = _plan_stacked(m, spec)
+    elif m.kind == "target_parameters":
+        form, why, _ = _plan_target_parameters(m, spec)
+    elif m.kind in ("linear", "conv", "embedding", "expert_2d"):
+        form, why = _plan_linear(m.kind, m, spec, fifo and m.kind in ("linear", "expert_2d"))
+    else:  # LyCORIS variants: compare the in/out features the factors imply
+        e, rows, cols = stack_shape(shape)
+        if m.in_features is None or m.out_features is None:
+            return None
+        if (rows, cols) == (m.out_features, m.in_features) or (rows, cols) == (m.out_features, m.in_features * 1):
+            return None
+        return f"{m.kind} module of {m.out_features}x{m.in_features} does not fit weight {list(shape)}"
+    return None if form is not None else why
+
+
+def _lookup(index: _BaseIndex, comp: str | None, path: str, m: LoraModule, kohya: bool) -> str | None:
+    weights = index.comps[comp]
+    if kohya:
+        hits = index.flat(comp).get(path, [])
+        return hits[0] if len(hits) == 1 else None
+    if m.kind == "target_parameters":
+        owner = re.sub(r"\.base_layer\b", "", path)
+        for cand in (owner, f"{owner}.{m.leaf}"):
+            w = weights.get(cand)
+            if w is not None and w.shape is not None and len(w.shape) == 3:
+                return cand
+        return None
+    name = path + ".weight"
+    if name in weights:
+        return name
+    if m.kind == "stacked_3d" and path in weights:
+        return path  # a fused expert parameter (`experts.gate_up_proj`)
+    return None
+
+
+def _prefix_hint(index: _BaseIndex, comp: str | None, path: str, kohya: bool) -> tuple[str, str] | None:
+    """(weight, hint) when the module exists only under another prefix, else None."""
+    if kohya:
+        flat = index.flat(comp)
+        hits = [k for k in flat if k.endswith("_" + path)]
+        if len(hits) == 1:
+            return flat[hits[0]][0], f"found only as {flat[hits[0]][0]!r}"
+        return None
+    name = path + ".weight"
+    cands = index.tails(comp).get(".".join(name.rsplit(".", 3)[-3:]), [])
+    best: list[str] = []
+    best_len = 0
+    parts = name.split(".")
+    for c in cands:
+        cp = c.split(".")
+        k = 0
+        while k < min(len(cp), len(parts)) and cp[-1 - k] == parts[-1 - k]:
+            k += 1
+        if k > best_len:
+            best, best_len = [c], k
+        elif k == best_len:
+            best.append(c)
+    # the whole module path below its model prefix must agree (at least `layers.N.<block>.<leaf>.weight`)
+    if len(best) != 1 or best_len < min(4, len(parts)):
+        return None
+    weight = best[0]
+    cp = weight.split(".")
+    ours = ".".join(parts[: len(parts) - best_len])
+    theirs = ".".join(cp[: len(cp) - best_len])
+    ours_s = f"'{ours}.'" if ours else "no prefix"
+    theirs_s = f"'{theirs}.'" if theirs else "no prefix"
+    return weight, (
+        f"the base names this weight {weight!r}: the adapter's paths start with {ours_s} where the base has "
+        f"{theirs_s}; rename the adapter's keys to match"
+    )
+
+
+def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
+    key = (m.key, m.kind, m.a_shape, m.b_shape, m.in_features, m.out_features, fifo)
+    hit = index.cache.get(key)
+    if hit is not None:
+        return hit
+    comp, path, kohya, absent = index.route(m.key)
+    expected = _expected(m)
+    if absent is not None:
+        have = sorted(c for c in index.comps if c is not None)
+        res = ModuleCheck(m.key, "no_component", None, expected, None,
+                          f"the base has no {absent} component (it has {', '.join(have) or 'none'})")  # fmt: skip
+    else:
+        weight = _lookup(index, comp, path, m, kohya)
+        qual = (lambda w: w if comp is None else f"{comp}.{w}")
+        if weight is None:
+            found = _prefix_hint(index, comp, path, kohya)
+            if found is not None:
+                w = index.comps[comp][found[0]]
+                res = ModuleCheck(m.key, "prefix_only", qual(found[0]), expected, w.shape, found[1])
+            else:
+                res = ModuleCheck(m.key, "missing", None, expected, None, None)
+        else:
+            w = index.comps[comp][weight]
+            if w.shape is None:
+                res = ModuleCheck(m.key, "unverified", qual(weight), expected, None,
+                                  f"{w.quantized} weight: its shape is not in the header")  # fmt: skip
+            else:
+                why = _fit(m, w.shape, fifo)
+                status = "ok" if why is None else "shape_mismatch"
+                res = ModuleCheck(m.key, status, qual(weight), expected, w.shape, why)
+    index.cache[key] = res
+    return res
+
+
+@dataclass
+class _Outcome:
+    verdict: int
+    matched: int
+    missing: int
+    mismatched: int
+    prefix_only: int
+    modules: tuple[ModuleCheck, ...]
+    hint: str | None
+
+
+def _check_adapter(index: _BaseIndex, adapter: Adapter) -> _Outcome:
+    fifo = bool((adapter.config or {}).get("fan_in_fan_out", False))
+    checks = tuple(_check_module(index, m, fifo) for m in adapter.modules)
+    matched = sum(c.status in ("ok", "unverified") for c in checks)
+    mismatched = sum(c.status == "shape_mismatch" for c in checks)
+    prefix = [c for c in checks if c.status == "prefix_only"]
+    missing = len(checks) - matched - mismatched
+    hint = None
+    if mismatched:
+        verdict = SHAPE_MISMATCH
+        first = next(c for c in checks if c.status == "shape_mismatch")
+        hint = f"{mismatched} modules do not fit, first {first.module!r}: {first.hint}"
+    elif not matched:
+        verdict = NO_MATCH
+        if prefix:
+            hint = f"no module path exists in this base; {prefix[0].hint}"
+        elif checks and checks[0].status == "no_component":
+            hint = checks[0].hint
+        elif not checks:
+            hint = "the adapter has no modules"
+    elif missing:
+        verdict = PARTIAL
+        miss = next(c for c in checks if c.status != "ok" and c.status != "unverified" and c.status != "shape_mismatch")
+        hint = f"{missing} of {len(checks)} modules match no weight, first {miss.module!r}"
+        if miss.hint:
+            hint += f": {miss.hint}"
+    else:
+        verdict = OK
+    return _Outcome(verdict, matched, missing, mismatched, len(prefix), checks, hint)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fleet: adapters grouped by structure
+
+
+def _structure_key(weights: str, config: str | None) -> bytes | None:
+    """Everything a check reads from one adapter, as bytes: tensor entries (run-specific `__metadata__` left
+    out), the data size and the structural config fields. None when the file cannot be read this way."""
+    try:
+        with open(weights, "rb") as f:
+            head = f.read(64 << 10)
+            if len(head) < 8:
+                return None
+            n = int.from_bytes(head[:8], "little")
+            if n > (100 << 20):
+                return None
+            if len(head) < 8 + n:
+                head += f.read(8 + n - len(head))
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    entries = _METADATA.sub(b"", head[8 : 8 + n])
+    cfg = b""
+    if config is not None:
+        try:
+            with open(config, "rb") as f:
+                data = json.loads(f.read())
+            if isinstance(data, dict):
+                cfg = json.dumps([data.get(k) for k in _STRUCTURE_FIELDS]).encode()
+            else:
+                cfg = b"?"
+        except (OSError, ValueError):
+            return None
+    return b"%d\0%s\0%s" % (size - 8 - n, cfg, entries)
+
+
+class _Fleet:
+    """Adapters in input order, each pointing at the structure (representative `Adapter`) it shares."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.struct_of: list[int] = []  # -1: failed
+        self.structs: list[Adapter] = []
+        self.errors: dict[int, tuple[str, str]] = {}  # row -> (code, message)
+
+
+def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, Any] | None,
+            timeout: float | None) -> _Fleet:  # fmt: skip
+    from .scanner import ScanReport, _adapter, _storage_items
+
+    fleet = _Fleet()
+    items: list[Any]
+    if isinstance(adapters, ScanReport):
+        items = list(adapters.paths)
+        failed = {p: (c, m) for p, c, m in adapters.errors}
+    elif isinstance(adapters, (str, os.PathLike, Adapter)):
+        items, failed = [adapters], {}
+    else:
+        items, failed = list(adapters), {}
+    storage = _storage_items(storage_options)
+
+    def add_adapter(path: str, adapter: Adapter) -> None:
+        fleet.paths.append(path)
+        fleet.struct_of.append(len(fleet.structs))
+        fleet.structs.append(adapter)
+
+    def add_error(path: str, code: str, message: str) -> None:
+        fleet.errors[len(fleet.paths)] = (code, message)
+        fleet.paths.append(path)
+        fleet.struct_of.append(-1)
+
+    pending: list[str] = []  # local/remote paths, resolved together so discovery runs in parallel
+
+    def flush() -> None:
+        if not pending:
+            return
+        urls = [p for p in pending if "://" in p]
+        targets = _core.discover_targets([p for p in pending if "://" not in p], True, threads, None, None, None)
+        by_key: dict[bytes, int] = {}  # structure key -> row of its first adapter
+        rows: list[tuple[str, bytes | None, str | None]] = []
+        for path, weights, config, code, message in targets:
+            if code is not None or weights is None:
+                add_error(path, code or "no_weights", message or "no weights")
+                continue
+            if path in failed:
+                add_error(path, *failed[path])
+                continue
+            rows.append((path, _structure_key(weights, config), path))
+        reps: list[str] = []
+        rep_of: list[int] = []
+        for path, key, _ in rows:
+            if key is None or key not in by_key:
+                if key is not None:
+                    by_key[key] = len(reps)
+                rep_of.append(len(reps))
+                reps.append(path)
+            else:
+                rep_of.append(by_key[key])
+        raw = _core.inspect_many(reps, "pread", False, threads, None, None, None) if reps else []
+        structs = [r if isinstance(r, Exception) else _adapter(r) for r in raw]
+        base_struct = len(fleet.structs)
+        ok_index: dict[int, int] = {}
+        for i, s in enumerate(structs):
+            if not isinstance(s, Exception):
+                ok_index[i] = len(fleet.structs)
+                fleet.structs.append(s)
+        for (path, _key, _), r in zip(rows, rep_of, strict=True):
+            s = structs[r]
+            if isinstance(s, Exception):
+                if reps[r] != path:  # its own error message, naming its own file
+                    try:
+                        add_adapter(path, _adapter(_core.inspect(path, "pread", False, None, None)))
+                        continue
+                    except Exception as e:  # noqa: BLE001 - reported per adapter, as scan does
+                        s = e
+                add_error(path, str(getattr(s, "code", type(s).__name__)), str(s))
+            else:
+                fleet.paths.append(path)
+                fleet.struct_of.append(ok_index[r])
+        del base_struct
+        if urls:
+            for url, r in zip(urls, _core.inspect_many(urls, "pread", False, threads, storage, timeout, None),
+                              strict=True):  # fmt: skip
+                if isinstance(r, Exception):
+                    add_error(url, str(getattr(r, "code", type(r).__name__)), str(r))
+                else:
+                    add_adapter(url, _adapter(r))
+        pending.clear()
+
+    for item in items:
+        if isinstance(item, Adapter):
+            flush()
+            add_adapter(item.path, item)
+        else:
+            pending.append(os.fspath(item))
+    flush()
+    return fleet
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report
+
+
+class CheckReport:
+    """Every (adapter, base) pair. `columns()` gives one numpy row per pair; iterating gives `PairResult`s."""
+
+    def __init__(self, fleet: _Fleet, bases: list[BaseModel], table: list[list[_Outcome]],
+                 engines: dict[tuple[int, int], EngineOutcome]) -> None:  # fmt: skip
+        import numpy as np
+
+        self.adapters = fleet.paths
+        self.bases = bases
+        self._fleet = fleet
+        self._table = table  # [base][structure]
+        self._engines = engines
+        s = len(fleet.structs)
+        nb = len(bases)
+        per = np.zeros((nb, s + 1, 5), dtype=np.int64)  # the last row stands for failed adapters
+        per[:, s, 0] = ERROR
+        for b, outs in enumerate(table):
+            for i, o in enumerate(outs):
+                per[b, i] = (o.verdict, o.matched, o.missing, o.mismatched, o.prefix_only)
+        struct = np.asarray(fleet.struct_of, dtype=np.int64)
+        struct = np.where(struct < 0, s, struct)
+        grid = per[:, struct, :]  # (bases, adapters, 5)
+        self._grid = grid
+        n = len(fleet.paths)
+        self._cols = {
+            "adapter_index": np.tile(np.arange(n, dtype=np.int64), nb),
+            "base_index": np.repeat(np.arange(nb, dtype=np.int64), n),
+            "verdict": grid[:, :, 0].reshape(-1).astype(np.int8),
+            "matched": grid[:, :, 1].reshape(-1),
+            "missing": grid[:, :, 2].reshape(-1),
+            "mismatched": grid[:, :, 3].reshape(-1),
+            "prefix_only": grid[:, :, 4].reshape(-1),
+        }
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """One row per (adapter, base) pair, base-major: adapter_index, base_index, verdict (index into
+        `VERDICTS`), matched, missing, mismatched, prefix_only (modules found only under another prefix)."""
+        return dict(self._cols)
+
+    def verdicts(self) -> np.ndarray:
+        """(adapters, bases) verdict codes."""
+        return cast("np.ndarray", self._grid[:, :, 0].T.astype("int8"))
+
+    @property
+    def best_base(self) -> list[str | None]:
+        """Per adapter, the base it fits best (`ok` before `partial`, then the most matched modules); None when
+        no base fits at all."""
+        import numpy as np
+
+        v = self._grid[:, :, 0]
+        usable = (v == OK) | (v == PARTIAL)
+        score = np.where(usable, (v == OK) * (1 << 40) + self._grid[:, :, 1], -1)
+        best = score.argmax(axis=0) if len(self.bases) else np.zeros(len(self.adapters), dtype=np.int64)
+        good = score.max(axis=0) >= 0 if len(self.bases) else np.zeros(len(self.adapters), dtype=bool)
+        return [self.bases[b].path if g else None for b, g in zip(best.tolist(), good.tolist(), strict=True)]
+
+    def result(self, adapter: int, base: int = 0) -> PairResult:
+        s = self._fleet.struct_of[adapter]
+        path, bpath = self.adapters[adapter], self.bases[base].path
+        if s < 0:
+            code, message = self._fleet.errors[adapter]
+            return PairResult(path, bpath, "error", 0, 0, 0, (), None, None, f"[{code}] {message}")
+        o = self._table[base][s]
+        return PairResult(path, bpath, VERDICTS[o.verdict], o.matched, o.missing, o.mismatched, o.modules, o.hint,
+                          self._engines.get((base, s)))  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.adapters) * len(self.bases)
+
+    def __iter__(self) -> Iterator[PairResult]:
+        for b in range(len(self.bases)):
+            for a in range(len(self.adapters)):
+                yield self.result(a, b)
+
+    @property
+    def failed(self) -> bool:
+        """True when some adapter would fail or silently do nothing on some base (`no_match`,
+        `shape_mismatch`, `error`), or an engine rejects it."""
+        v = self._grid[:, :, 0]
+        return bool((v >= NO_MATCH).any()) or any(e.outcome != "accepted" for e in self._engines.values())
+
+    def summary(self) -> dict[str, Any]:
+        import numpy as np
+
+        counts = np.bincount(self._cols["verdict"].astype(np.int64), minlength=len(VERDICTS))
+        return {"pairs": len(self), "adapters": len(self.adapters), "bases": [b.path for b in self.bases],
+                "verdicts": {VERDICTS[i]: int(c) for i, c in enumerate(counts.tolist())}}  # fmt: skip
+
+    def to_json(self, indent: int | None = None, modules: bool = True) -> str:
+        return json.dumps({"summary": self.summary(), "pairs": [r.to_dict(modules) for r in self]}, indent=indent,
+                          default=list)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engines
+
+
+def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: BaseModel,
+                    verdict: int) -> EngineOutcome:  # fmt: skip
+    import inspect as _inspect
+
+    from .compat import sglang, vllm
+
+    note = None
+    if engine == "sglang":
+        fn: Any = sglang.preflight
+        kwargs: dict[str, Any] = {"base_config": _text_config(base), "collect": True}
+    elif engine == "vllm":
+        fn = vllm.preflight
+        rank = max(adapter.rank, 1)
+        allowed = [r for r in vllm.VLLM_MAX_LORA_RANKS if r >= rank]
+        leaves = sorted({n.rsplit(".", 2)[-2] for n in base.weights if n.endswith(".weight") and n.count(".") >= 1})
+        kwargs = {"max_lora_rank": allowed[0] if allowed else max(vllm.VLLM_MAX_LORA_RANKS), "collect": True,
+                  "expected_lora_modules": leaves}  # fmt: skip
+    else:
+        raise ValueError(f"engine must be 'sglang' or 'vllm', not {engine!r}")
+    if "engine_version" in _inspect.signature(fn).parameters:
+        kwargs["engine_version"] = version
+    plan = fn([adapter], **kwargs)
+    errors = tuple(str(p.message) for p in plan.problems if getattr(p, "fatal", True))
+    outcome = "rejected" if errors else "accepted"
+    if outcome == "accepted" and verdict == NO_MATCH:
+        note = "accepted, but no module reaches a base weight: it serves the base model unchanged"
+    elif outcome == "accepted" and verdict == SHAPE_MISMATCH:
+        note = "accepted by the header checks; loading the weights fails with a size mismatch"
+    return EngineOutcome(engine, version, outcome, errors, note)
+
+
+def _text_config(base: BaseModel) -> dict[str, Any] | None:
+    cfg = base.config
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        return cast(dict[str, Any], cfg["text_config"])
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check(
+    adapters: Any,
+    base: BaseModel | str | os.PathLike[str] | Iterable[BaseModel | str | os.PathLike[str]] | None = None,
+    *,
+    bases: Iterable[BaseModel | str | os.PathLike[str]] | None = None,
+    engine: str | None = None,
+    engine_version: str | None = None,
+    threads: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> CheckReport:
+    """Check adapters (paths, folders of adapters, URLs, `Adapter`s or a `ScanReport`) against one base or a list
+    of bases (`BaseModel`s, or paths/URLs read with `read_base`). Reads headers only; each base once.
+
+    `engine="sglang"|"vllm"` adds the engine's own outcome and exact error text per pair (`engine_version` picks
+    the engine release whose rules apply; default: the installed one, else the newest supported).
+    """
+    given: list[Any] = []
+    if base is not None:
+        given.extend(base if isinstance(base, (list, tuple)) else [base])
+    if bases is not None:
+        given.extend(bases)
+    if not given:
+        raise ValueError("check needs at least one base model (base= or bases=)")
+    models = [b if isinstance(b, BaseModel) else read_base(b, storage_options=storage_options, timeout=timeout)
+              for b in given]  # fmt: skip
+    fleet = _gather(adapters, threads, storage_options, timeout)
+    table: list[list[_Outcome]] = []
+    engines: dict[tuple[int, int], EngineOutcome] = {}
+    for bi, model in enumerate(models):
+        index = _BaseIndex(model)
+        outs = [_check_adapter(index, s) for s in fleet.structs]
+        table.append(outs)
+        if engine is not None:
+            for si, s in enumerate(fleet.structs):
+                engines[(bi, si)] = _engine_outcome(engine, engine_version, s, model, outs[si].verdict)
+    return CheckReport(fleet, models, table, engines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
+    p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
+    p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
+    p.add_argument("--base", action="append", required=True, help="base checkpoint, sharded folder, pipeline or URL")
+    p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
+    p.add_argument("--engine-version", default=None, help="engine release whose rules apply (default: installed)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_cmd_check)
+
+
+def _cmd_check(args: Any) -> int:
+    """Exit 1 when any adapter would fail or silently do nothing on some base."""
+    import sys
+
+    report = check(args.adapters, args.base, engine=args.engine, engine_version=args.engine_version,
+                   threads=args.threads)  # fmt: skip
+    if args.json:
+        sys.stdout.write(report.to_json(indent=2) + "\n")
+        return 1 if report.failed else 0
+    for r in report:
+        line = f"{r.verdict:<15} {r.adapter}  on  {r.base}  ({r.matched} matched, {r.missing} missing, " \
+               f"{r.mismatched} mismatched)"  # fmt: skip
+        print(line)
+        if r.hint or r.error:
+            print(f"    {r.error or r.hint}")
+        if r.engine is not None:
+            print(f"    {r.engine.engine}: {r.engine.outcome}" + (f" ({r.engine.note})" if r.engine.note else ""))
+            for e in r.engine.errors[:3]:
+                print(f"      {e}")
+    s = report.summary()
+    print(", ".join(f"{v} {k}" for k, v in s["verdicts"].items() if v) + f" ({s['pairs']} pairs)")
+    return 1 if report.failed else 0
+
+
+__all__ = ["MODULE_STATUSES", "VERDICTS", "CheckReport", "EngineOutcome", "ModuleCheck", "PairResult", "check"]

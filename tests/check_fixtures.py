@@ -1,0 +1,149 @@
+"""Tiny base models and adapters for tests/test_check.py, made at test time with transformers, diffusers and PEFT.
+
+Bases are saved with a small `max_shard_size`, so each has a `model.safetensors.index.json`. Adapters are made by
+PEFT on their own base; kohya files are written from a UNet's module names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from lorafast.testing import write_safetensors
+
+SHARD = "40KB"
+
+
+def _llama_cfg(**over: Any) -> Any:
+    from transformers import LlamaConfig
+
+    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    kw.update(over)
+    return LlamaConfig(**kw)
+
+
+def make_llama(root: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_llama_cfg())
+    model.save_pretrained(root, max_shard_size=SHARD)
+    return model
+
+
+def make_qwen2(root: Path) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(root, max_shard_size=SHARD)
+    return model
+
+
+def make_llava(root: Path) -> Any:
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=16, patch_size=8, projection_dim=16)  # fmt: skip
+    cfg = LlavaConfig(vision_config=vision, text_config=_llama_cfg(), image_token_index=5)
+    model = LlavaForConditionalGeneration(cfg)
+    model.save_pretrained(root, max_shard_size=SHARD)
+    return model
+
+
+def make_moe(root: Path) -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64)  # fmt: skip
+    model = MixtralForCausalLM(cfg)
+    model.save_pretrained(root, max_shard_size=SHARD)
+    return model
+
+
+def peft_adapter(model: Any, out: Path, targets: list[str], r: int = 4, **kw: Any) -> Path:
+    """A PEFT adapter trained (well, initialised) on `model`, saved the usual way."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **kw))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:  # non-zero B, so a merge would change something
+            torch.nn.init.normal_(p)
+    peft_model.save_pretrained(out)
+    peft_model.unload()  # give the base back unwrapped for the next adapter
+    return out
+
+
+def make_unet_pipeline(root: Path) -> Any:
+    """A diffusers folder: model_index.json, unet/ and text_encoder/ (each saved with save_pretrained)."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=12, attention_head_dim=2, norm_num_groups=4,
+    )  # fmt: skip
+    unet.save_pretrained(root / "unet", max_shard_size=SHARD)
+    te = CLIPTextModel(CLIPTextConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, vocab_size=64, projection_dim=12))  # fmt: skip
+    te.save_pretrained(root / "text_encoder")
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDIMScheduler"}))
+    index = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.42.1",
+             "unet": ["diffusers", "UNet2DConditionModel"], "text_encoder": ["transformers", "CLIPTextModel"],
+             "scheduler": ["diffusers", "DDIMScheduler"], "tokenizer": ["transformers", "CLIPTokenizer"],
+             "safety_checker": [None, None]}  # fmt: skip
+    (root / "model_index.json").write_text(json.dumps(index))
+    return unet
+
+
+def make_dit_pipeline(root: Path) -> Any:
+    from diffusers import FluxTransformer2DModel
+
+    dit = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                                 num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
+                                 axes_dims_rope=(2, 2, 4))  # fmt: skip
+    dit.save_pretrained(root / "transformer", max_shard_size=SHARD)
+    index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}  # fmt: skip
+    (root / "model_index.json").write_text(json.dumps(index))
+    return dit
+
+
+def diffusers_lora(model: Any, out: Path, component: str, targets: list[str], r: int = 2) -> Path:
+    """A diffusers-format LoRA (`<component>.<module>.lora_A.weight`), as `save_lora_weights` writes it."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    model.add_adapter(LoraConfig(r=r, lora_alpha=r, target_modules=targets))
+    sd = get_peft_model_state_dict(model)
+    model.delete_adapters("default") if hasattr(model, "delete_adapters") else None
+    tensors = {f"{component}.{k}": ("F32", tuple(v.shape)) for k, v in sd.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "pytorch_lora_weights.safetensors"
+    write_safetensors(path, tensors)
+    return path
+
+
+def kohya_unet_lora(model: Any, out: Path, r: int = 2, scale_in: int = 1) -> Path:
+    """A kohya file for every attention projection of a UNet (`lora_unet_<path_with_underscores>`);
+    `scale_in` multiplies in_features (a LoRA made for another cross-attention width)."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v"):
+            key = "lora_unet_" + name.replace(".", "_")
+            fin = mod.in_features * (scale_in if "attn2" in name and name.endswith(("to_k", "to_v")) else 1)
+            tensors[f"{key}.lora_down.weight"] = ("F16", (r, fin))
+            tensors[f"{key}.lora_up.weight"] = ("F16", (mod.out_features, r))
+            tensors[f"{key}.alpha"] = ("F16", ())
+    os.makedirs(out.parent, exist_ok=True)
+    write_safetensors(out, tensors)
+    return out
