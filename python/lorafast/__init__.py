@@ -36,8 +36,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compat": ("compat", None),
     "BaseModel": ("base", "BaseModel"),
     "read_base": ("base", "read_base"),
-    "check": ("check", "check"),
-    "CheckReport": ("check", "CheckReport"),
+    "check": ("checker", "check"),
+    "CheckReport": ("checker", "CheckReport"),
     "identify": ("families", "identify"),
     "fingerprint": ("families", "fingerprint"),
 }
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from . import compat as compat
     from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
     from .base import BaseModel, read_base
-    from .check import CheckReport, check
+    from .checker import CheckReport, check
     from .families import fingerprint, identify
     from .groups import plan_groups
     from .header import Header, TensorInfo, read_header

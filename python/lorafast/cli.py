@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
-_PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli", "lorafast.check")
+_PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli", "lorafast.checker")
 
 
 def _print_json(obj: Any) -> None:
