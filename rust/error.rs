@@ -12,6 +12,8 @@ pub enum Error {
         path: PathBuf,
         #[source]
         source: io::Error,
+        /// A more precise code than the error's kind gives (`dangling_link`), when known.
+        code: Option<&'static str>,
     },
     #[error("{path}: {kind}")]
     Header { path: PathBuf, kind: HeaderError },
@@ -26,6 +28,8 @@ pub enum Error {
 impl Error {
     pub fn code(&self) -> &'static str {
         match self {
+            Error::Io { code: Some(code), .. } => code,
+            Error::Io { source, .. } if source.raw_os_error() == Some(libc::ELOOP) => "symlink_loop",
             Error::Io { source, .. } => match source.kind() {
                 io::ErrorKind::NotFound => "not_found",
                 io::ErrorKind::PermissionDenied => "permission_denied",
@@ -55,7 +59,49 @@ impl Error {
         Error::Io {
             path: path.into(),
             source,
+            code: None,
         }
+    }
+
+    /// An OS error with a code more precise than its kind (a `NotFound` that is a dangling link).
+    pub fn io_coded(path: impl Into<PathBuf>, code: &'static str, source: io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+            code: Some(code),
+        }
+    }
+
+    /// An OS error with `what` failed put before the OS's words; keeps the error's kind and errno.
+    pub fn io_context(path: impl Into<PathBuf>, what: &str, source: io::Error) -> Self {
+        let errno = source.raw_os_error();
+        let source = io::Error::new(
+            source.kind(),
+            Context {
+                what: what.to_owned(),
+                errno,
+                source,
+            },
+        );
+        Error::io(path, source)
+    }
+
+    /// The OS error number, also through `io_context`'s wrapping (0 when there is none).
+    pub fn errno(source: &io::Error) -> i32 {
+        source
+            .raw_os_error()
+            .or_else(|| source.get_ref()?.downcast_ref::<Context>()?.errno)
+            .unwrap_or(0)
+    }
+
+    /// A panic caught while handling `path`, as that path's error (code `internal`).
+    pub fn panicked(path: impl Into<PathBuf>, payload: &(dyn std::any::Any + Send)) -> Self {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic payload".to_owned());
+        Error::adapter(path, "internal", format!("internal error (a bug in lorafast): {what}"))
     }
 
     pub fn adapter(path: impl Into<PathBuf>, code: &'static str, message: impl Into<String>) -> Self {
@@ -66,6 +112,39 @@ impl Error {
         }
     }
 }
+
+/// An OS error with what was being done when it happened.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+struct Context {
+    what: String,
+    errno: Option<i32>,
+    source: io::Error,
+}
+
+/// The codes of failed adapters besides the header rules, in documentation order (exported to
+/// Python as `ADAPTER_ERROR_CODES`). Remote-only codes come last.
+pub const ADAPTER_ERROR_CODES: &[&str] = &[
+    "not_found",
+    "permission_denied",
+    "io_error",
+    "not_regular_file",
+    "dangling_link",
+    "symlink_loop",
+    "no_adapter",
+    "ambiguous_adapter",
+    "missing_weights",
+    "invalid_config",
+    "internal",
+    "timeout",
+    "connection_error",
+    "remote_error",
+    "short_read",
+    "file_changed",
+    "invalid_url",
+    "store_config",
+    "remote_unsupported",
+];
 
 /// One violated safetensors header rule. The first group mirrors the safetensors crate's checks;
 /// the second is stricter than the crate.

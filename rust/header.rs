@@ -1011,8 +1011,7 @@ pub fn read_header_from(
 
 /// `read_header_from` on the file at `path`.
 pub fn read_header_bytes(path: &Path, mode: ReadMode, buf: &mut Vec<u8>) -> Result<(u64, usize), Error> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let file_size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let (file, file_size) = crate::open::open_regular(path)?;
     read_header_from(&file, path, file_size, mode, buf)
 }
 

@@ -9,6 +9,7 @@ pub mod header;
 pub mod json;
 pub mod memo;
 pub mod names;
+pub mod open;
 pub mod remote;
 pub mod scan;
 pub mod torch;

@@ -1,6 +1,7 @@
 //! The only file that uses pyo3: converts core results to Python objects and core errors to the
 //! exception tree of `lorafast.errors`. All I/O and parsing run with the GIL released.
 
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
 use numpy::ndarray::ArrayView1;
@@ -11,17 +12,18 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
-use crate::error::{Error, HEADER_ERROR_CODES};
+use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
 use crate::header::{self, Dtype, ReadMode};
 use crate::remote::{self, RemoteOptions};
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
 
+/// Paths go to Python as `str` decoded the way `os.fsdecode` does (surrogateescape), so a name
+/// that is not UTF-8 round-trips to the same bytes.
 fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
-    let path = err.path().display().to_string();
+    let path: OsString = err.path().as_os_str().to_owned();
     match err {
         Error::Io { source, .. } => {
-            let errno = source.raw_os_error().unwrap_or(0);
-            let args = (errno, source.to_string(), path);
+            let args = (Error::errno(source), source.to_string(), path);
             match source.kind() {
                 std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(args),
                 std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(args),
@@ -29,10 +31,10 @@ fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
             }
         }
         Error::Header { .. } | Error::Adapter { .. } => {
-            let class = if matches!(err, Error::Header { .. }) {
-                "HeaderError"
-            } else {
-                "AdapterError"
+            let class = match err {
+                Error::Header { .. } => "HeaderError",
+                _ if err.code() == "internal" => "InternalError",
+                _ => "AdapterError",
             };
             let build = || -> PyResult<PyErr> {
                 let cls = py.import("lorafast.errors")?.getattr(class)?;
@@ -42,6 +44,13 @@ fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
             build().unwrap_or_else(|e| e)
         }
     }
+}
+
+/// Core work with the GIL released. A panic in it becomes `path`'s `internal` error, raised as
+/// `lorafast.InternalError`, never pyo3's `PanicException` (a BaseException that `except
+/// Exception` misses).
+fn detach_contained<T: Send>(py: Python<'_>, path: &Path, f: impl FnOnce() -> Result<T, Error> + Send) -> PyResult<T> {
+    py.detach(|| core_scan::contain(path, f)).map_err(|e| to_pyerr(py, &e))
 }
 
 fn parse_mode(mode: &str) -> PyResult<ReadMode> {
@@ -57,7 +66,8 @@ type TensorRow = (String, &'static str, Vec<u64>, (u64, u64));
 #[pyo3(signature = (path, mode = "pread"))]
 fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Bound<'py, PyDict>> {
     let mode = parse_mode(mode)?;
-    let result = py.detach(|| {
+    let result = detach_contained(py, &path, || {
+        core_scan::debug_hook(&path);
         let mut buf = Vec::new();
         header::read_header(&path, mode, &mut buf).map(|h| {
             let tensors: Vec<TensorRow> = h
@@ -81,7 +91,7 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
             (tensors, metadata, h.header_size, h.file_size, warnings)
         })
     });
-    let (tensors, metadata, header_size, file_size, warnings) = result.map_err(|e| to_pyerr(py, &e))?;
+    let (tensors, metadata, header_size, file_size, warnings) = result?;
     let d = PyDict::new(py);
     let tensors: Vec<Bound<'py, PyTuple>> = tensors
         .into_iter()
@@ -148,11 +158,11 @@ fn module_dict<'py>(
 
 fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, PyDict>> {
     let c = &r.class;
-    let weight_file = r.target.weights.display().to_string();
+    let weight_file = r.target.weights.as_os_str().into_pyobject(py)?;
     let d = PyDict::new(py);
-    d.set_item("path", r.target.path.display().to_string())?;
-    d.set_item("weight_files", (weight_file.clone(),))?;
-    d.set_item("config_path", r.target.config.as_ref().map(|p| p.display().to_string()))?;
+    d.set_item("path", r.target.path.as_os_str())?;
+    d.set_item("weight_files", (&weight_file,))?;
+    d.set_item("config_path", r.target.config.as_ref().map(|p| p.as_os_str()))?;
     d.set_item("config_json", &r.config_json)?;
     d.set_item("format", c.format.name())?;
     d.set_item("peft_type", &c.peft_type)?;
@@ -188,7 +198,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
     )?;
     d.set_item("header_size", r.header_size)?;
     d.set_item("file_size", r.file_size)?;
-    let weight_file = PyString::new(py, &weight_file);
+    let weight_file = weight_file.cast_into::<PyString>()?;
     let modules: Vec<Bound<'py, PyDict>> = c
         .modules
         .iter()
@@ -219,12 +229,7 @@ fn remote_options(
         ..RemoteOptions::default()
     };
     if let Some(t) = timeout {
-        if !(t.is_finite() && t > 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "timeout must be a positive number of seconds, not {t}"
-            )));
-        }
-        o.timeout = std::time::Duration::from_secs_f64(t);
+        o.timeout = remote::timeout_from_secs(t).map_err(PyValueError::new_err)?;
     }
     if let Some(c) = concurrency {
         if c == 0 {
@@ -235,8 +240,9 @@ fn remote_options(
     Ok(o)
 }
 
-fn strings(paths: &[PathBuf]) -> Vec<String> {
-    paths.iter().map(|p| p.to_string_lossy().into_owned()).collect()
+/// Does any input name a URL? (A path that is not UTF-8 never does.)
+fn any_url(paths: &[PathBuf]) -> bool {
+    paths.iter().any(|p| p.to_str().is_some_and(is_url))
 }
 
 /// Everything about one adapter, as a dict (lorafast.inspect wraps it in an `Adapter`).
@@ -252,16 +258,16 @@ fn inspect<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let opts = load_options(mode, content_hash, true)?;
     let ropts = remote_options(storage_options, timeout, None)?;
-    let result = py.detach(|| {
-        if is_url(&path.to_string_lossy()) {
-            let mut rows = remote::inspect_many(&strings(&[path]), opts, None, &ropts);
+    let result = detach_contained(py, &path, || {
+        if any_url(std::slice::from_ref(&path)) {
+            let mut rows = remote::inspect_many(std::slice::from_ref(&path), opts, None, &ropts);
             rows.pop()
                 .unwrap_or_else(|| Err(Error::adapter("", "internal", "inspect lost its result")))
         } else {
             core_scan::locate(&path).and_then(|t| core_scan::load(t, opts))
         }
-    });
-    adapter_dict(py, &result.map_err(|e| to_pyerr(py, &e))?)
+    })?;
+    adapter_dict(py, &result)
 }
 
 /// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
@@ -280,19 +286,18 @@ fn inspect_many<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let opts = load_options(mode, content_hash, true)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
-    let results = py.detach(|| {
+    let results = detach_contained(py, Path::new(""), || {
         use rayon::prelude::*;
-        let names = strings(&paths);
-        if names.iter().any(|p| is_url(p)) {
-            return remote::inspect_many(&names, opts, threads, &ropts);
+        if any_url(&paths) {
+            return Ok(remote::inspect_many(&paths, opts, threads, &ropts));
         }
-        core_scan::with_pool(threads, || {
+        Ok(core_scan::with_pool(threads, || {
             paths
                 .par_iter()
-                .map(|p| core_scan::locate(p).and_then(|t| core_scan::load(t, opts)))
+                .map(|p| core_scan::contain(p, || core_scan::locate(p).and_then(|t| core_scan::load(t, opts))))
                 .collect::<Vec<_>>()
-        })
-    });
+        }))
+    })?;
     let items: Vec<Bound<'py, PyAny>> = results
         .iter()
         .map(|r| match r {
@@ -320,26 +325,26 @@ impl ScanResult {
         self.rows.len()
     }
 
-    /// The adapter path of each row.
-    fn paths(&self) -> Vec<String> {
+    /// The adapter path of each row (as `os.fsdecode` gives it: the file's own bytes).
+    fn paths(&self) -> Vec<&OsStr> {
         self.rows
             .iter()
             .map(|r| match r {
-                Ok(a) => a.target.path.display().to_string(),
-                Err(e) => e.path().display().to_string(),
+                Ok(a) => a.target.path.as_os_str(),
+                Err(e) => e.path().as_os_str(),
             })
             .collect()
     }
 
     /// (row, path, code, message) for each row that failed.
-    fn errors(&self) -> Vec<(usize, String, &'static str, String)> {
+    fn errors(&self) -> Vec<(usize, &OsStr, &'static str, String)> {
         self.rows
             .iter()
             .enumerate()
             .filter_map(|(i, r)| {
                 r.as_ref()
                     .err()
-                    .map(|e| (i, e.path().display().to_string(), e.code(), e.detail()))
+                    .map(|e| (i, e.path().as_os_str(), e.code(), e.detail()))
             })
             .collect()
     }
@@ -484,26 +489,33 @@ fn scan(
 ) -> PyResult<ScanResult> {
     let opts = load_options(mode, content_hash, false)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
-    let rows = py.detach(|| {
-        let names = strings(&paths);
-        if names.iter().any(|p| is_url(p)) {
-            let found = remote::discover(&names, recursive, threads, &ropts);
-            return fill_rows(found, |t| remote::load_all(t, opts, threads, progress, &ropts));
+    let rows = detach_contained(py, Path::new(""), || {
+        if any_url(&paths) {
+            let found = remote::discover(&paths, recursive, threads, &ropts);
+            return Ok(fill_rows(found, |t| {
+                remote::load_all(t, opts, threads, progress, &ropts)
+            }));
         }
-        core_scan::scan_paths(&paths, recursive, opts, threads, progress)
-    });
+        Ok(core_scan::scan_paths(&paths, recursive, opts, threads, progress))
+    })?;
     Ok(ScanResult { rows })
 }
 
 /// One discovered adapter as plain data: (path, weights, config, error code, error message).
-type TargetItem = (String, Option<String>, Option<String>, Option<String>, Option<String>);
+type TargetItem = (
+    OsString,
+    Option<OsString>,
+    Option<OsString>,
+    Option<String>,
+    Option<String>,
+);
 
 /// Discovery only, with the targets' files (for a distributed scan: discover once, load in shards).
 #[pyfunction]
 #[pyo3(signature = (paths, recursive = true, threads = None, storage_options = None, timeout = None, concurrency = None))]
 fn discover_targets(
     py: Python<'_>,
-    paths: Vec<String>,
+    paths: Vec<PathBuf>,
     recursive: bool,
     threads: Option<usize>,
     storage_options: Option<Vec<(String, String)>>,
@@ -511,51 +523,34 @@ fn discover_targets(
     concurrency: Option<usize>,
 ) -> PyResult<Vec<TargetItem>> {
     let ropts = remote_options(storage_options, timeout, concurrency)?;
-    Ok(py.detach(|| {
-        remote::discover(&paths, recursive, threads, &ropts)
+    detach_contained(py, Path::new(""), || {
+        Ok(remote::discover(&paths, recursive, threads, &ropts)
             .into_iter()
             .map(|r| match r {
                 Ok(t) => (
-                    path_of(&t.path),
-                    Some(path_of(&t.weights)),
-                    t.config.as_deref().map(path_of),
+                    t.path.into_os_string(),
+                    Some(t.weights.into_os_string()),
+                    t.config.map(PathBuf::into_os_string),
                     None,
                     None,
                 ),
                 Err(e) => (
-                    path_of(e.path()),
+                    e.path().as_os_str().to_owned(),
                     None,
                     None,
                     Some(e.code().to_owned()),
                     Some(e.detail()),
                 ),
             })
-            .collect()
-    }))
+            .collect())
+    })
 }
 
 /// The `&'static str` of an error code that crossed into Python and back.
 fn static_code(code: &str) -> &'static str {
-    const OTHER: &[&str] = &[
-        "not_found",
-        "permission_denied",
-        "io_error",
-        "no_adapter",
-        "ambiguous_adapter",
-        "missing_weights",
-        "invalid_config",
-        "timeout",
-        "remote_error",
-        "short_read",
-        "file_changed",
-        "invalid_url",
-        "store_config",
-        "remote_unsupported",
-        "internal",
-    ];
     HEADER_ERROR_CODES
         .iter()
-        .chain(OTHER)
+        .chain(ADAPTER_ERROR_CODES)
         .find(|k| **k == code)
         .copied()
         .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
@@ -578,7 +573,7 @@ fn scan_targets(
 ) -> PyResult<ScanResult> {
     let opts = load_options(mode, content_hash, false)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
-    let rows = py.detach(|| {
+    let rows = detach_contained(py, Path::new(""), || {
         let found = items
             .into_iter()
             .map(|(path, weights, config, code, message)| match (weights, code) {
@@ -588,14 +583,16 @@ fn scan_targets(
                     config: config.map(PathBuf::from),
                 }),
                 (_, code) => Err(Error::adapter(
-                    path,
+                    PathBuf::from(path),
                     static_code(code.as_deref().unwrap_or("internal")),
                     message.unwrap_or_default(),
                 )),
             })
             .collect();
-        fill_rows(found, |t| remote::load_all(t, opts, threads, progress, &ropts))
-    });
+        Ok(fill_rows(found, |t| {
+            remote::load_all(t, opts, threads, progress, &ropts)
+        }))
+    })?;
     Ok(ScanResult { rows })
 }
 
@@ -607,12 +604,16 @@ struct MappedFile {
     data_start: u64,
     #[pyo3(get)]
     file_size: u64,
-    #[pyo3(get)]
-    path: String,
+    path: PathBuf,
 }
 
 #[pymethods]
 impl MappedFile {
+    #[getter]
+    fn path(&self) -> &OsStr {
+        self.path.as_os_str()
+    }
+
     /// The whole file as a read-only numpy uint8 array that keeps this map alive.
     fn array<'py>(slf: Bound<'py, Self>) -> Bound<'py, PyArray1<u8>> {
         let this = slf.get();
@@ -633,14 +634,13 @@ impl MappedFile {
 /// Maps `path` after validating its header and checking that its length covers every tensor.
 #[pyfunction]
 fn map_file(py: Python<'_>, path: PathBuf) -> PyResult<MappedFile> {
-    let result = py.detach(|| -> Result<MappedFile, Error> {
+    detach_contained(py, &path, || -> Result<MappedFile, Error> {
         let mut buf = Vec::new();
         let (data_start, file_size) = {
             let h = header::read_header(&path, ReadMode::Pread, &mut buf)?;
             (h.data_start(), h.file_size)
         };
-        let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
-        let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+        let (file, len) = crate::open::open_regular(&path)?;
         if len != file_size {
             return Err(Error::adapter(
                 &path,
@@ -656,37 +656,40 @@ fn map_file(py: Python<'_>, path: PathBuf) -> PyResult<MappedFile> {
             map,
             data_start,
             file_size,
-            path: path.display().to_string(),
+            path: path.clone(),
         })
-    });
-    result.map_err(|e| to_pyerr(py, &e))
-}
-
-fn path_of(p: &Path) -> String {
-    p.display().to_string()
+    })
 }
 
 /// Discovery only: the adapter paths `scan` would read (for tools and tests).
 #[pyfunction]
 #[pyo3(signature = (paths, recursive = true))]
-fn discover(py: Python<'_>, paths: Vec<PathBuf>, recursive: bool) -> Vec<(String, Option<String>)> {
-    py.detach(|| {
-        core_scan::discover(&paths, recursive)
+fn discover(py: Python<'_>, paths: Vec<PathBuf>, recursive: bool) -> PyResult<Vec<(OsString, Option<&'static str>)>> {
+    detach_contained(py, Path::new(""), || {
+        Ok(core_scan::discover(&paths, recursive)
             .into_iter()
             .map(|r| match r {
-                Ok(t) => (path_of(&t.path), None),
-                Err(e) => (path_of(e.path()), Some(e.code().to_owned())),
+                Ok(t) => (t.path.into_os_string(), None),
+                Err(e) => (e.path().as_os_str().to_owned(), Some(e.code())),
             })
-            .collect()
+            .collect())
     })
+}
+
+/// Test hook, not public API: loading or reading `path` panics (None disarms it), so tests can
+/// show a panic becoming an `internal` row or an `InternalError`.
+#[pyfunction]
+#[pyo3(signature = (path))]
+fn _debug_panic_on(path: Option<PathBuf>) {
+    core_scan::debug_panic_on(path);
 }
 
 #[pymodule(gil_used = false)]
 mod _core {
     #[pymodule_export]
     use super::{
-        discover, discover_targets, inspect, inspect_many, map_file, read_header, scan, scan_targets, MappedFile,
-        ScanResult,
+        _debug_panic_on, discover, discover_targets, inspect, inspect_many, map_file, read_header, scan, scan_targets,
+        MappedFile, ScanResult,
     };
 
     #[pymodule_init]
@@ -694,6 +697,7 @@ mod _core {
         use pyo3::types::PyModuleMethods;
         crate::scan::install_fork_guard();
         m.add("HEADER_ERROR_CODES", super::HEADER_ERROR_CODES.to_vec())?;
+        m.add("ADAPTER_ERROR_CODES", super::ADAPTER_ERROR_CODES.to_vec())?;
         m.add("FORMATS", super::Format::NAMES.to_vec())?;
         m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;
         m.add("FLAGS", super::flags::NAMES.to_vec())?;

@@ -16,11 +16,13 @@
 //! request is bounded by `timeout`, and a store that times out [`STALL_LIMIT`] times in a row is
 //! given up for the rest of the call, so one stalled server cannot hold a scan for minutes.
 //! Failures become per-adapter errors with these codes (besides the local ones): `timeout`,
-//! `remote_error` (HTTP or network error), `short_read` (fewer bytes than the server announced),
+//! `connection_error` (the connection was refused, reset or closed early), `remote_error` (HTTP
+//! or other network error), `short_read` (fewer bytes than the server announced),
 //! `file_changed` (the object changed between two requests), `invalid_url`, `store_config`
 //! (storage options the store rejects) and `remote_unsupported` (a build without this feature).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use crate::error::Error;
 use crate::scan::{self, is_url, AdapterResult, ScanOptions, Target};
@@ -32,6 +34,18 @@ pub const STALL_LIMIT: usize = 4;
 pub const DEFAULT_TIMEOUT_S: f64 = 10.0;
 pub const DEFAULT_CONCURRENCY: usize = 64;
 pub const DEFAULT_RETRIES: usize = 3;
+/// Longer timeouts are taken as this (a year: no request waits that long), so that a huge value
+/// such as `1e300` or `2**64` means "no limit" instead of overflowing a `Duration`.
+pub const MAX_TIMEOUT_S: f64 = 365.0 * 86_400.0;
+
+/// A timeout in seconds as a `Duration`: positive and not NaN (else why not), clamped to
+/// [`MAX_TIMEOUT_S`].
+pub fn timeout_from_secs(seconds: f64) -> Result<Duration, String> {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return Err(format!("timeout must be a positive number of seconds, not {seconds}"));
+    }
+    Ok(Duration::from_secs_f64(seconds.min(MAX_TIMEOUT_S)))
+}
 
 /// How to reach remote inputs.
 #[derive(Debug, Clone)]
@@ -39,7 +53,7 @@ pub struct RemoteOptions {
     /// Passed to the store builder (`endpoint`, `region`, `allow_http`, ...).
     pub storage_options: Vec<(String, String)>,
     /// Bound on each request (connect, headers and body).
-    pub timeout: std::time::Duration,
+    pub timeout: Duration,
     /// Requests in flight at once.
     pub concurrency: usize,
     /// Retries of a failed request (transient errors only).
@@ -50,32 +64,38 @@ impl Default for RemoteOptions {
     fn default() -> Self {
         RemoteOptions {
             storage_options: Vec::new(),
-            timeout: std::time::Duration::from_secs_f64(DEFAULT_TIMEOUT_S),
+            timeout: Duration::from_secs_f64(DEFAULT_TIMEOUT_S),
             concurrency: DEFAULT_CONCURRENCY,
             retries: DEFAULT_RETRIES,
         }
     }
 }
 
-/// Input order kept: each entry is a local path's or a URL's discovery result, in turn.
+/// The URL an input names, if it is one. A path that is not UTF-8 is never a URL.
+fn url_of(p: &Path) -> Option<&str> {
+    p.to_str().filter(|s| is_url(s))
+}
+
+/// Input order kept: each entry is a local path's or a URL's discovery result, in turn. Local
+/// paths stay OS bytes, so names that are not UTF-8 keep working.
 fn split_inputs<T>(
-    paths: &[String],
+    paths: &[PathBuf],
     mut local: impl FnMut(&[PathBuf]) -> Vec<T>,
     mut remote: impl FnMut(&[String]) -> Vec<Vec<T>>,
 ) -> Vec<T> {
-    let urls: Vec<String> = paths.iter().filter(|p| is_url(p)).cloned().collect();
+    let urls: Vec<String> = paths.iter().filter_map(|p| url_of(p)).map(str::to_owned).collect();
     let mut remote_found = remote(&urls).into_iter();
     let mut out = Vec::new();
     let mut run: Vec<PathBuf> = Vec::new();
     for p in paths {
-        if is_url(p) {
+        if url_of(p).is_some() {
             if !run.is_empty() {
                 out.extend(local(&run));
                 run.clear();
             }
             out.extend(remote_found.next().unwrap_or_default());
         } else {
-            run.push(PathBuf::from(p));
+            run.push(p.clone());
         }
     }
     if !run.is_empty() {
@@ -86,7 +106,7 @@ fn split_inputs<T>(
 
 /// Finds every adapter under `paths`, local paths and URLs mixed, in input order.
 pub fn discover(
-    paths: &[String],
+    paths: &[PathBuf],
     recursive: bool,
     threads: Option<usize>,
     ropts: &RemoteOptions,
@@ -110,7 +130,7 @@ pub fn load_all(
     let (remote, local): (Numbered, Numbered) = targets
         .into_iter()
         .enumerate()
-        .partition(|(_, t)| is_url(&t.weights.to_string_lossy()));
+        .partition(|(_, t)| url_of(&t.weights).is_some());
     if remote.is_empty() {
         return scan::scan(local.into_iter().map(|(_, t)| t).collect(), opts, threads, progress);
     }
@@ -139,7 +159,7 @@ pub fn load_all(
 
 /// `inspect` for each path or URL: the single adapter there (the `locate` rules), loaded in full.
 pub fn inspect_many(
-    paths: &[String],
+    paths: &[PathBuf],
     opts: ScanOptions,
     threads: Option<usize>,
     ropts: &RemoteOptions,
@@ -577,7 +597,7 @@ mod imp {
                 },
                 max_retries: self.opts.retries,
                 // One retry after a timeout at most: a stalled server costs ~2 timeouts, not minutes.
-                retry_timeout: self.opts.timeout * 2,
+                retry_timeout: self.opts.timeout.saturating_mul(2),
             }
         }
 

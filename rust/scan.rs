@@ -9,13 +9,18 @@
 //! - any other folder: each `.safetensors` file in it is an adapter, and with `recursive` its
 //!   sub-folders are searched by the same rules. Hidden entries (`.name`) are skipped and symlinked
 //!   folders are not followed, so a scan cannot loop.
+//!
+//! Every other entry named `*.safetensors` (a FIFO, a device, a dangling link) gets a row with
+//! its error. The walk keeps its own work queue, so a deep tree cannot overflow a thread's stack.
 
 use std::cell::RefCell;
 use std::fs;
 use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -26,6 +31,7 @@ use crate::config::LoraConfig;
 use crate::error::{Error, HeaderError};
 use crate::header::{header_bytes, parse_header_unchecked_names, read_header_from, Header, ReadMode, N_LEN};
 use crate::memo;
+use crate::open::{not_regular, open_error, open_nonblocking, stat};
 
 pub const CONFIG_NAME: &str = "adapter_config.json";
 pub const PEFT_WEIGHTS: &str = "adapter_model.safetensors";
@@ -66,15 +72,17 @@ fn is_safetensors(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "safetensors")
 }
 
+/// Bytes, not text: a name that is not UTF-8 (`.\xff...`) is hidden all the same.
 fn hidden(p: &Path) -> bool {
-    p.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with('.'))
+    p.file_name().is_some_and(|n| n.as_bytes().first() == Some(&b'.'))
 }
 
 /// The single adapter at `path` (the rules `inspect` uses).
 pub fn locate(path: &Path) -> Result<Target, Error> {
-    let meta = fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    let meta = stat(path)?;
+    if !meta.is_file() && !meta.is_dir() {
+        return Err(not_regular(path, &meta));
+    }
     if meta.is_file() {
         return Ok(Target {
             path: path.to_path_buf(),
@@ -115,20 +123,38 @@ fn peft_target(dir: &Path, config: PathBuf) -> Result<Target, Error> {
 
 /// A PEFT target whose weights file is there (checked by `stat`, where nothing opens it).
 fn with_weights(t: Target) -> Result<Target, Error> {
-    match &t.config {
-        Some(_) if !t.weights.is_file() => Err(missing_weights(&t.path)),
-        _ => Ok(t),
+    if t.config.is_none() {
+        return Ok(t);
+    }
+    match fs::metadata(&t.weights) {
+        Ok(m) if m.is_file() => Ok(t),
+        Ok(m) if !m.is_dir() => Err(not_regular(&t.weights, &m)),
+        Ok(_) => Err(missing_weights(&t.path)),
+        Err(e) => Err(weights_error(&t, e)),
+    }
+}
+
+/// A failure to open or stat a target's weights: `missing_weights` for a PEFT folder without
+/// them, else the file's own error (a dangling link is not a missing file).
+fn weights_error(t: &Target, e: std::io::Error) -> Error {
+    match open_error(&t.weights, e) {
+        Error::Io { source, code: None, .. } if t.config.is_some() && source.kind() == std::io::ErrorKind::NotFound => {
+            missing_weights(&t.path)
+        }
+        other => other,
     }
 }
 
 /// (safetensors files, sub-folders) of a folder, sorted, hidden entries left out. A symlink to a
 /// folder is not a sub-folder (the entry's own type is read, not its target's), so a walk cannot
-/// loop.
+/// loop. Any other entry named `*.safetensors` counts as a file, so that loading it reports what
+/// it is (a FIFO, a device, a dangling link) instead of leaving it out silently.
 fn list_dir(dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), Error> {
+    let unlistable = |e| Error::io_context(dir, "cannot list this folder", e);
     let mut files = Vec::new();
     let mut dirs = Vec::new();
-    for entry in fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
+    for entry in fs::read_dir(dir).map_err(unlistable)? {
+        let entry = entry.map_err(unlistable)?;
         let path = entry.path();
         if hidden(&path) {
             continue;
@@ -136,7 +162,7 @@ fn list_dir(dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), Error> {
         let Ok(kind) = entry.file_type() else { continue };
         if kind.is_dir() {
             dirs.push(path);
-        } else if is_safetensors(&path) && (kind.is_file() || path.is_file()) {
+        } else if is_safetensors(&path) && !(kind.is_symlink() && path.is_dir()) {
             files.push(path);
         }
     }
@@ -170,22 +196,29 @@ enum Folder {
 
 /// Reads the adapter config at `path`: None when there is no such file (or it is a folder).
 /// Opening it is the test, so a PEFT folder costs no `stat`.
+/// A folder is a config's only non-file type that is no error: it is not a config at all.
 fn read_config_file(path: &Path) -> Result<Option<ConfigBytes>, Error> {
-    let file = match fs::File::open(path) {
+    let (file, meta) = match open_nonblocking(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => {
             return Ok(None)
         }
-        Err(e) => return Err(Error::io(path, e)),
+        Err(e) => return Err(open_error(path, e)),
     };
+    if meta.is_dir() {
+        return Ok(None);
+    }
+    if !meta.is_file() {
+        return Err(not_regular(path, &meta));
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(config_too_large(path, meta.len()));
+    }
     let mut bytes = Vec::with_capacity(4096);
     match (&file).take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes) {
-        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => Ok(None),
         Err(e) => Err(Error::io(path, e)),
-        Ok(_) if bytes.len() as u64 > MAX_CONFIG_BYTES => {
-            let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-            Err(config_too_large(path, len.max(MAX_CONFIG_BYTES + 1)))
-        }
+        // It grew while being read.
+        Ok(_) if bytes.len() as u64 > MAX_CONFIG_BYTES => Err(config_too_large(path, bytes.len() as u64)),
         Ok(_) => Ok(Some(bytes)),
     }
 }
@@ -195,6 +228,14 @@ fn resolve_folder(dir: &Path, recursive: bool, top: bool) -> Result<Folder, Erro
     match read_config_file(&config) {
         Ok(Some(bytes)) => return Ok(Folder::Peft(peft_paths(dir, config), Some(bytes))),
         Ok(None) => {}
+        // The folder cannot be searched (no `x` permission): say so of the folder, not of a file
+        // in it. Told apart from an unreadable config by one `lstat`, on this failure path only.
+        Err(Error::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::PermissionDenied
+                && fs::symlink_metadata(&config).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) =>
+        {
+            return Err(Error::io_context(dir, "cannot search this folder", source));
+        }
         // It exists but cannot be read: still a PEFT folder, whose load reports the error.
         Err(_) => return Ok(Folder::Peft(peft_paths(dir, config), None)),
     }
@@ -242,10 +283,13 @@ fn missing_weights(dir: &Path) -> Error {
 
 /// The entries of one input path; its sub-folders are left for the walk.
 fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
-    let meta = match fs::metadata(path) {
+    let meta = match stat(path) {
         Ok(m) => m,
-        Err(e) => return vec![Err(Error::io(path, e))],
+        Err(e) => return vec![Err(e)],
     };
+    if !meta.is_file() && !meta.is_dir() {
+        return vec![Err(not_regular(path, &meta))];
+    }
     if meta.is_file() {
         return vec![Ok(Found::Target(Target {
             path: path.to_path_buf(),
@@ -261,6 +305,85 @@ fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
     }
 }
 
+/// Where a row belongs in the walk's order: its index in each folder on the way down to it.
+type Key = Vec<u32>;
+
+/// One walk: what to do with each adapter (`visit`, given its config's bytes when already read)
+/// and each error (`failed`), and the rows so far, each with its `Key`.
+struct Walk<'a, V, F, R> {
+    recursive: bool,
+    visit: &'a V,
+    failed: &'a F,
+    rows: Mutex<Vec<(Key, R)>>,
+}
+
+impl<V, F, R> Walk<'_, V, F, R>
+where
+    V: Fn(Target, Option<ConfigBytes>) -> R + Sync,
+    F: Fn(Error) -> R + Sync,
+    R: Send,
+{
+    fn push(&self, key: Key, row: R) {
+        self.rows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((key, row));
+    }
+
+    /// A sub-folder reached: its one row, or the entries in it to walk next.
+    fn enter(&self, dir: &Path) -> Result<R, Vec<Found>> {
+        match resolve_folder(dir, self.recursive, false) {
+            Err(e) => Ok((self.failed)(e)),
+            Ok(Folder::Peft(t, config)) => Ok((self.visit)(t, config)),
+            Ok(Folder::Single(t)) => Ok((self.visit)(t, None)),
+            Ok(Folder::Entries(found)) => Err(found),
+        }
+    }
+
+    /// The entries of one folder in parallel. A sub-folder becomes a job of its own on the pool's
+    /// queue, never a nested call, so the stack stays flat however deep the tree is.
+    fn entries<'s>(&'s self, s: &rayon::Scope<'s>, key: &[u32], found: Vec<Result<Found, Error>>) {
+        found.into_par_iter().enumerate().with_min_len(8).for_each(|(i, f)| {
+            let mut k = Key::with_capacity(key.len() + 1);
+            k.extend_from_slice(key);
+            k.push(u32::try_from(i).unwrap_or(u32::MAX));
+            match f {
+                Err(e) => self.push(k, (self.failed)(e)),
+                Ok(Found::Target(t)) => self.push(k, (self.visit)(t, None)),
+                Ok(Found::Folder(dir)) => s.spawn(move |s| match self.enter(&dir) {
+                    Ok(row) => self.push(k, row),
+                    Err(found) => self.entries(s, &k, found.into_iter().map(Ok).collect()),
+                }),
+            }
+        });
+    }
+
+    /// The same walk on this thread alone (after a fork, rayon's threads are gone), with a stack
+    /// of its own.
+    fn serial(self, found: Vec<Result<Found, Error>>) -> Vec<R> {
+        let mut out = Vec::new();
+        let mut stack: Vec<Result<Found, Error>> = found.into_iter().rev().collect();
+        while let Some(f) = stack.pop() {
+            match f {
+                Err(e) => out.push((self.failed)(e)),
+                Ok(Found::Target(t)) => out.push((self.visit)(t, None)),
+                Ok(Found::Folder(dir)) => match self.enter(&dir) {
+                    Ok(row) => out.push(row),
+                    Err(found) => stack.extend(found.into_iter().rev().map(Ok)),
+                },
+            }
+        }
+        out
+    }
+
+    /// The rows in order: a folder's rows in its place, as a depth-first walk gives them.
+    fn into_rows(self) -> Vec<R> {
+        let mut rows = self.rows.into_inner().unwrap_or_else(PoisonError::into_inner);
+        rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        rows.into_iter().map(|(_, r)| r).collect()
+    }
+}
+
 /// Walks `found` in parallel and in order, resolving sub-folders on the way: `visit` gets each
 /// adapter (with its config's bytes when already read), `failed` each error.
 fn walk<R: Send>(
@@ -269,23 +392,17 @@ fn walk<R: Send>(
     visit: &(impl Fn(Target, Option<ConfigBytes>) -> R + Sync),
     failed: &(impl Fn(Error) -> R + Sync),
 ) -> Vec<R> {
-    let each = |f: Result<Found, Error>| -> Vec<R> {
-        match f {
-            Err(e) => vec![failed(e)],
-            Ok(Found::Target(t)) => vec![visit(t, None)],
-            Ok(Found::Folder(dir)) => match resolve_folder(&dir, recursive, false) {
-                Err(e) => vec![failed(e)],
-                Ok(Folder::Peft(t, open)) => vec![visit(t, open)],
-                Ok(Folder::Single(t)) => vec![visit(t, None)],
-                Ok(Folder::Entries(found)) => walk(found.into_iter().map(Ok).collect(), recursive, visit, failed),
-            },
-        }
+    let walk = Walk {
+        recursive,
+        visit,
+        failed,
+        rows: Mutex::new(Vec::with_capacity(found.len())),
     };
     if is_forked() {
-        return found.into_iter().flat_map(each).collect();
+        return walk.serial(found);
     }
-    let nested: Vec<Vec<R>> = found.into_par_iter().with_min_len(8).map(each).collect();
-    nested.into_iter().flatten().collect()
+    rayon::scope(|s| walk.entries(s, &[], found));
+    walk.into_rows()
 }
 
 fn expand_inputs(paths: &[PathBuf], recursive: bool) -> Vec<Result<Found, Error>> {
@@ -371,23 +488,53 @@ thread_local! {
     static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Loads and classifies one adapter.
+/// A thread keeps its header buffer between files up to this size. A larger one (a rare header
+/// of many megabytes) is freed after its file, not held for the life of the thread.
+pub const KEEP_BUF_BYTES: usize = 4 << 20;
+
+/// Loads and classifies one adapter. A panic while doing so becomes its `internal` error.
 pub fn load(target: Target, opts: ScanOptions) -> Result<AdapterResult, Error> {
     load_read(target, None, opts)
 }
 
 /// `load` with the config's bytes already read (None: read them here, if the target has a config).
 fn load_read(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> Result<AdapterResult, Error> {
-    let peft = target.config.is_some();
+    let at = target.weights.clone();
+    contain(&at, || load_inner(target, config, opts))
+}
+
+/// Runs `f`, the work for `path`; a panic in it becomes `path`'s error (code `internal`) instead
+/// of unwinding through a scan and losing every other row.
+pub fn contain<T>(path: &Path, f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(Error::panicked(path, &*payload)))
+}
+
+/// Test hook behind `_core._debug_panic_on`: loading these weights panics, so that tests can show
+/// a panic becoming an error row or exception. Not public API.
+static PANIC_ON: RwLock<Option<PathBuf>> = RwLock::new(None);
+static PANIC_ARMED: AtomicBool = AtomicBool::new(false);
+
+pub fn debug_panic_on(path: Option<PathBuf>) {
+    PANIC_ARMED.store(path.is_some(), Ordering::SeqCst);
+    *PANIC_ON.write().unwrap_or_else(PoisonError::into_inner) = path;
+}
+
+pub fn debug_hook(path: &Path) {
+    if PANIC_ARMED.load(Ordering::Relaxed) && PANIC_ON.read().is_ok_and(|p| p.as_deref() == Some(path)) {
+        panic!("debug hook: forced panic while classifying {}", path.display());
+    }
+}
+
+fn load_inner(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> Result<AdapterResult, Error> {
+    debug_hook(&target.weights);
     // The weights first: a PEFT folder without them is `missing_weights`, whatever its config holds.
-    let weights = match fs::File::open(&target.weights) {
-        Ok(f) => f,
-        Err(e) if peft && e.kind() == std::io::ErrorKind::NotFound => return Err(missing_weights(&target.path)),
-        Err(e) => return Err(Error::io(&target.weights, e)),
-    };
-    let meta = weights.metadata().map_err(|e| Error::io(&target.weights, e))?;
-    if peft && !meta.is_file() {
+    // Opened without blocking and checked to be a regular file: a FIFO or device is reported.
+    let (weights, meta) = open_nonblocking(&target.weights).map_err(|e| weights_error(&target, e))?;
+    if target.config.is_some() && meta.is_dir() {
         return Err(missing_weights(&target.path));
+    }
+    if !meta.is_file() {
+        return Err(not_regular(&target.weights, &meta));
     }
     let text = match (config, &target.config) {
         (Some(bytes), Some(path)) => Some(config_text(path, bytes)?),
@@ -397,64 +544,79 @@ fn load_read(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) -> 
         },
         _ => None,
     };
+    BUF.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        let result = load_header(target, &weights, meta.len(), text, opts, &mut buf);
+        if buf.capacity() > KEEP_BUF_BYTES {
+            *buf = Vec::new();
+        }
+        result
+    })
+}
+
+/// The rest of a load, with the weights open and the config's text read: header, memo, classification.
+fn load_header(
+    target: Target,
+    weights: &fs::File,
+    len: u64,
+    text: Option<String>,
+    opts: ScanOptions,
+    buf: &mut Vec<u8>,
+) -> Result<AdapterResult, Error> {
     let config_path = target.config.clone().unwrap_or_default();
     let parse_config = |text: &String| parse_config_text(&config_path, text);
-    BUF.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        let (file_size, n) = match read_header_from(&weights, &target.weights, meta.len(), opts.mode, &mut buf) {
-            Ok(x) => x,
-            Err(e) => {
-                // A bad config is reported before a bad header, as when it is read first.
-                text.as_ref().map(parse_config).transpose()?;
-                return Err(e);
-            }
-        };
-        drop(weights);
-        let bytes = header_bytes(&buf, n);
-        let content_hash = if opts.content_hash {
-            Some(hash_data(&target.weights, N_LEN + n as u64)?)
-        } else {
-            None
-        };
-        let remember = !opts.keep_modules && !opts.fresh;
-        let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()));
-        let result = match key.as_ref().and_then(memo::get) {
-            Some((class, config_json)) => AdapterResult {
-                config_json,
-                metadata: None,
-                header_size: n as u64,
-                file_size,
-                class,
-                content_hash,
-                target,
-            },
-            None => {
-                let config = match &text {
-                    Some(text) => Some((text.clone(), parse_config(text)?)),
-                    None => None,
-                };
-                // Repeated tensor names are found by `classify` while it groups tensors (cheaper
-                // than a separate pass); `duplicate_tensor` turns them back into the header error.
-                let header = parse_header_unchecked_names(bytes, file_size).map_err(|kind| Error::Header {
-                    path: target.weights.clone(),
-                    kind,
-                })?;
-                let alphas = target.weights.clone();
-                let result = build_result(target, config, &header, &alphas, opts, content_hash);
-                if let Some(key) = &key {
-                    memo::put(key, &result.class, result.config_json.as_deref());
-                }
-                result
-            }
-        };
-        match result.class.duplicate_tensor {
-            Some(ref name) => Err(Error::Header {
-                path: result.target.weights.clone(),
-                kind: HeaderError::DuplicateTensor(name.clone()),
-            }),
-            None => Ok(result),
+    let (file_size, n) = match read_header_from(weights, &target.weights, len, opts.mode, buf) {
+        Ok(x) => x,
+        Err(e) => {
+            // A bad config is reported before a bad header, as when it is read first.
+            text.as_ref().map(parse_config).transpose()?;
+            return Err(e);
         }
-    })
+    };
+    let bytes = header_bytes(buf, n);
+    let content_hash = if opts.content_hash {
+        Some(hash_data(weights, &target.weights, N_LEN + n as u64)?)
+    } else {
+        None
+    };
+    let remember = !opts.keep_modules && !opts.fresh;
+    let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()));
+    let result = match key.as_ref().and_then(memo::get) {
+        Some((class, config_json)) => AdapterResult {
+            config_json,
+            metadata: None,
+            header_size: n as u64,
+            file_size,
+            class,
+            content_hash,
+            target,
+        },
+        None => {
+            let config = match &text {
+                Some(text) => Some((text.clone(), parse_config(text)?)),
+                None => None,
+            };
+            // Repeated tensor names are found by `classify` while it groups tensors (cheaper
+            // than a separate pass); `duplicate_tensor` turns them back into the header error.
+            let header = parse_header_unchecked_names(bytes, file_size).map_err(|kind| Error::Header {
+                path: target.weights.clone(),
+                kind,
+            })?;
+            let alphas = target.weights.clone();
+            let result = build_result(target, config, &header, &alphas, opts, content_hash);
+            if let Some(key) = &key {
+                memo::put(key, &result.class, result.config_json.as_deref());
+            }
+            result
+        }
+    };
+    match result.class.duplicate_tensor {
+        Some(ref name) => Err(Error::Header {
+            path: result.target.weights.clone(),
+            kind: HeaderError::DuplicateTensor(name.clone()),
+        }),
+        None => Ok(result),
+    }
 }
 
 /// Classifies a read header: the part of a load that local files and remote objects share.
@@ -501,9 +663,9 @@ pub fn build_result(
 }
 
 /// sha256 of the data section only, so metadata edits do not change it (kohya's `sshs_model_hash`).
-fn hash_data(path: &Path, data_start: u64) -> Result<String, Error> {
+/// Reads the already open (and checked) `file`, so the path cannot be swapped for a FIFO meanwhile.
+fn hash_data(mut file: &fs::File, path: &Path, data_start: u64) -> Result<String, Error> {
     use std::io::{Seek, SeekFrom};
-    let mut file = fs::File::open(path).map_err(|e| Error::io(path, e))?;
     file.seek(SeekFrom::Start(data_start)).map_err(|e| Error::io(path, e))?;
     let mut hasher = Sha256::new();
     let mut chunk = vec![0u8; 1 << 20];
@@ -567,13 +729,15 @@ pub fn with_pool<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) 
     }
 }
 
-/// Does this input name a remote object (`s3://...`, `https://...`, `hf://...`) rather than a local path?
+/// Does this input name a remote object (`s3://...`, `https://...`, `hf://...`) rather than a local
+/// path? Any `scheme://` counts, so that an unsupported one (`ftp://`) is reported as `invalid_url`
+/// instead of being looked for on disk as `not_found`.
 pub fn is_url(s: &str) -> bool {
     s.split_once("://").is_some_and(|(scheme, _)| {
-        matches!(
-            scheme,
-            "s3" | "s3a" | "gs" | "gcs" | "az" | "azure" | "abfs" | "abfss" | "http" | "https" | "hf"
-        )
+        scheme.as_bytes().first().is_some_and(u8::is_ascii_alphabetic)
+            && scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
     })
 }
 
@@ -651,4 +815,71 @@ pub(crate) fn draw_progress(done: usize, total: usize, elapsed: Duration) {
         "#".repeat(filled),
         "-".repeat(width - filled)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("lorafast-scan-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A one-tensor safetensors file whose header carries `pad` bytes of metadata.
+    fn write_adapter(path: &Path, pad: usize) {
+        let mut header = format!(
+            r#"{{"__metadata__":{{"pad":"{}"}},"t.lora_A.weight":{{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}}}"#,
+            "x".repeat(pad)
+        )
+        .into_bytes();
+        header.resize(header.len().next_multiple_of(8), b' ');
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&header);
+        bytes.extend_from_slice(&[0; 4]);
+        fs::write(path, bytes).unwrap();
+    }
+
+    fn buffer_capacity() -> usize {
+        BUF.with(|b| b.borrow().capacity())
+    }
+
+    #[test]
+    fn oversized_header_buffer_is_released_after_its_file() {
+        let dir = temp_dir("buf");
+        let (small, big) = (dir.join("small.safetensors"), dir.join("big.safetensors"));
+        write_adapter(&small, 100);
+        write_adapter(&big, 3 * KEEP_BUF_BYTES);
+        let target = |p: &Path| Target {
+            path: p.to_path_buf(),
+            weights: p.to_path_buf(),
+            config: None,
+        };
+        load(target(&small), ScanOptions::default()).unwrap();
+        let kept = buffer_capacity();
+        assert!(kept > 0 && kept <= KEEP_BUF_BYTES, "a small header's buffer is kept for reuse");
+        let result = load(target(&big), ScanOptions::default()).unwrap();
+        assert!(result.header_size > 3 * KEEP_BUF_BYTES as u64);
+        assert_eq!(buffer_capacity(), 0, "the big header's buffer is freed once its file is done");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_panic_while_loading_becomes_that_adapters_internal_error() {
+        let dir = temp_dir("panic");
+        let (ok, bad) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+        write_adapter(&ok, 8);
+        write_adapter(&bad, 8);
+        debug_panic_on(Some(bad.clone()));
+        let rows = scan_paths(std::slice::from_ref(&dir), true, ScanOptions::default(), Some(2), false);
+        debug_panic_on(None);
+        assert_eq!(rows.len(), 2);
+        assert!(rows[0].is_ok());
+        let err = rows[1].as_ref().unwrap_err();
+        assert_eq!((err.code(), err.path()), ("internal", &bad));
+        assert!(err.detail().contains("forced panic"), "{}", err.detail());
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -1,4 +1,4 @@
-"""The exception tree. `HeaderError` and `AdapterError` carry a stable `.code` and the `.path`.
+"""The exception tree. `HeaderError`, `AdapterError` and `InternalError` carry a stable `.code` and the `.path`.
 
 OS failures surface as the builtin `FileNotFoundError`, `PermissionError` or `OSError`, with
 `.filename` set to the path.
@@ -11,7 +11,7 @@ class LorafastError(Exception):
     """Base class of every error lorafast raises itself."""
 
 
-class _CodedError(LorafastError, ValueError):
+class _Coded(LorafastError):
     def __init__(self, message: str, code: str, path: str | None = None) -> None:
         super().__init__(message)
         self.code = code
@@ -19,6 +19,10 @@ class _CodedError(LorafastError, ValueError):
 
     def __reduce__(self):  # keep code and path through pickling (multiprocessing, Ray)
         return (type(self), (self.args[0], self.code, self.path))
+
+
+class _CodedError(_Coded, ValueError):
+    pass
 
 
 class HeaderError(_CodedError):
@@ -29,4 +33,9 @@ class AdapterError(_CodedError):
     """A file or folder is not a usable adapter (no weights, a broken config, ...)."""
 
 
-__all__ = ["AdapterError", "HeaderError", "LorafastError"]
+class InternalError(_Coded, RuntimeError):
+    """A bug in lorafast (code `internal`): a panic in the core, caught and raised as an ordinary
+    exception. In a scan it is the failed adapter's row instead, and the other rows stand."""
+
+
+__all__ = ["AdapterError", "HeaderError", "InternalError", "LorafastError"]

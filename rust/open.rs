@@ -1,0 +1,79 @@
+//! Opening files that may be anything: a FIFO named `*.safetensors` would block `open` until a
+//! writer comes, a device would feed endless bytes, and a dangling link would only say "not
+//! found". Every file lorafast reads is opened here, without blocking, and checked with `fstat`
+//! to be a regular file; other types, dangling links and link loops get their own error codes.
+
+use std::fs::{self, File, Metadata};
+use std::io;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+
+use crate::error::Error;
+
+/// Opens `path` for reading with `O_NONBLOCK`, so that a FIFO cannot block, and `fstat`s it.
+/// The flag is left set: reads of a regular file ignore it (and nothing else is read).
+pub fn open_nonblocking(path: &Path) -> io::Result<(File, Metadata)> {
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    Ok((file, meta))
+}
+
+/// Opens the regular file at `path`; returns it with its size.
+pub fn open_regular(path: &Path) -> Result<(File, u64), Error> {
+    let (file, meta) = open_nonblocking(path).map_err(|e| open_error(path, e))?;
+    if !meta.is_file() {
+        return Err(not_regular(path, &meta));
+    }
+    Ok((file, meta.len()))
+}
+
+/// The error for a path that is there but is no regular file.
+pub fn not_regular(path: &Path, meta: &Metadata) -> Error {
+    let t = meta.file_type();
+    let what = if t.is_dir() {
+        "a folder"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    };
+    Error::adapter(
+        path,
+        "not_regular_file",
+        format!("{what}, not a regular file; only regular files are read"),
+    )
+}
+
+/// An `open` or `stat` failure, told apart further on the failure path only: a dangling link
+/// from a missing file (one `lstat`), and a socket or a device without a driver (`ENXIO`,
+/// `ENODEV`: one `stat`) from a real I/O error. A link loop is `ELOOP`, which `Error::code` names
+/// `symlink_loop`.
+pub fn open_error(path: &Path, e: io::Error) -> Error {
+    if e.kind() == io::ErrorKind::NotFound && fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Error::io_coded(
+            path,
+            "dangling_link",
+            io::Error::new(e.kind(), "dangling symlink: its target does not exist"),
+        );
+    }
+    if matches!(e.raw_os_error(), Some(libc::ENXIO | libc::ENODEV | libc::EOPNOTSUPP)) {
+        if let Some(meta) = fs::metadata(path).ok().filter(|m| !m.is_file() && !m.is_dir()) {
+            return not_regular(path, &meta);
+        }
+    }
+    Error::io(path, e)
+}
+
+/// `stat` (following links) of an input path, with `open_error`'s codes.
+pub fn stat(path: &Path) -> Result<Metadata, Error> {
+    fs::metadata(path).map_err(|e| open_error(path, e))
+}
