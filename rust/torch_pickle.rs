@@ -3,9 +3,10 @@
 //! allowed call by its effect, and refuses every other opcode or global by name. What it gives is
 //! each tensor's storage reference, dtype, offset, shape and stride.
 //!
-//! Work and memory are bounded: every opcode consumes input, the stack, the memo and the number of
-//! objects built are capped, and so is nesting (a deep value would overflow the stack when
-//! dropped). Mutable containers (dicts, lists) are frozen once placed inside another value, and a
+//! Work and memory are bounded (`Limits`): every opcode consumes input; the stack, the memo and
+//! the number of objects built are capped, and so is nesting (a deep value would overflow the
+//! native stack when dropped). Memo indices must be dense, as the pickler writes them, so a huge
+//! index cannot make the memo grow. Mutable containers (dicts, lists) are frozen once placed inside another value, and a
 //! frozen one cannot be changed again. Every value a container holds is then frozen too, so no
 //! container can come to hold itself: values form a DAG, never a cycle, and only the state dict's
 //! top level and tensor arguments are ever walked.
@@ -18,14 +19,26 @@ use rustc_hash::FxHashMap;
 use crate::header::Dtype;
 use crate::torch::TorchError;
 
-/// Nesting depth of values (tuples, dicts, lists); torch's state dicts need 4.
-pub const MAX_DEPTH: u32 = 64;
-/// Items on the stack at once; the pickler batches dict items by 1,000.
-pub const MAX_STACK: usize = 1 << 16;
-/// Memo entries; a state dict memoizes about 10 objects per tensor.
-pub const MAX_MEMO: usize = 1 << 22;
-/// Strings, tuples, containers, storages and tensors built; about 8 per tensor.
-pub const MAX_OBJECTS: usize = 1 << 22;
+/// Bounds on the work and memory one pickle may take. Every opcode consumes input as well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Nesting of values (tuples, dicts, lists); torch's state dicts need 4.
+    pub depth: u32,
+    /// Items on the stack at once, and open MARKs; the pickler batches dict items by 1,000.
+    pub stack: usize,
+    /// Memo entries; a state dict memoizes about 10 objects per tensor.
+    pub memo: usize,
+    /// Strings, tuples, containers, storages and tensors built; about 10 per tensor.
+    pub objects: usize,
+}
+
+/// About 400,000 tensors, and at most a few hundred MB of values.
+pub const LIMITS: Limits = Limits {
+    depth: 64,
+    stack: 1 << 16,
+    memo: 1 << 22,
+    objects: 1 << 22,
+};
 /// Dimensions of one tensor.
 pub const MAX_DIMS: usize = 64;
 /// Length of a GLOBAL's module or name line.
@@ -341,6 +354,7 @@ struct Machine<'p> {
     marks: Vec<usize>,
     memo: Vec<Value>,
     objects: usize,
+    limits: Limits,
 }
 
 impl<'p> Machine<'p> {
@@ -377,15 +391,18 @@ impl<'p> Machine<'p> {
 
     fn count(&mut self) -> Result<(), TorchError> {
         self.objects += 1;
-        if self.objects > MAX_OBJECTS {
-            return Err(limit(self.at, format!("more than {MAX_OBJECTS} objects")));
+        if self.objects > self.limits.objects {
+            return Err(limit(self.at, format!("more than {} objects", self.limits.objects)));
         }
         Ok(())
     }
 
     fn push(&mut self, v: Value) -> Result<(), TorchError> {
-        if self.stack.len() >= MAX_STACK {
-            return Err(limit(self.at, format!("more than {MAX_STACK} items on the stack")));
+        if self.stack.len() >= self.limits.stack {
+            return Err(limit(
+                self.at,
+                format!("more than {} items on the stack", self.limits.stack),
+            ));
         }
         self.stack.push(v);
         Ok(())
@@ -419,11 +436,19 @@ impl<'p> Machine<'p> {
     fn tuple(&mut self, items: Vec<Value>) -> Result<Value, TorchError> {
         self.count()?;
         let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
-        if depth > MAX_DEPTH {
-            return Err(limit(self.at, format!("values nested deeper than {MAX_DEPTH}")));
-        }
+        self.check_depth(depth)?;
         items.iter().for_each(Value::freeze);
         Ok(Value::Tuple(Rc::new(Tuple { depth, items })))
+    }
+
+    fn check_depth(&self, depth: u32) -> Result<(), TorchError> {
+        if depth > self.limits.depth {
+            return Err(limit(
+                self.at,
+                format!("values nested deeper than {}", self.limits.depth),
+            ));
+        }
+        Ok(())
     }
 
     fn container(&mut self, ordered: bool) -> Result<Rc<Container>, TorchError> {
@@ -465,9 +490,7 @@ impl<'p> Machine<'p> {
             ));
         }
         let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
-        if depth > MAX_DEPTH {
-            return Err(limit(at, format!("values nested deeper than {MAX_DEPTH}")));
-        }
+        self.check_depth(depth)?;
         c.depth.set(c.depth.get().max(depth));
         c.items.borrow_mut().extend(items);
         Ok(())
@@ -489,8 +512,10 @@ impl<'p> Machine<'p> {
         let idx = idx as usize;
         match idx.cmp(&self.memo.len()) {
             std::cmp::Ordering::Less => self.memo[idx] = v,
-            std::cmp::Ordering::Equal if idx < MAX_MEMO => self.memo.push(v),
-            std::cmp::Ordering::Equal => return Err(limit(self.at, format!("more than {MAX_MEMO} memo entries"))),
+            std::cmp::Ordering::Equal if idx < self.limits.memo => self.memo.push(v),
+            std::cmp::Ordering::Equal => {
+                return Err(limit(self.at, format!("more than {} memo entries", self.limits.memo)))
+            }
             // The pickler numbers memo entries densely; a gap is how a huge index attacks memory.
             std::cmp::Ordering::Greater => {
                 return Err(invalid(
@@ -632,8 +657,8 @@ impl<'p> Machine<'p> {
                     return Ok(self.stack.pop().expect("checked"));
                 }
                 b'(' => {
-                    if self.marks.len() >= MAX_STACK {
-                        return Err(limit(self.at, format!("more than {MAX_STACK} MARKs")));
+                    if self.marks.len() >= self.limits.stack {
+                        return Err(limit(self.at, format!("more than {} open MARKs", self.limits.stack)));
                     }
                     self.marks.push(self.stack.len());
                 }
@@ -810,7 +835,13 @@ fn check_bounds(t: &Tensor) -> Result<(), TorchError> {
 
 /// Reads the state dict pickled in `data` (the bytes of `data.pkl`).
 pub fn read_state_dict(data: &[u8]) -> Result<StateDict, TorchError> {
+    read_state_dict_with(data, LIMITS)
+}
+
+/// `read_state_dict` within other bounds (tests use small ones).
+pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, TorchError> {
     let mut m = Machine {
+        limits,
         data,
         pos: 0,
         at: 0,
