@@ -139,7 +139,12 @@ def kohya_unet_lora(model: Any, out: Path, r: int = 2, scale_in: int = 1) -> Pat
     tensors: dict[str, Any] = {}
     for name, mod in model.named_modules():
         mod = getattr(mod, "base_layer", mod)  # a module PEFT wrapped for an earlier adapter
-        if isinstance(mod, torch.nn.Linear) and "lora_" not in name and ".base_layer" not in name and name.rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v"):
+        if (
+            isinstance(mod, torch.nn.Linear)
+            and "lora_" not in name
+            and ".base_layer" not in name
+            and name.rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v")
+        ):
             key = "lora_unet_" + name.replace(".", "_")
             fin = mod.in_features * (scale_in if "attn2" in name and name.endswith(("to_k", "to_v")) else 1)
             tensors[f"{key}.lora_down.weight"] = ("F16", (r, fin))

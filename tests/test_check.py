@@ -11,9 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import lorafast
+import pytest
 from lorafast.base import BaseModelError, read_base
 from lorafast.checker import VERDICTS, check
 from lorafast.families import identify, rank_families
@@ -192,8 +191,15 @@ def test_single_file_diffusion_checkpoint(tmp_path: Path) -> None:
     lora = tmp_path / "lora.safetensors"
     key = "lora_unet_input_blocks_1_1_transformer_blocks_0_attn2_to_k"
     te = "lora_te_text_model_encoder_layers_0_self_attn_q_proj"
-    write_safetensors(lora, {f"{key}.lora_down.weight": ("F16", (4, 768)), f"{key}.lora_up.weight": ("F16", (320, 4)),
-                             f"{te}.lora_down.weight": ("F16", (4, 768)), f"{te}.lora_up.weight": ("F16", (768, 4))})
+    write_safetensors(
+        lora,
+        {
+            f"{key}.lora_down.weight": ("F16", (4, 768)),
+            f"{key}.lora_up.weight": ("F16", (320, 4)),
+            f"{te}.lora_down.weight": ("F16", (4, 768)),
+            f"{te}.lora_up.weight": ("F16", (768, 4)),
+        },
+    )
     r = next(iter(check(lora, base)))
     assert r.verdict == "ok", r.modules
 

@@ -222,8 +222,10 @@ def _http_root(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
         path = "/".join(parts[2:])
         root = f"{endpoint}/{prefix}{org}/{repo}/resolve/{rev or 'main'}" + (f"/{path}" if path else "")
-        token = (storage_options or {}).get("token") or os.environ.get("HF_TOKEN") or os.environ.get(
-            "HUGGING_FACE_HUB_TOKEN"
+        token = (
+            (storage_options or {}).get("token")
+            or os.environ.get("HF_TOKEN")
+            or os.environ.get("HUGGING_FACE_HUB_TOKEN")
         )
         if token:
             headers.setdefault("Authorization", f"Bearer {token}")

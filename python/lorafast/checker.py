@@ -114,8 +114,12 @@ class _BaseIndex:
     def __init__(self, base: BaseModel) -> None:
         self.base = base
         # a module path may name a weight as stored or as transformers names it once loaded
-        models: dict[str | None, BaseModel] = dict(base.components) if base.components else {None: base}
-        self.comps: dict[str | None, Mapping[str, Any]] = {c: {**m.weights, **m.loaded_weights} for c, m in models.items()}
+        models: dict[str | None, BaseModel] = {None: base}
+        if base.components:
+            models = {c: m for c, m in base.components.items()}
+        self.comps: dict[str | None, Mapping[str, Any]] = {
+            c: {**m.weights, **m.loaded_weights} for c, m in models.items()
+        }
         # stored names that transformers renames on load: hints name the loaded form
         self._renamed = {c: {n for n, w in m.weights.items() if id(w) in {id(v) for v in m.loaded_weights.values()}}
                          for c, m in models.items()}  # fmt: skip
@@ -292,7 +296,10 @@ def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
                           f"the base has no {absent} component (it has {', '.join(have) or 'none'})")  # fmt: skip
     else:
         weight = _lookup(index, comp, path, m, kohya)
-        qual = (lambda w: w if comp is None else f"{comp}.{w}")
+
+        def qual(w: str) -> str:
+            return w if comp is None else f"{comp}.{w}"
+
         if weight is None:
             found = _prefix_hint(index, comp, path, kohya)
             if found is not None:
@@ -467,7 +474,7 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
                     try:
                         add_adapter(path, _adapter(_core.inspect(path, "pread", False, None, None)))
                         continue
-                    except Exception as e:  # noqa: BLE001 - reported per adapter, as scan does
+                    except Exception as e:  # reported per adapter, as scan does
                         s = e
                 add_error(path, str(getattr(s, "code", type(s).__name__)), str(s))
             else:
@@ -475,12 +482,12 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
                 fleet.struct_of.append(ok_index[r])
         del base_struct
         if urls:
-            for url, r in zip(urls, _core.inspect_many(urls, "pread", False, threads, storage, timeout, None),
-                              strict=True):  # fmt: skip
-                if isinstance(r, Exception):
-                    add_error(url, str(getattr(r, "code", type(r).__name__)), str(r))
+            remote = _core.inspect_many(urls, "pread", False, threads, storage, timeout, None)
+            for url, got in zip(urls, remote, strict=True):
+                if isinstance(got, Exception):
+                    add_error(url, str(getattr(got, "code", type(got).__name__)), str(got))
                 else:
-                    add_adapter(url, _adapter(r))
+                    add_adapter(url, _adapter(got))
         pending.clear()
 
     for item in items:
@@ -521,7 +528,7 @@ class CheckReport:
         grid = per[:, struct, :]  # (bases, adapters, 5)
         self._grid = grid
         n = len(fleet.paths)
-        self._cols = {
+        self._cols: dict[str, np.ndarray] = {
             "adapter_index": np.tile(np.arange(n, dtype=np.int64), nb),
             "base_index": np.repeat(np.arange(nb, dtype=np.int64), n),
             "verdict": grid[:, :, 0].reshape(-1).astype(np.int8),
@@ -581,7 +588,7 @@ class CheckReport:
     def summary(self) -> dict[str, Any]:
         import numpy as np
 
-        counts = np.bincount(self._cols["verdict"].astype(np.int64), minlength=len(VERDICTS))
+        counts = np.bincount(np.asarray(self._cols["verdict"], dtype=np.int64), minlength=len(VERDICTS))
         return {"pairs": len(self), "adapters": len(self.adapters), "bases": [b.path for b in self.bases],
                 "verdicts": {VERDICTS[i]: int(c) for i, c in enumerate(counts.tolist())}}  # fmt: skip
 

@@ -60,9 +60,20 @@ FAMILIES: tuple[Family, ...] = (
     _llm("Qwen3-235B-A22B", _HF.format("Qwen/Qwen3-235B-A22B"), 4096, 0, 94, 64, 4, 128, 151936, 128, 1536),
     _llm("Mistral-7B-v0.3", _HF.format("mistralai/Mistral-7B-v0.3"), 4096, 14336, 32, 32, 8, 128, 32768),
     _llm("Mixtral-8x7B", _HF.format("mistralai/Mixtral-8x7B-v0.1"), 4096, 0, 32, 32, 8, 128, 32000, 8, 14336),
-    Family("DeepSeek-V3", _HF.format("deepseek-ai/DeepSeek-V3"), {
-        "hidden": 7168, "intermediate": 18432, "layers": 61, "q_lora_rank": 1536, "kv_a_out": 576, "vocab": 129280,
-        "experts": 256, "expert_intermediate": 2048}),  # fmt: skip
+    Family(
+        "DeepSeek-V3",
+        _HF.format("deepseek-ai/DeepSeek-V3"),
+        {
+            "hidden": 7168,
+            "intermediate": 18432,
+            "layers": 61,
+            "q_lora_rank": 1536,
+            "kv_a_out": 576,
+            "vocab": 129280,
+            "experts": 256,
+            "expert_intermediate": 2048,
+        },
+    ),  # fmt: skip
     _llm("gpt-oss-20b", _HF.format("openai/gpt-oss-20b"), 2880, 0, 24, 64, 8, 64, 201088, 32, 2880),
     _llm("gpt-oss-120b", _HF.format("openai/gpt-oss-120b"), 2880, 0, 36, 64, 8, 64, 201088, 128, 2880),
     _llm("Gemma-3-1B", _HF.format("google/gemma-3-1b-pt"), 1152, 6912, 26, 4, 1, 256, 262144),
@@ -70,37 +81,76 @@ FAMILIES: tuple[Family, ...] = (
     _llm("Gemma-3-12B", _HF.format("google/gemma-3-12b-pt"), 3840, 15360, 48, 16, 8, 256, 262208),
     _llm("Gemma-3-27B", _HF.format("google/gemma-3-27b-pt"), 5376, 21504, 62, 32, 16, 128, 262208),
     # UNets: cross-attention width (text encoder) and the channels of the last down block.
-    Family("SD-1.5", "https://huggingface.co/stable-diffusion-v1-5/stable-diffusion-v1-5/blob/main/unet/config.json",
-           {"cross_attention": 768, "unet_channels": 1280, "unet_attn_down_blocks": 3}),
-    Family("SD-2.x", "https://huggingface.co/stabilityai/stable-diffusion-2-1/blob/main/unet/config.json",
-           {"cross_attention": 1024, "unet_channels": 1280, "unet_attn_down_blocks": 3}),
-    Family("SDXL", "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/blob/main/unet/config.json",
-           {"cross_attention": 2048, "unet_channels": 1280, "unet_attn_down_blocks": 2}),
+    Family(
+        "SD-1.5",
+        "https://huggingface.co/stable-diffusion-v1-5/stable-diffusion-v1-5/blob/main/unet/config.json",
+        {"cross_attention": 768, "unet_channels": 1280, "unet_attn_down_blocks": 3},
+    ),
+    Family(
+        "SD-2.x",
+        "https://huggingface.co/stabilityai/stable-diffusion-2-1/blob/main/unet/config.json",
+        {"cross_attention": 1024, "unet_channels": 1280, "unet_attn_down_blocks": 3},
+    ),
+    Family(
+        "SDXL",
+        "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/blob/main/unet/config.json",
+        {"cross_attention": 2048, "unet_channels": 1280, "unet_attn_down_blocks": 2},
+    ),
     # DiTs: hidden width, feed-forward width, joint/double and single block counts, text width.
-    Family("SD-3.5-Large", "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/transformer/config.json",
-           {"dit_hidden": 2432, "dit_ff": 9728, "dit_blocks": 38}),  # fmt: skip
-    Family("SD-3.5-Medium", "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/transformer/config.json",
-           {"dit_hidden": 1536, "dit_ff": 6144, "dit_blocks": 24}),  # fmt: skip
-    Family("FLUX.1", "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
-           {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 19, "dit_single_blocks": 38}),
-    Family("HunyuanVideo", "https://huggingface.co/hunyuanvideo-community/HunyuanVideo/blob/main/transformer/config.json",
-           {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 20, "dit_single_blocks": 40}),  # fmt: skip
-    Family("Qwen-Image", "https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
-           {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 60, "dit_context": 3584}),
-    Family("Wan-2.1-14B", "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers/blob/main/transformer/config.json",
-           {"dit_hidden": 5120, "dit_ff": 13824, "dit_blocks": 40}),
-    Family("Wan-2.2-A14B", "https://huggingface.co/Wan-AI/Wan2.2-T2V-A14B-Diffusers/blob/main/transformer/config.json",
-           {"dit_hidden": 5120, "dit_ff": 13824, "dit_blocks": 40}),
-    Family("Wan-2.1-1.3B", "https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers/blob/main/transformer/config.json",
-           {"dit_hidden": 1536, "dit_ff": 8960, "dit_blocks": 30}),
-    Family("Wan-2.2-5B", "https://huggingface.co/Wan-AI/Wan2.2-TI2V-5B-Diffusers/blob/main/transformer/config.json",
-           {"dit_hidden": 3072, "dit_ff": 14336, "dit_blocks": 30}),
+    Family(
+        "SD-3.5-Large",
+        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/transformer/config.json",
+        {"dit_hidden": 2432, "dit_ff": 9728, "dit_blocks": 38},
+    ),  # fmt: skip
+    Family(
+        "SD-3.5-Medium",
+        "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/transformer/config.json",
+        {"dit_hidden": 1536, "dit_ff": 6144, "dit_blocks": 24},
+    ),  # fmt: skip
+    Family(
+        "FLUX.1",
+        "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
+        {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 19, "dit_single_blocks": 38},
+    ),
+    Family(
+        "HunyuanVideo",
+        "https://huggingface.co/hunyuanvideo-community/HunyuanVideo/blob/main/transformer/config.json",
+        {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 20, "dit_single_blocks": 40},
+    ),  # fmt: skip
+    Family(
+        "Qwen-Image",
+        "https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
+        {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 60, "dit_context": 3584},
+    ),
+    Family(
+        "Wan-2.1-14B",
+        "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers/blob/main/transformer/config.json",
+        {"dit_hidden": 5120, "dit_ff": 13824, "dit_blocks": 40},
+    ),
+    Family(
+        "Wan-2.2-A14B",
+        "https://huggingface.co/Wan-AI/Wan2.2-T2V-A14B-Diffusers/blob/main/transformer/config.json",
+        {"dit_hidden": 5120, "dit_ff": 13824, "dit_blocks": 40},
+    ),
+    Family(
+        "Wan-2.1-1.3B",
+        "https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers/blob/main/transformer/config.json",
+        {"dit_hidden": 1536, "dit_ff": 8960, "dit_blocks": 30},
+    ),
+    Family(
+        "Wan-2.2-5B",
+        "https://huggingface.co/Wan-AI/Wan2.2-TI2V-5B-Diffusers/blob/main/transformer/config.json",
+        {"dit_hidden": 3072, "dit_ff": 14336, "dit_blocks": 30},
+    ),
 )
 
 #: fields where the adapter shows a lower bound only (it may adapt fewer layers or blocks than the model has)
 _AT_LEAST = frozenset({"layers", "dit_blocks", "dit_single_blocks", "unet_attn_down_blocks"})
 
-_BLOCK = re.compile(r"(?:^|[._])(transformer_blocks|single_transformer_blocks|double_blocks|single_blocks|joint_blocks|blocks)[._](\d+)[._]")  # noqa: E501
+_BLOCK = re.compile(
+    r"(?:^|[._])(transformer_blocks|single_transformer_blocks|double_blocks|single_blocks|joint_blocks|blocks)"
+    r"[._](\d+)[._]"
+)
 _DOWN_ATTN = re.compile(r"down_blocks[._](\d+)[._]attentions")
 
 
@@ -136,7 +186,7 @@ def _shapes(items: Iterable[tuple[str, str, int | None, int | None, int | None, 
 
     for path, leaf, layer, fin, fout, experts in items:
         expert = experts or ".experts." in path
-        if leaf in ("q_proj", "query", "wq") and ".self_attn." in f".{path}." or leaf == "q_proj":
+        if leaf == "q_proj":
             put("hidden", fin)
             put("q_out", fout)
         elif leaf in ("k_proj", "v_proj"):
@@ -174,8 +224,6 @@ def _shapes(items: Iterable[tuple[str, str, int | None, int | None, int | None, 
                 put("dit_hidden", fin)
             if (leaf in ("proj", "0") or path.endswith(("ff.net.0.proj", "ffn.0", "img_mlp.0", "ff.net.0"))) and fout:
                 put("dit_ff", fout)
-            if leaf in ("add_k_proj",) and fin and "dit_context" not in fp:
-                pass
         d = _DOWN_ATTN.search(path)
         if d:
             down_attn.add(int(d.group(1)))
