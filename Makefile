@@ -67,6 +67,17 @@ test-python: ## pytest against the installed build
 .PHONY: test
 test: setup test-rust test-python ## set everything up, then run the whole suite
 
+# The Python fuzz harness (tests/fuzz_python.py, atheris). `make test` runs a 30 s seeded pass of it.
+FUZZ_SECONDS ?= 600
+FUZZ_SEED ?= 1
+.PHONY: fuzz-python
+fuzz-python: $(BIN)/python ## long pass of the Python fuzz harness (FUZZ_SECONDS=600); crashers go to tests/fuzz-corpus/python
+	$(BIN)/python tests/fuzz_python.py --seeds .cache/fuzz-seeds
+	@mkdir -p .cache/fuzz-python
+	LORAFAST_FUZZ_OUT=tests/fuzz-corpus/python $(BIN)/python tests/fuzz_python.py -seed=$(FUZZ_SEED) \
+	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -artifact_prefix=tests/fuzz-corpus/python/ \
+	  .cache/fuzz-python tests/fuzz-corpus/python .cache/fuzz-seeds
+
 .PHONY: bench
 bench: build-release ## benchmarks (ratios against baselines measured in the same run)
 	$(BIN)/python benches/bench_header.py
