@@ -21,6 +21,8 @@ import sys
 
 import stubs  # tests/oracle/stubs.py (on PYTHONPATH via engines.run)
 
+os.environ["HF_HUB_OFFLINE"] = "1"  # the hub paths (a path that is not a folder) must fail without a network call
+
 stubs.install_sglang_llm()
 
 import torch  # noqa: E402

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
 from lorafast.compat._sglang_names import (
@@ -133,7 +134,7 @@ def _lora_config(view: AdapterView, base_vocab_size: int | None = None, col: Col
         message = f"Failed to parse added_tokens.json: {view.added_tokens_error}"
         logger.warning(message)
         if col is not None:
-            col.warn("sglang_added_tokens_json", message, stage="config", adapter_id=view.lora_id,
+            col.warn("sglang_added_tokens_json", message, stage="load", adapter_id=view.lora_id,
                      adapter_name=view.name)  # fmt: skip
     elif view.added_tokens:
         # Ids below the base vocabulary are "fake" added tokens and dropped.
@@ -231,7 +232,7 @@ def _detect(loaded: list[LoadedWeights], *, legacy: bool, col: Collector, memo: 
             shared_outer = first
         if shared_outer is not None and (not shared_outer) in seen:
             error = RuntimeError(MSG_MIXED_SHARED_OUTER.format(adapter_id=weights.lora_id))
-            col.fail("sglang_mixed_shared_outer", error, stage="detect", adapter_id=weights.lora_id)
+            col.fail("sglang_mixed_shared_outer", error, stage="startup", adapter_id=weights.lora_id)
     return bool(shared_outer) if shared_outer is not None else False
 
 
@@ -295,7 +296,7 @@ def _init_lora_shapes(
             if base_model_modules is None:
                 col.fail("sglang_needs_base_model", ValueError(
                     "lorafast: resolving target_modules 'all'/'all-linear' needs base_model_modules or base_config"
-                ), stage="init_lora_shapes")  # fmt: skip
+                ), stage="startup")  # fmt: skip
                 auto_cache.append(set())
             else:
                 auto_cache.append(auto_detect_lora_target_modules(base_model_modules))
@@ -318,10 +319,10 @@ def _init_lora_shapes(
                 resolved |= auto_detect()
                 continue
             col.fail("sglang_target_modules_string", ValueError(MSG_UNRECOGNIZED_STRING.format(tm=tm)),
-                     stage="init_lora_shapes", **ids)  # fmt: skip
+                     stage="startup", **ids)  # fmt: skip
             continue
         if not isinstance(tm, list):
-            col.fail("sglang_target_modules_type", ValueError(MSG_ONLY_LIST), stage="init_lora_shapes", **ids)
+            col.fail("sglang_target_modules_type", ValueError(MSG_ONLY_LIST), stage="startup", **ids)
             continue
         adapter_tm = get_normalized_target_modules(tm)
         if target_modules is not None:
@@ -330,13 +331,13 @@ def _init_lora_shapes(
                     name=view.name, missing=sorted(adapter_tm - resolved), have=sorted(resolved),
                     union=sorted(resolved | adapter_tm),
                 )  # fmt: skip
-                col.fail("sglang_target_modules_not_included", ValueError(message), stage="init_lora_shapes", **ids)
+                col.fail("sglang_target_modules_not_included", ValueError(message), stage="startup", **ids)
         else:
             resolved |= adapter_tm
     indexer = resolved & DSA_INDEXER_LORA_NAMES
     if indexer and dsa_indexer_fusion:
         col.fail("sglang_dsa_indexer_fusion", ValueError(MSG_DSA_FUSION.format(names=sorted(indexer))),
-                 stage="init_lora_shapes")  # fmt: skip
+                 stage="startup")  # fmt: skip
     rank = max_lora_rank if max_lora_rank is not None else max([c.r for _, c in entries], default=0)
     added = next((c.lora_added_tokens_size for _, c in entries if c.lora_added_tokens_size > 0), 0)
     return resolved, rank, added
@@ -451,7 +452,7 @@ def _validate_new_adapter(
         logger.warning(message)
         warnings.append(message)
         if col is not None:
-            col.warn("sglang_same_path", message, stage="validate", adapter_id=view.lora_id, adapter_name=view.name)
+            col.warn("sglang_same_path", message, stage="load", adapter_id=view.lora_id, adapter_name=view.name)
     if stop < loaded.count:
         raise ValueError(MSG_ALREADY_LOADED.format(name=view.name))
     if memory_pool is not None and not _can_support_one(memory_pool, config):
@@ -650,10 +651,10 @@ def _check_skipped(view: AdapterView, weights: LoadedWeights, target_modules: se
         message = MSG_SKIPPED.format(uid=view.lora_id, n=len(skipped), targets=sorted(target_modules), names=skipped)
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         if strict:
-            col.fail("sglang_skipped_weights", ValueError(message), stage="load_to_buffer", **ids)
+            col.fail("sglang_skipped_weights", ValueError(message), stage="first_use", **ids)
         else:
             logger.warning(message)
-            col.warn("sglang_skipped_weights", message, stage="load_to_buffer", **ids)
+            col.warn("sglang_skipped_weights", message, stage="first_use", **ids)
     return list(skipped)
 
 
@@ -771,9 +772,9 @@ def _check_expert_layout(
     ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
     for code, fatal, text in findings:
         if fatal:
-            col.fail(code, ValueError(text), stage="load_to_buffer", **ids)
+            col.fail(code, ValueError(text), stage="first_use", **ids)
         else:
-            col.warn(code, f"LoRA adapter '{view.lora_id}': {text}", stage="load_to_buffer", **ids)
+            col.warn(code, f"LoRA adapter '{view.lora_id}': {text}", stage="first_use", **ids)
 
 
 def check_expert_layout(
@@ -844,7 +845,7 @@ def _check_buffer_fit(view: AdapterView, config: _LoraConfig, plans: list[Buffer
     r = config.r if isinstance(config.r, int) else None
     findings = _memo(memo, ("fit", id(slots), r, id(plans)), lambda: _fit_findings(slots, r, plans))
     for text in findings:
-        col.warn("sglang_buffer_shape", f"LoRA adapter '{view.lora_id}': {text}", stage="load_to_buffer",
+        col.warn("sglang_buffer_shape", f"LoRA adapter '{view.lora_id}': {text}", stage="first_use",
                  adapter_id=view.lora_id, adapter_name=view.name)  # fmt: skip
 
 
@@ -999,6 +1000,7 @@ def preflight(
     base_model_modules: Iterable[str] | None = None,
     legacy_detection: bool = False,
     dsa_indexer_fusion: bool = False,
+    engine_version: str | None = None,
 ) -> SGLangPlan:
     """Everything an SGLang server would decide, or reject, for `adapters` as its `--lora-paths`.
 
@@ -1013,16 +1015,17 @@ def preflight(
     enters a GPU slot (skipped weights under strict loading, shared-outer expert dims). With `collect=True`
     nothing is raised: every problem of every adapter is returned in `SGLangPlan.problems`.
     """
+    _versions.resolve("sglang", engine_version)
     col = Collector(collect)
     cfg = _text_config(base_config)
-    stage = "server_args"
+    stage = "startup"
     if not max_loras_per_batch > 0:
         col.fail("sglang_server_args", AssertionError(MSG_MAX_LORAS_POSITIVE), stage=stage)
     cli_targets = set(target_modules) if target_modules else (set() if target_modules is not None else None)
     if cli_targets and "all" in cli_targets and len(cli_targets) != 1:
         col.fail("sglang_server_args", AssertionError(MSG_ALL_ALONE), stage=stage)
     for path, code, message in getattr(adapters, "errors", None) or ():
-        col.fail("scan_error", RuntimeError(f"lorafast could not scan {path}: [{code}] {message}"), stage="scan")
+        col.fail("scan_error", RuntimeError(f"lorafast could not scan {path}: [{code}] {message}"), stage="load")
     views = resolve_adapters(adapters)
     if not views and not (max_lora_rank and cli_targets):
         col.fail("sglang_server_args", AssertionError(MSG_NEED_RANK_AND_TARGETS), stage=stage)
@@ -1073,7 +1076,7 @@ def preflight(
             buffers = plan_buffers(cfg, targets, rank, max_loras_per_batch=max_loras_per_batch,
                                    experts_shared_outer=shared_outer, lora_added_tokens_size=added)  # fmt: skip
         except NotImplementedError as exc:
-            col.fail("sglang_hidden_dim", exc, stage="memory_pool")
+            col.fail("sglang_hidden_dim", exc, stage="startup")
 
     # First use of each adapter: LoRAMemoryPool.load_lora_weight_to_buffer.
     target_key = frozenset(targets)

@@ -1,0 +1,382 @@
+"""Adapters and adapter sets for the SGLang LLM oracle (tests/test_oracle_sglang.py).
+
+Every adapter is a folder on disk (safetensors headers with sparse zero data, an `adapter_config.json`), built
+for one of six tiny base models. Sources: real PEFT `save_pretrained` output for tiny Llama, Qwen2, Mistral,
+Mixtral, Qwen2-MoE and Qwen3-MoE models; `lorafast sample` adapters; tests/fixtures/real; and hand-made variants
+of every class issue 11 lists (loader rules, Inkling shared experts, first-use failures, added tokens, ...).
+Sets combine them with the server flags (`--max-lora-rank`, `--lora-target-modules`, shared-outer override,
+strict loading, `--max-loras-per-batch`) plus later dynamic loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lorafast.testing import write_safetensors
+
+ROOT = Path(__file__).resolve().parents[2]
+H, HEADS, KV, INTER, LAYERS, VOCAB = 16, 4, 2, 24, 2, 64
+HEAD_DIM = H // HEADS
+E, MOE_INTER, SHARED_INTER = 4, 8, 12
+
+_COMMON = {"hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER,
+           "num_hidden_layers": LAYERS, "vocab_size": VOCAB}  # fmt: skip
+BASES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", **_COMMON},
+    "qwen2": {"model_type": "qwen2", **_COMMON},
+    "mistral": {"model_type": "mistral", **_COMMON},
+    "mixtral": {"model_type": "mixtral", **_COMMON, "num_local_experts": E, "num_experts_per_tok": 2},
+    "qwen2_moe": {"model_type": "qwen2_moe", **_COMMON, "num_experts": E, "moe_intermediate_size": MOE_INTER,
+                  "shared_expert_intermediate_size": SHARED_INTER, "num_experts_per_tok": 2},
+    "qwen3_moe": {"model_type": "qwen3_moe", **_COMMON, "num_experts": E, "moe_intermediate_size": MOE_INTER,
+                  "num_experts_per_tok": 2, "head_dim": HEAD_DIM},
+    # Inkling's shared-sink normalization is keyed on the architecture name; the tree is Qwen2-MoE's.
+    "inkling": {"model_type": "qwen2_moe", **_COMMON, "num_experts": E, "moe_intermediate_size": MOE_INTER,
+                "shared_expert_intermediate_size": SHARED_INTER, "num_experts_per_tok": 2, "n_shared_experts": 2,
+                "architectures": ["InklingForCausalLM"]},
+}  # fmt: skip
+MOE_BASES = ("mixtral", "qwen2_moe", "qwen3_moe", "inkling")
+
+ATTN = {"q_proj": (H, HEADS * HEAD_DIM), "k_proj": (H, KV * HEAD_DIM), "v_proj": (H, KV * HEAD_DIM),
+        "o_proj": (HEADS * HEAD_DIM, H)}  # fmt: skip
+MLP = {"gate_proj": (H, INTER), "up_proj": (H, INTER), "down_proj": (INTER, H)}
+PRE = "base_model.model.model.layers"
+# Realistic target sets (q without v is one: SGLang's q/k/v fusion then fails on the missing v_proj).
+LEAF_SETS = (
+    ("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), ("o_proj",), ("down_proj",),
+    ("gate_proj", "up_proj", "down_proj"), ("gate_proj",), ("k_proj", "v_proj"), ("q_proj",), ("up_proj", "o_proj"),
+)  # fmt: skip
+
+
+def _pair(t: dict, key: str, r: int, fin: int, fout: int, a: str = "lora_A", b: str = "lora_B") -> None:
+    t[f"{key}.{a}.weight"] = ("F32", (r, fin))
+    t[f"{key}.{b}.weight"] = ("F32", (fout, r))
+
+
+def write_adapter(folder: Path, tensors: dict | None, config: Any, *, files: dict[str, str] | None = None,
+                  weights_name: str = "adapter_model.safetensors") -> str:  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    if tensors is not None:
+        write_safetensors(folder / weights_name, tensors)
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (folder / "adapter_config.json").write_text(text)
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
+    return str(folder)
+
+
+def _config(r: Any, targets: Any, **extra: Any) -> dict:
+    return {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r if isinstance(r, int) else 8, "target_modules": targets,
+            "bias": "none", "task_type": "CAUSAL_LM", **extra}  # fmt: skip
+
+
+# --- hand-made adapters --------------------------------------------------------------------------------------
+
+
+def _dense_tensors(rng: random.Random, leaves: list[str], r: int, layers: list[int], fused: bool) -> dict:
+    t: dict = {}
+    for layer in layers:
+        for leaf in leaves:
+            parent = "self_attn" if leaf in ATTN else "mlp"
+            fin, fout = {**ATTN, **MLP}[leaf]
+            _pair(t, f"{PRE}.{layer}.{parent}.{leaf}", r, fin, fout)
+        if fused:
+            _pair(t, f"{PRE}.{layer}.self_attn.qkv_proj", r, H, (HEADS + 2 * KV) * HEAD_DIM)
+            _pair(t, f"{PRE}.{layer}.mlp.gate_up_proj", r, H, 2 * INTER)
+    return t
+
+
+def _moe_tensors(base: str, r: int, layers: list[int], *, layout: str, experts: int = E, style: str = "") -> dict:
+    """Routed-expert LoRA: `2d` numbered experts, `3d` stacked per expert, `outer` shared-outer 3D."""
+    t: dict = {}
+    inter = INTER if base == "mixtral" else MOE_INTER
+    block = "block_sparse_moe" if base == "mixtral" else "mlp"
+    names = ("w1", "w3", "w2") if (style or ("w" if base == "mixtral" else "")) == "w" else (
+        "gate_proj", "up_proj", "down_proj")  # fmt: skip
+    for layer in layers:
+        pre = f"{PRE}.{layer}.{block}.experts"
+        if layout == "2d":
+            for e in range(experts):
+                _pair(t, f"{pre}.{e}.{names[0]}", r, H, inter)
+                _pair(t, f"{pre}.{e}.{names[1]}", r, H, inter)
+                _pair(t, f"{pre}.{e}.{names[2]}", r, inter, H)
+        else:
+            outer = 1 if layout == "outer" else experts
+            t[f"{pre}.gate_up_proj.lora_A.weight"] = ("F32", (outer, r, H))
+            t[f"{pre}.gate_up_proj.lora_B.weight"] = ("F32", (experts, 2 * inter, r))
+            t[f"{pre}.down_proj.lora_A.weight"] = ("F32", (experts, r, inter))
+            t[f"{pre}.down_proj.lora_B.weight"] = ("F32", (outer, H, r))
+    return t
+
+
+def _hand_made(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[str, str]]:
+    """`n` adapters for `base`, cycling through good and broken classes; returns (class, path)."""
+    made: list[tuple[str, str]] = []
+    moe = base in MOE_BASES
+    classes = [
+        "dense", "dense", "fused", "embed", "subset_config", "rank_below_weights", "rank_above_weights",
+        "missing_b", "one_d", "layer_out_of_range", "float_r", "str_r", "dora", "loha", "no_r", "no_targets",
+        "regex_targets", "all_linear", "dict_targets", "added_tokens", "fake_added_tokens", "bad_added_tokens",
+        "index_missing_shard", "index_no_weight_map", "consolidated", "config_list", "config_invalid",
+        "no_weights", "no_config", "unembed", "bias_tensor", "big_rank",
+    ]  # fmt: skip
+    if moe:
+        classes += ["moe_2d", "moe_2d", "moe_3d", "moe_outer", "moe_outer", "moe_too_many", "moe_2d_w",
+                    "numbered_shared", "shared_expert", "moe_mixed", "inkling_flat", "moe_too_few"]  # fmt: skip
+    for i in range(n):
+        kind = classes[i % len(classes)]
+        folder = out / f"{base}-{i:03d}-{kind}"
+        r = rng.choice((2, 4, 8))
+        layers = sorted(rng.sample(range(LAYERS), rng.choice((1, 2))))
+        leaves = list(rng.choice(LEAF_SETS))
+        if moe:
+            leaves = [x for x in leaves if x in ATTN] or ["q_proj"]
+        t = _dense_tensors(rng, leaves, r, layers, fused=False)
+        targets = list(leaves)
+        cfg: Any = None
+        files: dict[str, str] = {}
+        name = "adapter_model.safetensors"
+        if kind == "fused":
+            t = _dense_tensors(rng, [], r, layers, fused=True)
+            targets = ["qkv_proj", "gate_up_proj"]
+        elif kind == "embed":
+            t["base_model.model.model.embed_tokens.lora_embedding_A"] = ("F32", (r, VOCAB))
+            t["base_model.model.model.embed_tokens.lora_embedding_B"] = ("F32", (H, r))
+            t["base_model.model.lm_head.lora_A.weight"] = ("F32", (r, H))
+            t["base_model.model.lm_head.lora_B.weight"] = ("F32", (VOCAB, r))
+            targets = targets + rng.choice((["embed_tokens", "lm_head"], ["embed_tokens"], ["lm_head"], []))
+        elif kind == "subset_config" and len(targets) > 1:
+            targets = targets[:1]  # weights of the other modules are outside the target modules
+        elif kind == "unembed":
+            t["base_model.model.model.unembed_tokens.lora_A.weight"] = ("F32", (r, H))
+            t["base_model.model.model.unembed_tokens.lora_B.weight"] = ("F32", (VOCAB, r))
+            targets = targets + ["lm_head"]
+        elif kind == "bias_tensor":
+            key = next(iter(t)).replace("lora_A.weight", "lora_B.bias")
+            t[key] = ("F32", (8,))
+        elif kind == "missing_b":
+            t.pop(next(k for k in t if "lora_B" in k))
+        elif kind == "one_d":
+            key = next(k for k in t if "lora_A" in k)
+            t[key] = ("F32", (t[key][1][1],))
+        elif kind == "layer_out_of_range":
+            _pair(t, f"{PRE}.{LAYERS + 3}.self_attn.q_proj", r, H, H)
+        elif kind == "moe_2d":
+            t.update(_moe_tensors(base, r, layers, layout="2d"))
+        elif kind == "moe_2d_w":
+            t.update(_moe_tensors(base, r, layers, layout="2d", style="w"))
+        elif kind == "moe_3d":
+            t.update(_moe_tensors(base, r, layers, layout="3d"))
+        elif kind == "moe_outer":
+            t.update(_moe_tensors(base, r, layers, layout="outer"))
+        elif kind == "moe_too_many":
+            t.update(_moe_tensors(base, r, layers, layout=rng.choice(("2d", "3d", "outer")), experts=E + 2))
+        elif kind == "moe_too_few":
+            t.update(_moe_tensors(base, r, layers, layout=rng.choice(("2d", "3d")), experts=E - 1))
+        elif kind == "moe_mixed":
+            t.update(_moe_tensors(base, r, layers[:1], layout="2d"))
+            t.update(_moe_tensors(base, r, [1], layout="outer"))
+            layers = sorted(set(layers) | {1})
+        elif kind == "numbered_shared":
+            for layer in layers:
+                for e in range(2):
+                    _pair(t, f"{PRE}.{layer}.mlp.shared_experts.{e}.gate_proj", r, H, MOE_INTER)
+                    _pair(t, f"{PRE}.{layer}.mlp.shared_experts.{e}.down_proj", r, MOE_INTER, H)
+        elif kind == "shared_expert":
+            for layer in layers:
+                _pair(t, f"{PRE}.{layer}.mlp.shared_expert.gate_proj", r, H, SHARED_INTER)
+                _pair(t, f"{PRE}.{layer}.mlp.shared_expert.up_proj", r, H, SHARED_INTER)
+                _pair(t, f"{PRE}.{layer}.mlp.shared_expert.down_proj", r, SHARED_INTER, H)
+        elif kind == "inkling_flat":
+            n_shared = rng.choice((1, 2, 3))
+            for layer in layers:
+                pre = f"{PRE}.{layer}.mlp.shared_experts"
+                leaf = rng.choice((("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")))
+                _pair(t, f"{pre}.{leaf[0]}", r, H, MOE_INTER * n_shared)
+                _pair(t, f"{pre}.{leaf[1]}", r, H, MOE_INTER * n_shared)
+                _pair(t, f"{pre}.{leaf[2]}", r, MOE_INTER * n_shared, H)
+        if kind.startswith(("moe", "numbered_shared", "shared_expert", "inkling")):
+            targets = targets + rng.choice((["gate_proj", "up_proj", "down_proj"], ["w1", "w2", "w3"],
+                                            ["gate_up_proj", "down_proj"], ["down_proj"]))  # fmt: skip
+        cfg = _config(r, targets)
+        if kind == "rank_below_weights":
+            cfg["r"] = max(1, r // 2)
+        elif kind == "rank_above_weights":
+            cfg["r"] = r * 2
+        elif kind == "big_rank":
+            t = _dense_tensors(rng, leaves, 16, layers, fused=False)
+            cfg["r"] = 16
+        elif kind == "float_r":
+            cfg["r"] = float(r)
+        elif kind == "str_r":
+            cfg["r"] = str(r)
+        elif kind == "dora":
+            cfg["use_dora"] = True
+        elif kind == "loha":
+            cfg["peft_type"] = "LOHA"
+        elif kind == "no_r":
+            del cfg["r"]
+        elif kind == "no_targets":
+            del cfg["target_modules"]
+        elif kind == "regex_targets":
+            cfg["target_modules"] = r".*\.(q_proj|v_proj)"
+        elif kind == "all_linear":
+            cfg["target_modules"] = rng.choice(("all-linear", "all"))
+        elif kind == "dict_targets":
+            cfg["target_modules"] = {t_: 1 for t_ in targets}
+        elif kind == "added_tokens":
+            files["added_tokens.json"] = json.dumps({"<x>": VOCAB, "<y>": VOCAB + 1})
+        elif kind == "fake_added_tokens":
+            files["added_tokens.json"] = json.dumps({"<x>": 3, "<y>": VOCAB - 1})
+        elif kind == "bad_added_tokens":
+            files["added_tokens.json"] = "{not json"
+        elif kind == "index_missing_shard":
+            files["model.safetensors.index.json"] = json.dumps({"weight_map": {k: "missing.safetensors" for k in t}})
+        elif kind == "index_no_weight_map":
+            files["model.safetensors.index.json"] = json.dumps({"metadata": {}})
+        elif kind == "consolidated":
+            write_adapter(folder, {k: v for k, v in list(t.items())[:2]}, None, weights_name="consolidated.safetensors")
+            name = "model.safetensors"
+        elif kind == "config_list":
+            cfg = json.dumps([cfg])
+        elif kind == "config_invalid":
+            cfg = "{\"r\": 4,"
+        elif kind == "no_weights":
+            t = None  # type: ignore[assignment]
+        elif kind == "no_config":
+            cfg = None
+        made.append((kind, write_adapter(folder, t, cfg, files=files, weights_name=name)))
+    return made
+
+
+# --- real PEFT output ------------------------------------------------------------------------------------------
+
+
+def _peft_adapters(out: Path, rng: random.Random, n_per_base: int) -> list[tuple[str, str, str]]:
+    """`save_pretrained` of real PEFT LoRA on tiny transformers models of each base: (base, class, path)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    made = []
+    torch.manual_seed(0)
+    for base in ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"):
+        config = AutoConfig.for_model(**{k: v for k, v in BASES[base].items() if k != "architectures"})
+        model = AutoModelForCausalLM.from_config(config)
+        for i in range(n_per_base):
+            targets = sorted(rng.sample(sorted({**ATTN, **MLP} if base in ("llama", "qwen2", "mistral") else ATTN),
+                                        rng.randint(1, 4)))  # fmt: skip
+            extra: dict[str, Any] = {}
+            if base in ("qwen3_moe", "qwen2_moe", "mixtral") and i % 3 == 1:
+                extra["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+            if i % 5 == 4:
+                targets = targets + ["embed_tokens", "lm_head"]
+            r = rng.choice((2, 4, 8))
+            try:
+                peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **extra))
+            except Exception:  # noqa: BLE001 - a target PEFT refuses on this model: try without target_parameters
+                continue
+            folder = out / f"peft-{base}-{i:02d}"
+            peft_model.save_pretrained(str(folder))
+            model = peft_model.unload()
+            made.append((base, "peft", str(folder)))
+    return made
+
+
+# --- the whole data set ------------------------------------------------------------------------------------------
+
+
+def build(out: Path, seed: int = 11) -> dict[str, Any]:
+    """Write every adapter under `out`; return {"adapters": [(base, class, path)], "cases": [...]}."""
+    rng = random.Random(seed)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    adapters: list[tuple[str, str, str]] = []
+    for base in BASES:
+        count = 75 if base in MOE_BASES else 55
+        adapters += [(base, kind, path) for kind, path in _hand_made(rng, out / "hand", base, count)]
+    adapters += _peft_adapters(out / "peft", rng, 6)
+    fixtures = ROOT / "tests" / "fixtures" / "real"
+    for folder in sorted(fixtures.iterdir()):
+        if folder.is_dir() and folder.name.startswith("peft_"):
+            base = {"peft_mixtral_v4_experts": "mixtral", "peft_qwen2moe_v4_experts": "qwen2_moe",
+                    "peft_qwen3moe_target_parameters": "qwen3_moe"}.get(folder.name, "llama")  # fmt: skip
+            adapters.append((base, "fixture", str(folder)))
+    adapters += _samples(out / "samples")
+    adapters.append(("llama", "not_a_folder", str(out / "does-not-exist")))
+    adapters.append(("llama", "hub_id", "not a valid/repo id!"))
+    return {"adapters": adapters, "cases": _cases(rng, adapters)}
+
+
+def _samples(out: Path) -> list[tuple[str, str, str]]:
+    """`lorafast sample` LLM adapters (hidden 16); their layer counts exceed the tiny bases' on purpose."""
+    from lorafast.sample import sample_kind_of, write_samples
+
+    made = []
+    for path in write_samples(out, 40, seed=3, hidden=16):
+        kind = sample_kind_of(path)
+        if not kind.startswith("peft_"):
+            continue
+        base = "qwen3_moe" if "moe" in kind else "llama"
+        if kind == "peft_moe_2d_mixtral":
+            base = "mixtral"
+        elif kind == "peft_moe_2d_qwen":
+            base = "qwen2_moe"
+        made.append((base, f"sample_{kind}", os.fspath(path)))
+    return made
+
+
+def _flags(rng: random.Random, base: str) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    roll = rng.random()
+    if roll < 0.15:
+        flags["max_lora_rank"] = rng.choice((2, 4, 8, 16))
+    if rng.random() < 0.15:
+        flags["target_modules"] = rng.choice((["all"], ["q_proj", "v_proj"], ["qkv_proj", "o_proj", "gate_up_proj",
+                                              "down_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                              "up_proj", "down_proj", "embed_tokens", "lm_head"]))  # fmt: skip
+        if "max_lora_rank" not in flags and rng.random() < 0.5:
+            flags["max_lora_rank"] = 8
+    if base in MOE_BASES and rng.random() < 0.3:
+        flags["experts_shared_outer"] = rng.choice((True, False))
+    if rng.random() < 0.15:
+        flags["strict_loading"] = True
+    if rng.random() < 0.1:
+        flags["max_loras_per_batch"] = rng.choice((1, 2, 4))
+    return flags
+
+
+def _cases(rng: random.Random, adapters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """Every adapter alone (so a failure of one never hides another), then sets of 2-3 with later loads."""
+    cases = []
+    by_base: dict[str, list[str]] = {}
+    for base, _kind, path in adapters:
+        by_base.setdefault(base, []).append(path)
+    for i, (base, _kind, path) in enumerate(adapters):
+        flags = _flags(rng, base) if i % 2 else {}
+        cases.append({"id": f"one-{i}", "base": BASES[base], "adapters": [{"name": f"a{i}", "path": path}], **flags})
+    for i in range(220):
+        base = rng.choice(sorted(by_base))
+        pool = by_base[base]
+        chosen = rng.sample(pool, min(len(pool), rng.choice((2, 2, 3))))
+        entries = [{"name": f"s{i}-{j}", "path": p, "pinned": rng.random() < 0.1} for j, p in enumerate(chosen)]
+        if rng.random() < 0.1:
+            entries.append({"name": entries[0]["name"], "path": entries[0]["path"]})  # same name twice
+        dynamic = [{"name": f"d{i}-{j}", "path": p} for j, p in enumerate(rng.sample(pool, min(len(pool), 2)))]
+        if rng.random() < 0.2:
+            dynamic.append({"name": entries[0]["name"], "path": entries[0]["path"]})
+        case = {"id": f"set-{i}", "base": BASES[base], "adapters": entries, "dynamic": dynamic, **_flags(rng, base)}
+        if rng.random() < 0.05:
+            case["adapters"] = []
+            case.setdefault("max_lora_rank", 8)
+            case.setdefault("target_modules", ["q_proj", "v_proj"])
+        cases.append(case)
+    return cases
