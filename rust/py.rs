@@ -16,6 +16,7 @@ use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
 use crate::header::{self, Dtype, ReadMode};
 use crate::remote::{self, RemoteOptions};
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
+use crate::torch;
 
 /// Paths go to Python as `str` decoded the way `os.fsdecode` does (surrogateescape), so a name
 /// that is not UTF-8 round-trips to the same bytes.
@@ -91,7 +92,47 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
             (tensors, metadata, h.header_size, h.file_size, warnings)
         })
     });
-    let (tensors, metadata, header_size, file_size, warnings) = result?;
+    header_dict(py, result?)
+}
+
+/// `read_torch_header`'s dict has `read_header`'s shape. Offsets are file offsets of each tensor's
+/// bytes (its extent in its storage record), and `header_size` is the size of `data.pkl`.
+#[pyfunction]
+fn read_torch_header<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let result = detach_contained(py, &path, || {
+        torch::read_torch_header(&path).map(|t| {
+            let h = &t.header;
+            let tensors: Vec<TensorRow> = h
+                .tensors
+                .iter()
+                .map(|e| {
+                    let at = h.data_start();
+                    (
+                        e.name.to_string(),
+                        e.dtype.name(),
+                        h.shape(e).to_vec(),
+                        (at + e.begin, at + e.end),
+                    )
+                })
+                .collect();
+            let warnings = h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
+            (tensors, None, t.pickle_size, h.file_size, warnings)
+        })
+    });
+    header_dict(py, result?)
+}
+
+/// (tensors, metadata, header size, file size, warnings) of a read header.
+type HeaderParts = (
+    Vec<TensorRow>,
+    Option<Vec<(String, String)>>,
+    u64,
+    u64,
+    Vec<(&'static str, String)>,
+);
+
+fn header_dict<'py>(py: Python<'py>, parts: HeaderParts) -> PyResult<Bound<'py, PyDict>> {
+    let (tensors, metadata, header_size, file_size, warnings) = parts;
     let d = PyDict::new(py);
     let tensors: Vec<Bound<'py, PyTuple>> = tensors
         .into_iter()
@@ -551,6 +592,7 @@ fn static_code(code: &str) -> &'static str {
     HEADER_ERROR_CODES
         .iter()
         .chain(ADAPTER_ERROR_CODES)
+        .chain(torch::TORCH_ERROR_CODES)
         .find(|k| **k == code)
         .copied()
         .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
@@ -688,8 +730,8 @@ fn _debug_panic_on(path: Option<PathBuf>) {
 mod _core {
     #[pymodule_export]
     use super::{
-        _debug_panic_on, discover, discover_targets, inspect, inspect_many, map_file, read_header, scan, scan_targets,
-        MappedFile, ScanResult,
+        _debug_panic_on, discover, discover_targets, inspect, inspect_many, map_file, read_header, read_torch_header,
+        scan, scan_targets, MappedFile, ScanResult,
     };
 
     #[pymodule_init]
@@ -698,6 +740,7 @@ mod _core {
         crate::scan::install_fork_guard();
         m.add("HEADER_ERROR_CODES", super::HEADER_ERROR_CODES.to_vec())?;
         m.add("ADAPTER_ERROR_CODES", super::ADAPTER_ERROR_CODES.to_vec())?;
+        m.add("TORCH_ERROR_CODES", crate::torch::TORCH_ERROR_CODES.to_vec())?;
         m.add("FORMATS", super::Format::NAMES.to_vec())?;
         m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;
         m.add("FLAGS", super::flags::NAMES.to_vec())?;

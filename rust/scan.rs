@@ -2,8 +2,10 @@
 //! bulk scan.
 //!
 //! Discovery rules (documented in the README):
-//! - a `.safetensors` file given directly is one adapter;
-//! - a folder with `adapter_config.json` is one PEFT adapter (weights: `adapter_model.safetensors`);
+//! - a `.safetensors` file given directly is one adapter (a `.bin` / `.pt` / `.pth` one is read as
+//!   torch weights, `torch.rs`);
+//! - a folder with `adapter_config.json` is one PEFT adapter (weights: `adapter_model.safetensors`,
+//!   else `adapter_model.bin`, else `adapter_model.pt`, vLLM's order);
 //! - a folder without a config that holds exactly one `.safetensors` file and no sub-folders is one
 //!   adapter (the diffusers / kohya "folder with one file" form);
 //! - any other folder: each `.safetensors` file in it is an adapter, and with `recursive` its
@@ -32,6 +34,7 @@ use crate::error::{Error, HeaderError};
 use crate::header::{header_bytes, parse_header_unchecked_names, read_header_from, Header, ReadMode, N_LEN};
 use crate::memo;
 use crate::open::{not_regular, open_error, open_nonblocking, stat};
+use crate::torch;
 
 pub const CONFIG_NAME: &str = "adapter_config.json";
 pub const PEFT_WEIGHTS: &str = "adapter_model.safetensors";
@@ -91,7 +94,8 @@ pub fn locate(path: &Path) -> Result<Target, Error> {
         });
     }
     let config = path.join(CONFIG_NAME);
-    if config.is_file() {
+    // Any config but a folder makes a PEFT folder: one that is a FIFO, say, is its load's error.
+    if fs::metadata(&config).is_ok_and(|m| !m.is_dir()) {
         return peft_target(path, config);
     }
     let (files, _dirs) = list_dir(path)?;
@@ -126,11 +130,24 @@ fn with_weights(t: Target) -> Result<Target, Error> {
     if t.config.is_none() {
         return Ok(t);
     }
-    match fs::metadata(&t.weights) {
-        Ok(m) if m.is_file() => Ok(t),
-        Ok(m) if !m.is_dir() => Err(not_regular(&t.weights, &m)),
-        Ok(_) => Err(missing_weights(&t.path)),
-        Err(e) => Err(weights_error(&t, e)),
+    let missing = match fs::metadata(&t.weights) {
+        Ok(m) if m.is_file() => return Ok(t),
+        Ok(m) if !m.is_dir() => return Err(not_regular(&t.weights, &m)),
+        Ok(_) => missing_weights(&t.path),
+        Err(e) => weights_error(&t, e),
+    };
+    torch_fallback(t, missing)
+}
+
+/// A PEFT folder without `adapter_model.safetensors` is read from `adapter_model.bin`, else
+/// `adapter_model.pt`, as vLLM picks them (`torch.rs`); else `missing` is its error.
+fn torch_fallback(t: Target, missing: Error) -> Result<Target, Error> {
+    match missing.code() {
+        "missing_weights" => match torch::fallback_weights(&t.path) {
+            Some(weights) => Ok(Target { weights, ..t }),
+            None => Err(missing),
+        },
+        _ => Err(missing),
     }
 }
 
@@ -273,12 +290,11 @@ fn peft_paths(dir: &Path, config: PathBuf) -> Target {
 
 /// The error for a PEFT folder whose weights file is missing.
 fn missing_weights(dir: &Path) -> Error {
-    let why = if dir.join("adapter_model.bin").is_file() {
-        "adapter_model.bin is a pickle and is not read; convert it to adapter_model.safetensors"
-    } else {
-        "adapter_config.json but no adapter_model.safetensors"
-    };
-    Error::adapter(dir, "missing_weights", why)
+    Error::adapter(
+        dir,
+        "missing_weights",
+        "adapter_config.json but no adapter_model.safetensors, adapter_model.bin or adapter_model.pt",
+    )
 }
 
 /// The entries of one input path; its sub-folders are left for the walk.
@@ -529,10 +545,20 @@ fn load_inner(target: Target, config: Option<ConfigBytes>, opts: ScanOptions) ->
     debug_hook(&target.weights);
     // The weights first: a PEFT folder without them is `missing_weights`, whatever its config holds.
     // Opened without blocking and checked to be a regular file: a FIFO or device is reported.
-    let (weights, meta) = open_nonblocking(&target.weights).map_err(|e| weights_error(&target, e))?;
-    if target.config.is_some() && meta.is_dir() {
-        return Err(missing_weights(&target.path));
+    if torch::is_torch_weights(&target.weights) {
+        return torch::load(target, config, opts);
     }
+    let (weights, meta) = match open_nonblocking(&target.weights) {
+        Ok((_, meta)) if target.config.is_some() && meta.is_dir() => {
+            let missing = missing_weights(&target.path);
+            return torch::load(torch_fallback(target, missing)?, config, opts);
+        }
+        Ok(opened) => opened,
+        Err(e) => {
+            let missing = weights_error(&target, e);
+            return torch::load(torch_fallback(target, missing)?, config, opts);
+        }
+    };
     if !meta.is_file() {
         return Err(not_regular(&target.weights, &meta));
     }
@@ -859,10 +885,17 @@ mod tests {
         };
         load(target(&small), ScanOptions::default()).unwrap();
         let kept = buffer_capacity();
-        assert!(kept > 0 && kept <= KEEP_BUF_BYTES, "a small header's buffer is kept for reuse");
+        assert!(
+            kept > 0 && kept <= KEEP_BUF_BYTES,
+            "a small header's buffer is kept for reuse"
+        );
         let result = load(target(&big), ScanOptions::default()).unwrap();
         assert!(result.header_size > 3 * KEEP_BUF_BYTES as u64);
-        assert_eq!(buffer_capacity(), 0, "the big header's buffer is freed once its file is done");
+        assert_eq!(
+            buffer_capacity(),
+            0,
+            "the big header's buffer is freed once its file is done"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 

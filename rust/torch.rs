@@ -5,13 +5,14 @@
 
 use std::borrow::Cow;
 use std::fs::File;
-use std::io;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 use rustc_hash::FxHashMap;
 
 use crate::error::Error;
 use crate::header::{Header, TensorEntry, Warning, N_LEN};
+use crate::open::open_regular;
 use crate::scan::{build_result, check_config_size, parse_config, AdapterResult, ScanOptions, Target};
 use crate::torch_pickle::{read_state_dict, Tensor};
 use crate::torch_zip::{read_at, Archive};
@@ -213,29 +214,21 @@ fn byte_range(t: &Tensor, start: u64) -> (u64, u64) {
 
 /// Opens and reads the torch file at `path`.
 pub fn read_torch_header(path: &Path) -> Result<TorchHeader, Error> {
-    let (file, size) = open_weights(path)?;
+    let (file, size) = open_regular(path)?;
     read_torch_file(&file, size).map_err(|e| e.into_error(path))
-}
-
-fn open_weights(path: &Path) -> Result<(File, u64), Error> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
-    if !meta.is_file() {
-        return Err(Error::io(path, io::Error::other("not a regular file")));
-    }
-    Ok((file, meta.len()))
 }
 
 /// Loads and classifies an adapter whose weights are a torch file (`config`: the config's bytes,
 /// when already read). A bad config is reported before a bad weights file, as for safetensors.
 pub fn load(target: Target, config: Option<Vec<u8>>, opts: ScanOptions) -> Result<AdapterResult, Error> {
-    let (file, size) = open_weights(&target.weights)?;
+    let (file, size) = open_regular(&target.weights)?;
     let config = match (&target.config, config) {
         (Some(path), Some(bytes)) => Some(parse_config(path, bytes)?),
         (Some(path), None) => {
-            let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+            let (mut f, len) = open_regular(path)?;
             check_config_size(path, len)?;
-            let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+            let mut bytes = Vec::with_capacity(len as usize);
+            f.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
             Some(parse_config(path, bytes)?)
         }
         (None, _) => None,
