@@ -317,3 +317,29 @@ def test_cli_exit_codes(zoo: dict[str, Path], capsys: pytest.CaptureFixture[str]
     assert main(["check", "--base", str(zoo["llama"]), str(zoo["a_llama"]), "--engine", "sglang"]) == 0
     assert "sglang: accepted" in capsys.readouterr().out
     assert main(["check", "--base", os.fspath(zoo["llama"]) + "-missing", str(zoo["a_llama"])]) == 1
+
+
+def test_remote_bases_over_http_and_hf(zoo: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    servers = pytest.importorskip("servers")
+    site = tmp_path / "site"
+    shutil.copytree(zoo["llava"], site / "llava")
+    shutil.copytree(zoo["llama"], site / "org" / "llama")
+    server = servers.RangeServer(str(site), delay=1.0)
+    try:
+        local = read_base(zoo["llava"])
+        remote = read_base(f"{server.url}/ok/llava", timeout=5)
+        assert remote.kind == "sharded" and remote.weights.keys() == local.weights.keys()
+        assert [w.shape for w in remote.weights.values()] == [w.shape for w in local.weights.values()]
+        assert remote.config == local.config
+        r = next(iter(check(zoo["a_llama"], remote)))
+        assert r.verdict == "no_match" and "model.language_model." in (r.hint or "")
+        monkeypatch.setenv("HF_ENDPOINT", f"{server.url}/hf")
+        hub = read_base("hf://org/llama@main", timeout=5)
+        assert hub.weights.keys() == read_base(zoo["llama"]).weights.keys()
+        assert next(iter(check(zoo["a_llama"], hub))).verdict == "ok"
+        with pytest.raises(FileNotFoundError):
+            read_base(f"{server.url}/ok/nothing-here.safetensors", timeout=5)
+    finally:
+        server.stop()

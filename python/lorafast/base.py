@@ -282,7 +282,12 @@ def _read_single(src: _Local | _Http, path: str) -> BaseModel:
         sub.__dict__.update(src.__dict__, root=folder)
     else:
         sub = _Local(folder or ".")
-    weights, meta_quant = _weights_of(sub, [name])
+    try:
+        weights, meta_quant = _weights_of(sub, [name])
+    except BaseModelError as e:
+        if e.code == "missing_file":  # the path given is not there: as for a local path
+            raise FileNotFoundError(2, f"no such base model: {path}", path) from None
+        raise
     config = _optional_json(sub, "config.json")
     comps = _split_single_file(weights, path)
     if comps:
