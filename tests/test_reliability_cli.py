@@ -55,6 +55,24 @@ def test_scan_usage_errors_are_one_line_and_exit_2(
     assert err.count("\n") == 1 and err.startswith("lorafast scan: error: argument ") and words in err, err
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["groups", "{dir}", "--max-per-group", "0"], "lorafast groups: error: argument --max-per-group: must be at"),
+        (["groups", "{dir}", "--max-lora-rank", "-1"], "lorafast groups: error: argument --max-lora-rank: must be at"),
+        (["sample", "--out", "{dir}/more", "-n", "-1"], "lorafast sample: error: argument -n: must be 0 or more"),
+        (["sample", "--out", "{dir}/more", "-n", "many"], "lorafast sample: error: argument -n: expected a whole"),
+    ],
+)
+def test_other_commands_count_arguments_are_usage_errors(
+    adapters: Path, argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_main([a.format(dir=adapters) for a in argv], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(words), err
+    assert not (adapters / "more").exists()
+
+
 @pytest.mark.parametrize("timeout", ["1e20", "1e300", "inf", "18446744073709551616"])
 def test_huge_timeouts_are_accepted_without_a_traceback(
     adapters: Path, timeout: str, capsys: pytest.CaptureFixture[str]

@@ -66,24 +66,38 @@ def cmd_scan(args: argparse.Namespace) -> int:
 # Argument types: argparse turns their ArgumentTypeError into a one-line usage error, exit status 2.
 
 
-def _key_value(text: str) -> tuple[str, str]:
+def key_value(text: str) -> tuple[str, str]:
+    """`KEY=VALUE` with a non-empty key."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
     return key, value
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str) -> int:
     try:
-        n = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """A count of at least 1 (threads, ranks, group sizes)."""
+    n = _whole(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
     return n
 
 
-def _seconds(text: str) -> float:
+def count(text: str) -> int:
+    """A count of at least 0."""
+    n = _whole(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return n
+
+
+def seconds(text: str) -> float:
     """A timeout: positive, not NaN. Huge values (even inf) pass; the library clamps them."""
     try:
         x = float(text)
@@ -158,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument(
-        "--threads", type=_positive_int, default=None, help="worker threads (default: LORAFAST_NUM_THREADS or cores)"
+        "--threads", type=positive_int, default=None, help="worker threads (default: LORAFAST_NUM_THREADS or cores)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-recursive", action="store_true", help="do not descend into sub-folders")
@@ -166,9 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-only", action="store_true", help="with --json: leave out per-adapter records")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ray: scan shards in Ray tasks")
     p.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS or a local one)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                    help="object store option for URL paths (endpoint, region, allow_http, ...); repeatable")  # fmt: skip
-    p.add_argument("--timeout", type=_seconds, default=None, help="seconds per remote request (default 10)")
+    p.add_argument("--timeout", type=seconds, default=None, help="seconds per remote request (default 10)")
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("inspect", help="everything about one adapter")
@@ -186,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sample", help="write realistic sample adapters of every format and MoE layout")
     p.add_argument("--out", required=True)
-    p.add_argument("-n", type=int, default=100)
+    p.add_argument("-n", type=count, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_sample)

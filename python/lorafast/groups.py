@@ -703,14 +703,16 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast groups` to the lorafast CLI."""
+    from lorafast.cli import positive_int  # argparse types: a bad count is a usage error (exit 2)
+
     p = subparsers.add_parser(
         "groups",
         help="split adapters into the fewest SGLang servers that can each load their share",
         description="Group adapters by MoE outer layout and base model, with SGLang server arguments per group.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="adapter folders/files (or folders of adapters)")
-    p.add_argument("--max-lora-rank", type=int, default=None, help="fixed server rank limit")
+    p.add_argument("--max-lora-rank", type=positive_int, default=None, help="fixed server rank limit")
     p.add_argument("--target-modules", nargs="+", default=None, help="fixed --lora-target-modules")
-    p.add_argument("--max-per-group", type=int, default=None, help="at most this many adapters per server")
+    p.add_argument("--max-per-group", type=positive_int, default=None, help="at most this many adapters per server")
     p.add_argument("--json", action="store_true", help="print the groups as JSON")
     p.set_defaults(func=_run_cli)
