@@ -95,6 +95,8 @@ def run(case: dict) -> dict:
         return state_stages(tensors_of(case["tensors"]), case.get("config", {}))
     if kind == "alpha":
         return {"alpha": stage(pa.get_peft_lora_alpha, case["config"])}
+    if kind == "constants":
+        return {"valid_targets": {"ok": Pipeline.VALID_TARGETS}}
     pipe = Pipeline()
     pipe.server_args = types.SimpleNamespace(lora_merge_mode=case.get("server_mode", "auto"))
     if kind == "params":
