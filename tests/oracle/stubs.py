@@ -7,7 +7,90 @@ Each engine has one section; a runner calls exactly one `install_*` function bef
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
 # --- vLLM ------------------------------------------------------------------------------------------------
+# What runs for real (tests/oracle/vllm_runner.py): `vllm.lora.peft_helper`, `lora_model`, `lora_weights`,
+# `utils` (`parse_fine_tuned_lora_name`, `get_adapter_absolute_path`), `worker_manager`
+# (`WorkerLoRAManager._load_adapter`), the manager's `_validate_moe_lora_format` and
+# `_validate_classification_head_lora` (0.33), `WeightsMapper`, `vllm.exceptions`, `vllm.logger`, `vllm.envs`,
+# `vllm.platforms`, `vllm.utils.torch_utils`, with real torch and safetensors on CPU.
+# Stubs, each with why:
+#
+# 1. `VLLM_INERT_MODULES`: modules the LoRA files import whose import needs CUDA kernels, process groups, zmq,
+#    cbor2, msgspec or cachetools, or pulls in the whole model zoo (`vllm.distributed.parallel_state` is asked
+#    only by `logger.info_once` whether this is the first rank: an inert instance is truthy, so it logs). The tested paths never call into them; they
+#    only import names (layer classes for isinstance checks, decorators). Each becomes a module whose every
+#    attribute is an inert class; a package keeps its real `__path__`, so real submodules (such as
+#    `vllm.model_executor.models.utils`, home of `WeightsMapper`) still load from the wheel.
+# 2. `LoRAConfig` (pydantic, validated against the platform and kernel config): `validate_legal` and
+#    `_load_adapter` read only `max_lora_rank` and `lora_dtype`, so a plain object carries those two.
+# 3. `LoRARequest` (a msgspec struct): a plain object with `lora_name`, `lora_int_id`, `lora_path` and
+#    `is_3d_lora_weight`.
+# 4. The worker and its adapter manager: `create_lora_manager` needs a model built on a GPU. The runner calls
+#    the real `WorkerLoRAManager._load_adapter` on an object holding what `__init__` and the manager set:
+#    `supported_lora_modules`, `packed_modules_mapping` (built as `process_packed_modules_mapping` does for
+#    the model family), the model's `hf_to_vllm_mapper` (a real `WeightsMapper`), vocab size, max positions,
+#    `moe_ep_load_spec=None`, and the manager's own validation methods, unbound from the real class. The
+#    manager's `modules` hold inert `FusedMoEWithLoRA` instances at the MoE layers (2-D wrappers), and its
+#    classification head is an inert `ClassificationHeadWithLoRA` with `max_lora_cls_labels`/`input_size`.
+VLLM_INERT_MODULES = (
+    "vllm.config", "vllm.config.lora", "vllm.utils.hashing", "vllm.utils.cache", "vllm.lora.request",
+    "vllm.lora.layers", "vllm.lora.punica_wrapper", "vllm.model_executor", "vllm.model_executor.custom_op",
+    "vllm.model_executor.layers", "vllm.model_executor.layers.fused_moe", "vllm.model_executor.layers.linear",
+    "vllm.model_executor.layers.vocab_parallel_embedding", "vllm.model_executor.layers.pooler",
+    "vllm.model_executor.layers.pooler.tokwise", "vllm.model_executor.utils", "vllm.transformers_utils.repo_utils",
+    "vllm.distributed", "vllm.distributed.parallel_state", "vllm.model_executor.model_loader", "vllm.model_executor.model_loader.reload",
+    "vllm.model_executor.model_loader.weight_utils", "vllm.model_executor.models",
+    "vllm.model_executor.models.interfaces", "vllm.multimodal", "vllm.multimodal.encoder_budget", "vllm.sequence",
+)  # fmt: skip
+
+
+class _InertModule(types.ModuleType):
+    """A module whose every public attribute is an inert class (usable in isinstance, as a base, a decorator
+    or a generic alias), created on first access."""
+
+    def __getattr__(self, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls = type(name, (), {"__module__": self.__name__, "__init__": _accept_anything,
+                              "__class_getitem__": classmethod(lambda c, _item: c)})  # fmt: skip
+        setattr(self, name, cls)
+        return cls
+
+
+def _accept_anything(self: object, *args: object, **kwargs: object) -> None:
+    pass
+
+
+class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = frozenset(names)
+
+    def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in self.names:
+            return None
+        real = importlib.machinery.PathFinder.find_spec(name, path)  # type: ignore[arg-type]
+        locations = None if real is None else real.submodule_search_locations
+        spec = importlib.machinery.ModuleSpec(name, self, is_package=locations is not None)
+        if locations is not None:
+            spec.submodule_search_locations = list(locations)
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _InertModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def install_vllm() -> None:
+    """Stub 1 (the inert modules); stubs 2-4 are plain objects built by the runner."""
+    sys.meta_path.insert(0, _InertFinder(VLLM_INERT_MODULES))
+
 
 # --- SGLang (LLM: config, adapter, manager, memory pool, loader) -----------------------------------------
 # What runs for real (tests/oracle/sglang_runner.py): `lora_config`, `lora`, `lora_manager`, `mem_pool`, `utils`,
