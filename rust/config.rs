@@ -20,13 +20,54 @@ pub enum TargetModules {
     Pattern(String),
 }
 
-/// One `rank_pattern` / `alpha_pattern` entry, compiled as PEFT matches it:
+/// One `rank_pattern` / `alpha_pattern` entry, matched as PEFT matches it:
 /// `re.match(rf"(.*\.)?({key})$", module_name)`.
 #[derive(Debug, Clone)]
 pub struct Pattern {
     pub key: String,
-    pub regex: Option<Regex>,
+    pub matcher: Matcher,
     pub value: f64,
+}
+
+/// How a pattern key is matched.
+#[derive(Debug, Clone)]
+pub enum Matcher {
+    /// A key without regex syntax (most are: PEFT writes module names): compared as text.
+    Literal,
+    Regex(Regex),
+    /// A key lorafast cannot evaluate (Python-only syntax, or over the size limits); never matches.
+    Bad,
+}
+
+/// Limits on a config's compiled regexes, so that a small config cannot take much memory or
+/// time (100 keys like `\w{100}` took 870 MB and a minute): bytes per compiled program and
+/// per lazy-DFA cache, and compiled patterns per config (later ones are reported as bad).
+const REGEX_SIZE_LIMIT: usize = 256 << 10;
+const MAX_REGEX_PATTERNS: usize = 64;
+
+fn build_regex(pattern: &str) -> Option<Regex> {
+    regex::RegexBuilder::new(pattern)
+        .size_limit(REGEX_SIZE_LIMIT)
+        .dfa_size_limit(REGEX_SIZE_LIMIT)
+        .build()
+        .ok()
+}
+
+impl Pattern {
+    pub fn is_match(&self, name: &str) -> bool {
+        match &self.matcher {
+            // The regex's reading: the key whole, or after a dot, with no newline before it
+            // (`.*` does not cross one).
+            Matcher::Literal => {
+                name == self.key
+                    || name
+                        .strip_suffix(self.key.as_str())
+                        .is_some_and(|head| head.ends_with('.') && !head.contains('\n'))
+            }
+            Matcher::Regex(r) => r.is_match(name),
+            Matcher::Bad => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -88,7 +129,7 @@ pub fn same_tagged(a: &str, b: &str) -> bool {
 }
 
 fn compile(key: &str) -> Option<Regex> {
-    Regex::new(&format!(r"^(?:.*\.)?(?:{key})$")).ok()
+    build_regex(&format!(r"^(?:.*\.)?(?:{key})$"))
 }
 
 /// PEFT's suffix rule for a `target_modules` list entry.
@@ -394,7 +435,7 @@ impl LoraConfig {
     fn from_fields(fields: &Fields<'_>) -> LoraConfig {
         let get = |k: &str| fields.get(k);
         let flag = |k: &str| get(k).and_then(Field::as_bool).unwrap_or(false);
-        let mut bad_patterns = Vec::new();
+        let (mut bad_patterns, mut compiled) = (Vec::new(), 0);
         let target_modules = match get("target_modules") {
             Some(Field::Str(s)) => Some(TargetModules::Pattern(s.clone())),
             Some(v @ Field::List(..)) => Some(TargetModules::List(v.strings())),
@@ -424,8 +465,8 @@ impl LoraConfig {
                 .map(Number::as_f64),
             use_rslora: flag("use_rslora"),
             use_dora: flag("use_dora"),
-            rank_pattern: patterns(get("rank_pattern"), &mut bad_patterns),
-            alpha_pattern: patterns(get("alpha_pattern"), &mut bad_patterns),
+            rank_pattern: patterns(get("rank_pattern"), &mut bad_patterns, &mut compiled),
+            alpha_pattern: patterns(get("alpha_pattern"), &mut bad_patterns, &mut compiled),
             target_modules,
             target_parameters: get("target_parameters").map(Field::strings).unwrap_or_default(),
             base_model_name_or_path: get("base_model_name_or_path")
@@ -449,10 +490,7 @@ impl LoraConfig {
 
     /// PEFT's `get_pattern_key`: the first pattern (in file order) whose regex matches.
     fn resolve(patterns: &[Pattern], name: &str) -> Option<f64> {
-        patterns
-            .iter()
-            .find(|p| p.regex.as_ref().is_some_and(|r| r.is_match(name)))
-            .map(|p| p.value)
+        patterns.iter().find(|p| p.is_match(name)).map(|p| p.value)
     }
 
     /// The rank this config gives `name` (prefix-free module name).
@@ -549,7 +587,7 @@ impl TargetIndex {
             Some(TargetModules::Pattern(p)) => TargetIndex {
                 dotless: Vec::new(),
                 dotted: Vec::new(),
-                regex: Regex::new(&format!("^(?:{p})$")).ok(),
+                regex: build_regex(&format!("^(?:{p})$")),
             },
             None => TargetIndex::default(),
         }
@@ -693,7 +731,8 @@ fn prefixes<'k>(keys: impl Iterator<Item = &'k str>) -> Vec<String> {
         .collect()
 }
 
-fn patterns(value: Option<&Field>, bad: &mut Vec<String>) -> Vec<Pattern> {
+/// The entries of a pattern object; `compiled` counts the regexes built for the config so far.
+fn patterns(value: Option<&Field>, bad: &mut Vec<String>, compiled: &mut usize) -> Vec<Pattern> {
     let Some(Field::Object(entries)) = value else {
         return Vec::new();
     };
@@ -701,13 +740,20 @@ fn patterns(value: Option<&Field>, bad: &mut Vec<String>) -> Vec<Pattern> {
         .iter()
         .filter_map(|(key, v)| {
             let value = (*v)?;
-            let regex = compile(key);
-            if regex.is_none() {
+            let matcher = if regex::escape(key) == *key {
+                Matcher::Literal
+            } else if *compiled < MAX_REGEX_PATTERNS {
+                *compiled += 1;
+                compile(key).map_or(Matcher::Bad, Matcher::Regex)
+            } else {
+                Matcher::Bad
+            };
+            if matches!(matcher, Matcher::Bad) {
                 bad.push(key.clone());
             }
             Some(Pattern {
                 key: key.clone(),
-                regex,
+                matcher,
                 value,
             })
         })
@@ -794,6 +840,50 @@ mod tests {
                 assert_eq!(ours.unwrap_err(), format!("adapter_config.json is not valid JSON: {e}"));
             }
         }
+    }
+
+    /// Literal keys are compared as text, with the answer the regex gives.
+    #[test]
+    fn literal_keys_match_as_their_regex() {
+        let keys = ["q_proj", "layers.1.q_proj", "", "é", "a\nb", "0"];
+        let names = [
+            "q_proj",
+            "x.q_proj",
+            "xq_proj",
+            "model.layers.1.q_proj",
+            "layers.1.q_proj",
+            "a\n.q_proj",
+            ".",
+            "",
+            "x.é",
+            "x.a\nb",
+            "a\nb",
+            "m.0",
+            "q_proj\n",
+        ];
+        for key in keys {
+            let literal = Pattern {
+                key: key.to_owned(),
+                matcher: Matcher::Literal,
+                value: 1.0,
+            };
+            let regex = compile(&regex::escape(key)).unwrap();
+            for name in names {
+                assert_eq!(literal.is_match(name), regex.is_match(name), "{key:?} {name:?}");
+            }
+        }
+    }
+
+    /// Regex keys are compiled within limits: a few bytes of config cannot take much memory.
+    #[test]
+    fn regex_keys_are_bounded() {
+        let keys: Vec<String> = (0..100).map(|i| format!(r#""\\w{{{}}}": 4"#, 100 + i)).collect();
+        let c = LoraConfig::from_json(&format!(r#"{{"rank_pattern": {{{}}}}}"#, keys.join(","))).unwrap();
+        assert_eq!(c.bad_patterns.len(), 100);
+        let many: Vec<String> = (0..100).map(|i| format!(r#""q{i}|v": 4"#)).collect();
+        let c = LoraConfig::from_json(&format!(r#"{{"rank_pattern": {{{}}}}}"#, many.join(","))).unwrap();
+        assert_eq!(c.bad_patterns.len(), 100 - MAX_REGEX_PATTERNS);
+        assert_eq!(c.rank_for("x.q3"), Some(4));
     }
 
     #[test]

@@ -1,0 +1,258 @@
+//! Fuzz harness (d): the config reader. Inputs are JSON texts: random values, config-like
+//! objects whose fields get right and wrong types, pattern keys and repeated keys, and the real
+//! configs of tests/fixtures/real with values replaced, bytes flipped or the text cut. The
+//! reader must return, agree with serde_json on what is valid JSON, and read the same fields
+//! through its cursor as through serde_json's `Value`; the matching helpers must return too.
+
+mod common;
+
+use _core::config::{LoraConfig, Matcher, Pattern};
+use common::alloc::CountingAlloc;
+use common::headers::json_strategy;
+use proptest::prelude::*;
+use serde_json::Value;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+const KEYS: &[&str] = &[
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "alpha",
+    "use_rslora",
+    "use_dora",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_modules",
+    "target_parameters",
+    "base_model_name_or_path",
+    "modules_to_save",
+    "lora_bias",
+    "init_lora_weights",
+    "alora_invocation_tokens",
+    "layer_replication",
+    "use_bdlora",
+    "use_qalora",
+    "trainable_token_indices",
+    "unet.r",
+    "unet.lora_alpha",
+    "text_encoder.target_modules",
+    "x",
+    "r ",
+    "R",
+];
+
+const PATTERN_KEYS: &[&str] = &[
+    "q_proj",
+    "down_proj",
+    "model.layers.1.self_attn.q_proj",
+    "layers\\.0\\..*",
+    "(",
+    "[",
+    "a{100}",
+    "(a|b){50}",
+    "\\d+",
+    "\\w{100}",
+    "(?i)Q_PROJ",
+    "q_proj|v_proj",
+    "",
+    ".*",
+    "\\p{Greek}+",
+    "x{1000}{1000}",
+];
+
+fn pattern_object() -> impl Strategy<Value = String> {
+    let value = prop_oneof![
+        Just("4".to_owned()),
+        Just("0.5".to_owned()),
+        Just("-1".to_owned()),
+        json_strategy()
+    ];
+    let few = prop::collection::vec((prop::sample::select(PATTERN_KEYS), value), 0..6).prop_map(|entries| {
+        entries
+            .iter()
+            .map(|(k, v)| format!("{}:{v}", serde_json::to_string(k).unwrap_or_default()))
+            .collect::<Vec<_>>()
+    });
+    // Many distinct keys of one kind: a small text that once compiled to hundreds of megabytes.
+    let many = (prop::sample::select(PATTERN_KEYS), 1usize..200).prop_map(|(key, n)| {
+        (0..n)
+            .map(|i| format!("{}:4", serde_json::to_string(&format!("{key}{i}")).unwrap_or_default()))
+            .collect::<Vec<_>>()
+    });
+    prop_oneof![8 => few, 1 => many].prop_map(|body| format!("{{{}}}", body.join(",")))
+}
+
+fn value_strategy() -> impl Strategy<Value = String> {
+    prop_oneof![
+        2 => json_strategy(),
+        1 => prop::sample::select(&["8", "\"8\"", "true", "null", "[\"q_proj\", 7]", "\"all-linear\"", "16.5", "-3", "[]", "{}"][..]).prop_map(str::to_owned),
+        1 => prop::collection::vec(prop::sample::select(&["q_proj", "v_proj", "to_out.0", "experts.down_proj", "score", "a.b"][..]), 0..5)
+            .prop_map(|v| serde_json::to_string(&v).unwrap_or_default()),
+        1 => pattern_object(),
+    ]
+}
+
+fn config_like() -> impl Strategy<Value = String> {
+    let key = prop_oneof![4 => prop::sample::select(KEYS).prop_map(str::to_owned), 1 => "[a-z_.]{0,8}"];
+    (prop::collection::vec((key, value_strategy()), 0..10), any::<bool>()).prop_map(|(entries, spaced)| {
+        let sep = if spaced { ", \n  " } else { "," };
+        let body: Vec<String> = entries
+            .iter()
+            .map(|(k, v)| format!("{}:{v}", serde_json::to_string(k).unwrap_or_default()))
+            .collect();
+        format!("{{{}}}", body.join(sep))
+    })
+}
+
+/// The adapter_config.json files of tests/fixtures/real.
+fn real_configs() -> Vec<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/real");
+    let mut texts: Vec<String> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| std::fs::read_to_string(e.path().join("adapter_config.json")).ok())
+        .collect();
+    texts.sort();
+    texts
+}
+
+#[derive(Debug, Clone)]
+enum Mutation {
+    Replace(usize, String),
+    Flip(usize, u8),
+    Cut(usize),
+}
+
+fn mutated_real() -> impl Strategy<Value = String> {
+    let texts = real_configs();
+    assert!(!texts.is_empty(), "tests/fixtures/real has no adapter_config.json");
+    let mutation = prop_oneof![
+        4 => (any::<usize>(), value_strategy()).prop_map(|(i, v)| Mutation::Replace(i, v)),
+        1 => (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Flip(i, b)),
+        1 => any::<usize>().prop_map(Mutation::Cut),
+    ];
+    (prop::sample::select(texts), prop::collection::vec(mutation, 0..4)).prop_map(|(text, mutations)| {
+        let mut bytes = text.into_bytes();
+        for m in mutations {
+            match m {
+                Mutation::Replace(i, v) => {
+                    // Replace the value of one top-level field (when the text is still an object).
+                    let Ok(Value::Object(mut map)) = serde_json::from_slice::<Value>(&bytes) else {
+                        continue;
+                    };
+                    if map.is_empty() {
+                        continue;
+                    }
+                    let key = map.keys().nth(i % map.len()).cloned().unwrap_or_default();
+                    let Ok(value) = serde_json::from_str::<Value>(&v) else {
+                        continue;
+                    };
+                    map.insert(key, value);
+                    bytes = serde_json::to_vec_pretty(&Value::Object(map)).unwrap_or_default();
+                }
+                Mutation::Flip(i, b) if !bytes.is_empty() => {
+                    let n = bytes.len();
+                    bytes[i % n] = b;
+                }
+                Mutation::Cut(i) if !bytes.is_empty() => bytes.truncate(i % bytes.len()),
+                _ => {}
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
+fn pats(p: &[Pattern]) -> Vec<(String, u64, bool)> {
+    p.iter()
+        .map(|p| (p.key.clone(), p.value.to_bits(), !matches!(p.matcher, Matcher::Bad)))
+        .collect()
+}
+
+/// Every field the reader keeps, comparable.
+fn summary(c: &LoraConfig) -> String {
+    format!(
+        "{:?} {:?} {:?} {} {} {:?} {:?} {:?} {:?} {:?} {:?} {} {:?} {:?} {:?}",
+        c.peft_type,
+        c.r,
+        c.lora_alpha.map(f64::to_bits),
+        c.use_rslora,
+        c.use_dora,
+        pats(&c.rank_pattern),
+        pats(&c.alpha_pattern),
+        c.target_modules,
+        c.target_parameters,
+        c.base_model_name_or_path,
+        c.modules_to_save,
+        c.lora_bias,
+        c.unsupported_features,
+        c.bad_patterns,
+        c.invalid_fields
+    )
+}
+
+const NAMES: &[&str] = &[
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.1.self_attn.q_proj",
+    "model.layers.0.mlp.down_proj",
+    "score",
+    "a.b.c",
+    "",
+    "unet.up.0.to_out.0",
+];
+
+fn check(input: &[u8]) -> Result<(), String> {
+    let Ok(text) = std::str::from_utf8(input) else {
+        return Ok(());
+    };
+    let ours = LoraConfig::from_json(text);
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(map)) => {
+            let ours = ours.map_err(|e| format!("serde_json reads an object, we reject: {e}"))?;
+            let want = LoraConfig::from_map(&map, "");
+            if summary(&ours) != summary(&want) {
+                return Err(format!("cursor {}\nserde {}", summary(&ours), summary(&want)));
+            }
+        }
+        Ok(_) => {
+            if ours.is_ok() {
+                return Err("a JSON value that is not an object was read as a config".into());
+            }
+        }
+        Err(e) => match ours {
+            Ok(_) => return Err(format!("serde_json rejects ({e}), we accept")),
+            Err(message) if message != format!("adapter_config.json is not valid JSON: {e}") => {
+                return Err(format!("message {message:?}, serde_json: {e}"));
+            }
+            Err(_) => {}
+        },
+    }
+    let mut configs: Vec<LoraConfig> = LoraConfig::from_json(text).into_iter().collect();
+    configs.extend(
+        LoraConfig::components_from_json(text)
+            .into_iter()
+            .flatten()
+            .map(|(_, c)| c),
+    );
+    for c in &configs {
+        for name in NAMES {
+            let last = name.rsplit('.').next().unwrap_or(name);
+            let _ = (c.rank_for(name), c.alpha_for(name), c.targets(name), c.saves(name));
+            let _ = c.last_only_hits(last);
+            c.list_hits(name, last, |_| {});
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fuzz_config() {
+    let texts = prop_oneof![
+        1 => json_strategy(),
+        3 => config_like(),
+        3 => mutated_real(),
+    ];
+    common::fuzz::drive("config", 1500, texts.prop_map(String::into_bytes), check);
+}
