@@ -186,7 +186,10 @@ def _config(adapter: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any]
         return load_peft_config(_weight_file(os.fspath(adapter)))
     if isinstance(adapter, AdapterView):
         return adapter.config or {}
-    return dict(getattr(adapter, "config", None) or {}) if not isinstance(adapter, Mapping) else {}
+    if isinstance(adapter, Mapping):
+        return {}
+    files = getattr(adapter, "weight_files", None)
+    return load_peft_config(files[0]) if files else {}  # a scanned Adapter: read as SGLang reads it
 
 
 # --- format detection -------------------------------------------------------------------------------------
