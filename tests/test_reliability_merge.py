@@ -196,6 +196,54 @@ def test_keyboard_interrupt_at_random_blocks_restores_every_bit(
         assert same_bits(sd, before)
 
 
+def test_interrupted_subtract_unmerge_resumes_on_retry(tmp_path: Path, hook) -> None:
+    path = int_adapter(tmp_path / "a", seed=3)
+    rng = random.Random(3)
+    for stage in ("start", "computed", "written"):
+        for n in [1, len(NAMES) * ROWS, *rng.sample(range(2, len(NAMES) * ROWS), 3)]:
+            sd = weights(torch.float32, seed=n)
+            before = {k: v.clone() for k, v in sd.items()}
+            hook(None)
+            h = merge(sd, path, snapshot="subtract", chunk_bytes=BLOCK_BYTES)
+            seen = {"n": 0}
+
+            def interrupt(at: str, block: object, stage: str = stage, n: int = n, seen: dict = seen) -> None:
+                if at == stage:
+                    seen["n"] += 1
+                    if seen["n"] == n:
+                        raise KeyboardInterrupt
+
+            hook(interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                h.unmerge()
+            assert h.merged  # not undone yet, and the partial unmerge is not taken for someone else's change
+            h.unmerge()  # resumes: no block subtracted twice, none left out
+            assert same_bits(sd, before), (stage, n)
+
+
+def test_interrupted_snapshot_unmerge_resumes_on_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafast.merging.engine import MergeHandle
+
+    sd = weights(torch.float16)
+    before = {k: v.clone() for k, v in sd.items()}
+    h = merge(sd, int_adapter(tmp_path / "a", seed=4))
+    real = MergeHandle._restore
+    calls = {"n": 0}
+
+    def restore_then_interrupt(self, r) -> None:
+        calls["n"] += 1
+        real(self, r)
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(MergeHandle, "_restore", restore_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        h.unmerge()
+    assert h.merged and not same_bits(sd, before)
+    h.unmerge()
+    assert same_bits(sd, before) and not h.merged
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # two threads, one model
 

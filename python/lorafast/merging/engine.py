@@ -66,6 +66,7 @@ class _Record:
     done: list[tuple[int, int, int, int]] = field(default_factory=list)
     segments: list[kernel.Segment] | None = None  # kept for subtract mode
     pending: kernel.Pending | None = None  # subtract mode: the block being written, until it is in `done`
+    undone: int = 0  # subtract mode: blocks at the end of `done` already subtracted again
     version: int = -1  # the tensor's version counter right after the merge
     start_version: int = -1  # its logical version before the merge (see `_logical_version`)
     data_ptr: int = 0
@@ -161,8 +162,15 @@ class MergeHandle:
                     module=stale[0],
                     restored=False,
                 )
-            with torch.no_grad():
-                self._restore_all()
+            try:
+                with torch.no_grad():
+                    self._restore_all()
+            except BaseException:
+                # Interrupted half-way: the handle stays merged, and the writes so far were ours, not a change
+                # made by someone else, so a retry of unmerge() resumes without `force`.
+                for r in self._records:
+                    r.version = int(r.tensor._version)
+                raise
             self.merged = False
             self._records_release()
 
@@ -192,14 +200,31 @@ class MergeHandle:
                 for e0, e1, r0, r1 in r.done:
                     r.view[e0:e1, r0:r1].copy_(r.snap[e0:e1, r0:r1])
         elif r.segments is not None:
-            if r.pending is not None:
+            if r.pending is not None and not r.complete:
                 r.pending.restore(r.view, r.done)  # the block whose write may have been cut short, bit for bit
-            if not r.done:
-                return
-            ws = self._workspace(r.segments[0].L.device)
-            for e0, e1, r0, r1 in r.done:
-                sub = [_slice_segment(s, e0, e1, r0, r1) for s in r.segments]
-                kernel.run(r.view[e0:e1, r0:r1], sub, ws=ws, budget=self._budget, sign=-1.0, safe=False)
+            self._subtract(r)
+
+    def _subtract(self, r: _Record) -> None:
+        """Subtract the delta from the written blocks, last first, so that an interrupted unmerge can resume.
+
+        `r.undone` counts the blocks (from the end of `done`) already subtracted. The block being subtracted keeps
+        its merged bits in `guard` until it is counted; a retry puts them back first if it was not.
+        """
+        assert r.segments is not None
+        guard = r.pending = r.pending or kernel.Pending()
+        nxt = len(r.done) - 1 - r.undone
+        if nxt >= 0 and guard.block == r.done[nxt]:
+            guard.put_back(r.view)  # an earlier unmerge stopped inside this block
+        guard.block = None
+        ws = self._workspace(r.segments[0].L.device)
+        for i in range(nxt, -1, -1):
+            e0, e1, r0, r1 = block = r.done[i]
+            w = r.view[e0:e1, r0:r1]
+            guard.save(block, w)
+            sub = [_slice_segment(s, e0, e1, r0, r1) for s in r.segments]
+            kernel.run(w, sub, ws=ws, budget=self._budget, sign=-1.0, safe=False)
+            r.undone = len(r.done) - i  # one store: the block counts as subtracted from here on
+        guard.release()
 
     def _workspace(self, device: torch.device) -> kernel.Workspace:
         key = str(device)

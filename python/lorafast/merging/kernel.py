@@ -62,20 +62,25 @@ class Pending:
     def save(self, block: Block, w: torch.Tensor) -> None:
         import torch
 
+        self.block = None  # first: a copy in progress must never be restored
         buf = self._buf
         if buf is None or buf.numel() < w.numel() or buf.dtype != w.dtype or buf.device != w.device:
-            self.block = None
             buf = self._buf = torch.empty(w.numel(), dtype=w.dtype, device=w.device)
         buf[: w.numel()].view(w.shape).copy_(w)
-        self.block = block  # set last: only a complete copy may be restored
+        self.block = block  # last: only a complete copy may be restored
+
+    def put_back(self, w3: torch.Tensor) -> None:
+        """Write the saved bits back over their block."""
+        assert self.block is not None and self._buf is not None
+        e0, e1, r0, r1 = self.block
+        w = w3[e0:e1, r0:r1]
+        w.copy_(self._buf[: w.numel()].view(w.shape))
 
     def restore(self, w3: torch.Tensor, done: list[Block]) -> None:
         """Put the pending block back (if any) and drop it from `done`, whose blocks are then all written."""
         if self.block is None or self._buf is None:
             return
-        e0, e1, r0, r1 = self.block
-        w = w3[e0:e1, r0:r1]
-        w.copy_(self._buf[: w.numel()].view(w.shape))
+        self.put_back(w3)
         if done and done[-1] == self.block:
             done.pop()
         self.block = None
