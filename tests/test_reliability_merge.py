@@ -36,9 +36,13 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
-def weights(dtype: torch.dtype = torch.float16, seed: int = 0) -> dict[str, torch.Tensor]:
+def weights(dtype: torch.dtype = torch.float16, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"{n}.weight": torch.randint(-8, 8, (ROWS, COLS), generator=g).to(dtype) for n in NAMES}
+    return {f"{n}.weight": torch.randint(-8, 8, (ROWS, COLS), generator=g).to(device, dtype) for n in NAMES}
+
+
+#: CPU always; CUDA (device snapshots, the real fused bf16 GEMM) where there is one.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
 def write_adapter(folder: Path, b_rows: dict[str, torch.Tensor], rank: int = 2) -> Path:
@@ -73,15 +77,16 @@ def hook(monkeypatch: pytest.MonkeyPatch):
 # non-finite deltas
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", MODES)
 def test_non_finite_delta_restores_every_bit_in_every_snapshot_mode(
-    tmp_path: Path, mode: str, dtype: torch.dtype
+    tmp_path: Path, mode: str, dtype: torch.dtype, device: str
 ) -> None:
     # Issue 12 #6: finite factors whose delta reaches 2.4e38 per rank (4.8e38 in all: Inf even in fp32), in the
     # last row of the last weight, after every other block was written. Subtract mode used to subtract the delta
     # from the block it had refused to write, leaving down_proj all -Inf.
-    sd = weights(dtype)
+    sd = weights(dtype, device=device)
     before = {k: v.clone() for k, v in sd.items()}
     b = {n: torch.arange(ROWS, dtype=torch.float32).view(-1, 1) for n in NAMES}
     b["down_proj"] = b["down_proj"].clone()
@@ -155,25 +160,26 @@ def test_adapter_truncated_mid_merge_is_a_read_error_and_restores(tmp_path: Path
 # KeyboardInterrupt at random blocks, at every stage of a block
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_keyboard_interrupt_at_random_blocks_restores_every_bit(
-    tmp_path: Path, mode: str, fused: bool, hook, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mode: str, fused: bool, device: str, hook, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if fused:  # the bf16 GEMM path, run on CPU (subtract mode takes it only with safe=False)
-        monkeypatch.setattr(merge_kernel, "FUSED_DEVICES", {"cpu"})
+    # fused: the bf16 GEMM path, also run on CPU here (subtract mode takes it only with safe=False)
+    monkeypatch.setattr(merge_kernel, "FUSED_DEVICES", {"cpu", "cuda"} if fused else set())
     dtype = torch.bfloat16 if fused else torch.float16
     safe = not (fused and mode == "subtract")
     path = int_adapter(tmp_path / "a", seed=2)
     counts: dict[str, int] = {}
     hook(lambda stage, block: counts.update({stage: counts.get(stage, 0) + 1}))
-    merge(weights(dtype), path, snapshot=mode, safe=safe, chunk_bytes=BLOCK_BYTES)
+    merge(weights(dtype, device=device), path, snapshot=mode, safe=safe, chunk_bytes=BLOCK_BYTES)
     total = counts["start"]
     assert counts == {"start": total, "computed": total, "written": total} and total >= 2 * len(NAMES)
     rng = random.Random(f"{mode}-{fused}")
     for stage in ("start", "computed", "written"):
         for n in [1, total, *rng.sample(range(2, total), 4)]:
-            sd = weights(dtype, seed=n)
+            sd = weights(dtype, seed=n, device=device)
             before = {k: v.clone() for k, v in sd.items()}
             seen = {"n": 0, "raised": False}
 
@@ -190,7 +196,7 @@ def test_keyboard_interrupt_at_random_blocks_restores_every_bit(
             assert seen["raised"]
             assert same_bits(sd, before), (stage, n)
         hook(None)
-        sd = weights(dtype)
+        sd = weights(dtype, device=device)
         before = {k: v.clone() for k, v in sd.items()}
         merge(sd, path, snapshot=mode, safe=safe, chunk_bytes=BLOCK_BYTES).unmerge()  # still works afterwards
         assert same_bits(sd, before)
