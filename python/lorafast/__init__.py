@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._core import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES
+from ._core import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, TORCH_ERROR_CODES
 from .errors import AdapterError, HeaderError, InternalError, LorafastError
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Header": ("header", "Header"),
     "TensorInfo": ("header", "TensorInfo"),
     "read_header": ("header", "read_header"),
+    "read_torch_header": ("header", "read_torch_header"),
     "ScanReport": ("scanner", "ScanReport"),
     "inspect": ("scanner", "inspect"),
     "inspect_many": ("scanner", "inspect_many"),
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from .checker import CheckReport, check
     from .families import fingerprint, identify
     from .groups import plan_groups
-    from .header import Header, TensorInfo, read_header
+    from .header import Header, TensorInfo, read_header, read_torch_header
     from .merging import MergeHandle, merge
     from .planner import LoraRequest, Plan, plan
     from .scanner import ScanReport, inspect, inspect_many, scan
@@ -77,6 +78,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ADAPTER_ERROR_CODES",
     "HEADER_ERROR_CODES",
+    "TORCH_ERROR_CODES",
     "Adapter",
     "AdapterError",
     "BaseModel",
@@ -105,5 +107,6 @@ __all__ = [
     "plan_groups",
     "read_base",
     "read_header",
+    "read_torch_header",
     "scan",
 ]

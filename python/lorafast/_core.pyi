@@ -5,6 +5,7 @@ from typing import Any
 import numpy as np
 
 HEADER_ERROR_CODES: list[str]
+TORCH_ERROR_CODES: list[str]
 FORMATS: list[str]
 MOE_LAYOUTS: list[str]
 FLAGS: list[str]
@@ -12,6 +13,7 @@ DTYPES: list[str]
 build_profile: str
 
 def read_header(path: str, mode: str = "pread") -> dict[str, Any]: ...
+def read_torch_header(path: str) -> dict[str, Any]: ...
 
 StorageOptions = list[tuple[str, str]] | None
 #: (path, weights, config, error code, error message) of one discovered adapter.

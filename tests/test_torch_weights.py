@@ -1,0 +1,351 @@
+"""`.bin` / `.pt` weights read without unpickling (rust/torch*.rs).
+
+What torch writes is read back as `torch.load(weights_only=True)` reads it: names, dtypes, shapes, and
+the bytes at the reported offsets. Adapters saved by PEFT as `adapter_model.bin` classify exactly as
+their safetensors twins. Hostile pickles are refused with a code and never run: each payload would
+create a marker file, the marker is never there after lorafast read the file, and `torch.load` with
+`weights_only=False` on the same file does create it, which proves the payload was live.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import warnings
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lorafast  # noqa: E402
+from lorafast import _core  # noqa: E402
+from lorafast.errors import AdapterError  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "real"
+
+ST_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}  # fmt: skip
+
+
+def expected_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    loaded = torch.load(path, weights_only=True)
+    return [(name, ST_DTYPES[t.dtype], tuple(t.shape)) for name, t in loaded.items()]
+
+
+def read_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(name, dtype, tuple(shape)) for name, dtype, shape, _ in _core.read_torch_header(str(path))["tensors"]]
+
+
+def mixed_state_dict() -> OrderedDict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+    sd["f32"] = base
+    sd["transposed"] = base.t()  # shared storage, non-contiguous
+    sd["slice"] = base[2:, 3:]  # offset into the shared storage
+    sd["every_other"] = base[:, ::2]
+    sd["bf16"] = torch.randn(4, 3, generator=g).to(torch.bfloat16)
+    sd["f16_scalar"] = torch.tensor(3.5, dtype=torch.float16)
+    sd["empty"] = torch.zeros(0, 7)
+    sd["empty_bf16"] = torch.zeros(3, 0, dtype=torch.bfloat16)
+    sd["expanded"] = torch.arange(3.0).reshape(3, 1).expand(3, 5)
+    sd["param"] = torch.nn.Parameter(torch.randn(2, 2, generator=g))
+    sd["f8"] = torch.randn(5, generator=g).to(torch.float8_e4m3fn)
+    sd["u16"] = torch.arange(6, dtype=torch.int32).reshape(2, 3).to(torch.uint16)
+    for dt in (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+               torch.complex64, torch.float8_e5m2, torch.uint32, torch.uint64):  # fmt: skip
+        sd[f"dtype.{dt}"] = torch.ones(3, dtype=dt)
+    sd._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]
+    return sd
+
+
+def test_torch_save_state_dict_reads_as_torch_load(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.pt"
+    sd = mixed_state_dict()
+    torch.save(sd, path)
+    assert read_entries(path) == expected_entries(path)
+    # The offsets hold the tensor's bytes: the extent of each tensor in its storage.
+    raw = path.read_bytes()
+    header = lorafast.read_torch_header(path)
+    for name, t in sd.items():
+        begin, end = header.tensors[name].data_offsets
+        assert header.data_start + end <= len(raw)
+        if t.is_contiguous() and t.numel():
+            want = t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert raw[header.data_start + begin : header.data_start + end] == want, name
+        if not t.numel():
+            assert begin == end, name
+    assert header.tensors["slice"].data_offsets[0] - header.tensors["f32"].data_offsets[0] == (2 * 8 + 3) * 4
+    assert header.metadata is None and header.warnings == ()
+    assert header.header_size > 0 and header.file_size == len(raw)
+
+
+def test_shared_storage_across_dtypes_of_views_and_plain_dicts(tmp_path: Path) -> None:
+    # A plain dict (not an OrderedDict), tensors on one storage at several offsets, legacy file name.
+    big = torch.arange(100, dtype=torch.float32)
+    sd = {f"part{i}": big[i * 10 : i * 10 + 7].reshape(7, 1) for i in range(10)}
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(sd, path)
+    assert read_entries(path) == expected_entries(path)
+    offsets = [t[3][0] for t in _core.read_torch_header(str(path))["tensors"]]
+    assert [o - offsets[0] for o in offsets] == [i * 40 for i in range(10)]
+
+
+def test_non_tensor_values_are_skipped_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "extra.pt"
+    torch.save({"w": torch.ones(2), "step": 7, "name": "x", "nested": {"a": (1, 2.5, None, True)}}, path)
+    h = lorafast.read_torch_header(path)
+    assert list(h.tensors) == ["w"]
+    assert h.warnings[0][0] == "non_tensor_value" and "step" in h.warnings[0][1]
+
+
+# ---- PEFT ----
+
+
+def tiny_llama_peft(dtype: torch.dtype = torch.float32):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(dtype)
+    lcfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"down_proj": 2}
+    )
+    return get_peft_model(model, lcfg)
+
+
+def comparable(row: dict) -> dict:
+    """An inspect row without what differs between a file and its other serialization. Lists in order of
+    appearance are sorted: safetensors sorts tensors by name, torch keeps the state dict's order."""
+    skip = {"weight_files", "header_size", "file_size", "metadata", "path", "config_path"}
+    out = {k: sorted(v) if k in {"target_modules", "problems", "full_weight_tensors"} else v
+           for k, v in row.items() if k not in skip}  # fmt: skip
+    modules = [{k: v for k, v in m.items() if k != "weight_file"} for m in row["modules"]]
+    out["modules"] = sorted(modules, key=lambda m: m["key"])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peft_bin_classifies_like_its_safetensors_twin(tmp_path: Path, dtype: torch.dtype) -> None:
+    pm = tiny_llama_peft(dtype)
+    pm.save_pretrained(tmp_path / "st")
+    pm.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    weights = tmp_path / "bin" / "adapter_model.bin"
+    assert weights.is_file() and not (tmp_path / "bin" / "adapter_model.safetensors").exists()
+    assert read_entries(weights) == expected_entries(weights)
+    st, pt = _core.inspect(str(tmp_path / "st")), _core.inspect(str(tmp_path / "bin"))
+    assert pt["weight_files"] == (str(weights),)
+    assert comparable(pt) == comparable(st)
+    assert pt["format"] == "peft" and pt["rank"] == 4 and not pt["problems"]
+    # A scan finds it as one adapter, its weights named in the row.
+    report = lorafast.scan([tmp_path])
+    rows = {Path(a.path).name: a for a in report}
+    assert set(rows) == {"st", "bin"} and not report.errors
+    assert rows["bin"].weight_files == (str(weights),)
+    ranks = {name: sorted((m.name, m.rank) for m in rows[name].modules) for name in rows}
+    assert ranks["bin"] == ranks["st"]
+
+
+def test_vllm_weight_file_order(tmp_path: Path) -> None:
+    pm = tiny_llama_peft()
+    folder = tmp_path / "a"
+    pm.save_pretrained(folder, safe_serialization=False)
+    shutil.copy(folder / "adapter_model.bin", folder / "adapter_model.pt")
+    assert _core.inspect(str(folder))["weight_files"] == (str(folder / "adapter_model.bin"),)
+    (folder / "adapter_model.bin").unlink()
+    assert _core.inspect(str(folder))["weight_files"] == (str(folder / "adapter_model.pt"),)
+    pm.save_pretrained(folder)  # adapter_model.safetensors wins over both
+    assert _core.inspect(str(folder))["weight_files"] == (str(folder / "adapter_model.safetensors"),)
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_model.pt").unlink()
+    with pytest.raises(AdapterError) as e:
+        _core.inspect(str(folder))
+    assert e.value.code == "missing_weights" and "adapter_model.bin" in str(e.value)
+
+
+def _without_adapter_metadata(folder: Path) -> bool:
+    from safetensors import safe_open
+
+    (st,) = folder.glob("*.safetensors")
+    with safe_open(st, "pt") as f:
+        return "lora_adapter_metadata" not in (f.metadata() or {})
+
+
+REAL = [p for p in sorted(FIXTURES.iterdir()) if p.is_dir() and _without_adapter_metadata(p)]
+
+
+@pytest.mark.parametrize("folder", REAL, ids=[p.name for p in REAL])
+def test_real_adapters_saved_as_torch_classify_the_same(tmp_path: Path, folder: Path) -> None:
+    # What PEFT's save_pretrained(safe_serialization=False) does: torch.save of the state dict.
+    from safetensors.torch import load_file
+
+    (st,) = folder.glob("*.safetensors")
+    copy = tmp_path / folder.name
+    copy.mkdir()
+    if (folder / "adapter_config.json").exists():
+        shutil.copy(folder / "adapter_config.json", copy)
+        weights = copy / "adapter_model.bin"
+        target = copy
+    else:  # kohya / diffusers single files, given directly as .pt
+        weights = copy / (st.stem + ".pt")
+        target = weights
+    torch.save(load_file(st), weights)
+    assert read_entries(weights) == expected_entries(weights)
+    got, want = _core.inspect(str(target)), _core.inspect(str(folder if target == copy else st))
+    assert comparable(got) == comparable(want)
+
+
+# ---- hostile files: refused, never run ----
+
+
+class Payload:
+    """Unpickling this runs `touch <marker>`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def torch_zip(path: Path, pickle_bytes: bytes, compress: int = zipfile.ZIP_STORED, prefix: str = "archive") -> None:
+    with zipfile.ZipFile(path, "w", compression=compress) as z:
+        z.writestr(f"{prefix}/data.pkl", pickle_bytes)
+        z.writestr(f"{prefix}/byteorder", "little")
+        z.writestr(f"{prefix}/version", "3\n")
+
+
+def refused(path: Path, code: str) -> AdapterError:
+    with pytest.raises(AdapterError) as e:
+        _core.read_torch_header(str(path))
+    assert e.value.code == code, str(e.value)
+    assert e.value.code in lorafast._core.TORCH_ERROR_CODES
+    return e.value
+
+
+def test_reduce_payload_saved_by_torch_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "adapter_model.bin"
+    torch.save({"w": torch.ones(2), "evil": Payload(marker)}, path)
+    err = refused(path, "unsafe_pickle")
+    assert "posix.system" in str(err) or "os.system" in str(err)
+    assert not marker.exists()
+    # Through discovery and scanning too: the folder's row is the error.
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q"]}))
+    report = lorafast.scan([tmp_path])
+    assert [e[1] for e in report.errors] == ["unsafe_pickle"]
+    assert not marker.exists()
+    # The payload is live: torch's unrestricted load runs it.
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])
+def test_plain_pickle_payloads_in_a_torch_zip_are_refused(tmp_path: Path, protocol: int) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch_zip(path, pickle.dumps({"w": Payload(marker)}, protocol=protocol))
+    err = refused(path, "unsafe_pickle" if protocol >= 2 else "invalid_pickle")
+    if protocol > 2:
+        assert "PROTO" in str(err)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_stack_global_inst_obj_are_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    cmd = f"touch {marker}".encode()
+    cases = {
+        "STACK_GLOBAL": b"\x80\x02X\x05\x00\x00\x00posixX\x06\x00\x00\x00system\x93X"
+        + len(cmd).to_bytes(4, "little")
+        + cmd
+        + b"\x85R.",
+        "INST": b"\x80\x02(X" + len(cmd).to_bytes(4, "little") + cmd + b"iposix\nsystem\n.",
+        "OBJ": b"\x80\x02(cposix\nsystem\nX" + len(cmd).to_bytes(4, "little") + cmd + b"o.",
+        "global": b"\x80\x02cbuiltins\nexec\nX" + len(cmd).to_bytes(4, "little") + cmd + b"\x85R.",
+    }
+    for name, body in cases.items():
+        path = tmp_path / f"{name}.pt"
+        torch_zip(path, body)
+        assert name in str(refused(path, "unsafe_pickle"))
+        assert not marker.exists()
+
+
+def test_memory_and_work_attacks_are_bounded(tmp_path: Path) -> None:
+    cases = {
+        "memo": (b"\x80\x02}r\xff\xff\xff\xff.", "invalid_pickle"),
+        "get": (b"\x80\x02j\xff\xff\xff\x7f.", "invalid_pickle"),
+        "deep": (b"\x80\x02)" + b"\x85" * 200_000 + b".", "pickle_limit"),
+        "marks": (b"\x80\x02" + b"(" * 1_000_000 + b".", "pickle_limit"),
+        "pushes": (b"\x80\x02" + b"N" * 1_000_000 + b".", "pickle_limit"),
+        "string": (b"\x80\x02X\xff\xff\xff\xff.", "invalid_pickle"),
+        "cycle": (b"\x80\x02}q\x00X\x01\x00\x00\x00xh\x00s.", "unsafe_pickle"),
+    }
+    for name, (body, code) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        torch_zip(path, body)
+        refused(path, code)
+
+
+def test_broken_and_foreign_containers(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(3, 3)}, good)
+    raw = good.read_bytes()
+    for cut in (len(raw) - 1, len(raw) - 22, len(raw) // 2, 100, 3):
+        path = tmp_path / f"cut{cut}.pt"
+        path.write_bytes(raw[:cut])
+        refused(path, "invalid_zip")
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    refused(legacy, "legacy_torch_format")
+    text = tmp_path / "text.bin"
+    text.write_text("not a torch file")
+    refused(text, "invalid_zip")
+    # A list is not a state dict.
+    listed = tmp_path / "list.pt"
+    torch.save([torch.ones(1)], listed)
+    refused(listed, "not_a_state_dict")
+    # A sparse tensor's rebuild is not one of the allowed functions.
+    sparse = tmp_path / "sparse.pt"
+    torch.save({"s": torch.eye(3).to_sparse()}, sparse)
+    refused(sparse, "unsafe_pickle")
+
+
+def test_zip_bomb_is_refused_without_inflating(tmp_path: Path) -> None:
+    # 64 MiB of zeros deflates to about 64 KiB; torch never compresses, so it is refused unread.
+    path = tmp_path / "bomb.pt"
+    body = b"\x80\x02}" + b"N" * (64 << 20) + b"."
+    torch_zip(path, body, compress=zipfile.ZIP_DEFLATED)
+    assert path.stat().st_size < 1 << 20
+    assert "compressed" in str(refused(path, "invalid_zip"))
+    # The same record name twice: which one is meant is ambiguous, so neither is.
+    twice = tmp_path / "twice.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate name
+        with zipfile.ZipFile(twice, "w") as z:
+            z.writestr("archive/data.pkl", b"\x80\x02}.")
+            z.writestr("archive/data.pkl", b"\x80\x02cos\nsystem\n.")
+    assert "twice" in str(refused(twice, "invalid_zip"))
+
+
+def test_errors_are_adapter_errors_with_codes(tmp_path: Path) -> None:
+    path = tmp_path / "x.bin"
+    torch_zip(path, b"\x80\x02cos\nsystem\n.")
+    err = refused(path, "unsafe_pickle")
+    assert err.path == str(path) and "nothing was run" in str(err)
+    assert pickle.loads(pickle.dumps(err)).code == "unsafe_pickle"
+    with pytest.raises(FileNotFoundError):
+        _core.read_torch_header(str(tmp_path / "missing.bin"))
