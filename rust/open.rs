@@ -10,13 +10,18 @@ use std::path::Path;
 
 use crate::error::Error;
 
-/// Opens `path` for reading with `O_NONBLOCK`, so that a FIFO cannot block, and `fstat`s it.
-/// The flag is left set: reads of a regular file ignore it (and nothing else is read).
-pub fn open_nonblocking(path: &Path) -> io::Result<(File, Metadata)> {
-    let file = fs::OpenOptions::new()
+/// Opens `path` for reading with `O_NONBLOCK`, so that a FIFO cannot block; its type is not
+/// checked yet. The flag is left set: reads of a regular file ignore it.
+pub fn open_unchecked(path: &Path) -> io::Result<File> {
+    fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
+        .open(path)
+}
+
+/// `open_unchecked` and `fstat`: the caller decides what to do with what is not a regular file.
+pub fn open_nonblocking(path: &Path) -> io::Result<(File, Metadata)> {
+    let file = open_unchecked(path)?;
     let meta = file.metadata()?;
     Ok((file, meta))
 }
@@ -30,12 +35,14 @@ pub fn open_regular(path: &Path) -> Result<(File, u64), Error> {
     Ok((file, meta.len()))
 }
 
-/// The error for a path that is there but is no regular file.
+/// The error for a path that is there but is no regular file. A folder is the OS's own
+/// `EISDIR` (Python's `IsADirectoryError`), as reading it would give.
 pub fn not_regular(path: &Path, meta: &Metadata) -> Error {
     let t = meta.file_type();
-    let what = if t.is_dir() {
-        "a folder"
-    } else if t.is_fifo() {
+    if t.is_dir() {
+        return Error::io(path, io::Error::from_raw_os_error(libc::EISDIR));
+    }
+    let what = if t.is_fifo() {
         "a FIFO (named pipe)"
     } else if t.is_socket() {
         "a socket"

@@ -738,6 +738,12 @@ mod imp {
                     io::ErrorKind::PermissionDenied,
                     format!("access denied: {}", chain(e)),
                 ),
+                // Before timeouts and body errors: a reset is no timeout and no short answer.
+                _ if is_connection_failure(e) => Error::adapter(
+                    &loc.url,
+                    "connection_error",
+                    format!("the connection failed (refused, reset or aborted): {}", chain(e)),
+                ),
                 _ if timed_out => Error::adapter(
                     &loc.url,
                     "timeout",
@@ -1183,6 +1189,23 @@ mod imp {
                     .is_some_and(reqwest::Error::is_timeout)
                 || s.downcast_ref::<io::Error>()
                     .is_some_and(|i| i.kind() == io::ErrorKind::TimedOut)
+        })
+    }
+
+    /// The connection itself failed: it could not be made, or the server reset or aborted it.
+    fn is_connection_failure(e: &object_store::Error) -> bool {
+        sources(e).any(|s| {
+            s.downcast_ref::<reqwest::Error>()
+                .is_some_and(reqwest::Error::is_connect)
+                || s.downcast_ref::<io::Error>().is_some_and(|i| {
+                    matches!(
+                        i.kind(),
+                        io::ErrorKind::ConnectionRefused
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::BrokenPipe
+                    )
+                })
         })
     }
 

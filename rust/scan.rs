@@ -33,7 +33,7 @@ use crate::config::LoraConfig;
 use crate::error::{Error, HeaderError};
 use crate::header::{header_bytes, parse_header_unchecked_names, read_header_from, Header, ReadMode, N_LEN};
 use crate::memo;
-use crate::open::{not_regular, open_error, open_nonblocking, stat};
+use crate::open::{not_regular, open_error, open_nonblocking, open_unchecked, stat};
 use crate::torch;
 
 pub const CONFIG_NAME: &str = "adapter_config.json";
@@ -212,30 +212,34 @@ enum Folder {
 }
 
 /// Reads the adapter config at `path`: None when there is no such file (or it is a folder).
-/// Opening it is the test, so a PEFT folder costs no `stat`.
-/// A folder is a config's only non-file type that is no error: it is not a config at all.
+/// Opening it is the test, so a PEFT folder costs no `stat`; it is opened without blocking, and
+/// only a read that did not give plain text (an error, nothing, too much) asks with `fstat` what
+/// the file is, so a FIFO or device is reported as `not_regular_file` at no cost to real configs.
 fn read_config_file(path: &Path) -> Result<Option<ConfigBytes>, Error> {
-    let (file, meta) = match open_nonblocking(path) {
+    let file = match open_unchecked(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => {
             return Ok(None)
         }
         Err(e) => return Err(open_error(path, e)),
     };
+    let mut bytes = Vec::with_capacity(4096);
+    let read = (&file).take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes);
+    if matches!(read, Ok(n) if n > 0 && n as u64 <= MAX_CONFIG_BYTES) {
+        return Ok(Some(bytes));
+    }
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
     if meta.is_dir() {
         return Ok(None);
     }
     if !meta.is_file() {
         return Err(not_regular(path, &meta));
     }
-    if meta.len() > MAX_CONFIG_BYTES {
-        return Err(config_too_large(path, meta.len()));
-    }
-    let mut bytes = Vec::with_capacity(4096);
-    match (&file).take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes) {
+    match read {
         Err(e) => Err(Error::io(path, e)),
-        // It grew while being read.
-        Ok(_) if bytes.len() as u64 > MAX_CONFIG_BYTES => Err(config_too_large(path, bytes.len() as u64)),
+        Ok(_) if bytes.len() as u64 > MAX_CONFIG_BYTES => {
+            Err(config_too_large(path, meta.len().max(MAX_CONFIG_BYTES + 1)))
+        }
         Ok(_) => Ok(Some(bytes)),
     }
 }

@@ -5,6 +5,7 @@ from typing import Any
 import numpy as np
 
 HEADER_ERROR_CODES: list[str]
+ADAPTER_ERROR_CODES: list[str]
 TORCH_ERROR_CODES: list[str]
 FORMATS: list[str]
 MOE_LAYOUTS: list[str]

@@ -142,7 +142,7 @@ def scan(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    plist = [os.fspath(p) for p in paths]
+    plist = [os.fsdecode(p) for p in paths]
     store = _storage_items(storage_options)
     remote: dict[str, Any] = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
     items: list[Item] = _core.discover_targets(plist, recursive, None, store, timeout, concurrency)

@@ -46,7 +46,7 @@ def read_header(path: str | os.PathLike[str], *, mode: Literal["pread", "mmap"] 
     `PermissionError` or `OSError` for I/O failures. `mode="mmap"` maps the file instead of
     reading it; `pread` (the default) cannot be crashed by a file truncated underneath.
     """
-    raw = _core.read_header(os.fspath(path), mode)
+    raw = _core.read_header(os.fsdecode(path), mode)
     tensors = {name: TensorInfo(dtype, shape, offsets) for name, dtype, shape, offsets in raw["tensors"]}
     return Header(tensors, raw["metadata"], raw["header_size"], raw["file_size"], tuple(raw["warnings"]))
 

@@ -120,7 +120,7 @@ def inspect(
     section. `path` may be a URL (s3://, gs://, az://, http(s)://, hf://; see `scan`).
     Raises `HeaderError`, `AdapterError` or an `OSError` subclass.
     """
-    raw = _core.inspect(os.fspath(path), mode, content_hash, _storage_items(storage_options), timeout)
+    raw = _core.inspect(os.fsdecode(path), mode, content_hash, _storage_items(storage_options), timeout)
     return _adapter(raw)
 
 
@@ -141,7 +141,7 @@ def inspect_many(
         paths = [os.fsdecode(paths)]
     elif not isinstance(paths, Iterable):
         raise TypeError(f"paths must be a path or a sequence of paths, not {type(paths).__name__}")
-    plist = [os.fspath(p) for p in paths]
+    plist = [os.fsdecode(p) for p in paths]
     raw = _core.inspect_many(
         plist, "pread", content_hash, _check_threads(threads), _storage_items(storage_options), timeout, concurrency
     )
@@ -272,7 +272,7 @@ def scan(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    plist = [os.fspath(p) for p in paths]
+    plist = [os.fsdecode(p) for p in paths]
     threads = _check_threads(threads)
     remote: dict[str, Any] = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
     if backend == "ray":
