@@ -349,3 +349,17 @@ def test_errors_are_adapter_errors_with_codes(tmp_path: Path) -> None:
     assert pickle.loads(pickle.dumps(err)).code == "unsafe_pickle"
     with pytest.raises(FileNotFoundError):
         _core.read_torch_header(str(tmp_path / "missing.bin"))
+
+
+def test_cli_header_reads_torch_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafast.cli import main
+
+    path = tmp_path / "adapter_model.bin"
+    torch.save({"a.lora_A.weight": torch.zeros(4, 16, dtype=torch.bfloat16)}, path)
+    assert main(["header", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tensors"]["a.lora_A.weight"]["shape"] == [4, 16]
+    assert out["tensors"]["a.lora_A.weight"]["dtype"] == "BF16"
+    torch_zip(path, b"\x80\x02cos\nsystem\n.")
+    assert main(["header", str(path)]) == 1
+    assert "unsafe_pickle" in capsys.readouterr().err

@@ -131,9 +131,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_header(args: argparse.Namespace) -> int:
-    from .header import read_header
+    from .header import read_header, read_torch_header
 
-    h = read_header(args.path, mode=args.mode)
+    # torch.save files (PEFT's adapter_model.bin, .pt) are read without unpickling them.
+    torch_file = str(args.path).endswith((".bin", ".pt", ".pth"))
+    h = read_torch_header(args.path) if torch_file else read_header(args.path, mode=args.mode)
     if args.json:
         _print_json({"tensors": {k: vars(v) for k, v in h.tensors.items()}, "metadata": h.metadata,
                      "header_size": h.header_size, "file_size": h.file_size, "warnings": h.warnings})  # fmt: skip
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("header", help="print the validated header of one safetensors file")
+    p = sub.add_parser("header", help="print the validated header of one safetensors file (or torch .bin/.pt file)")
     p.add_argument("path")
     p.add_argument("--mode", choices=("pread", "mmap"), default="pread")
     p.add_argument("--json", action="store_true")
