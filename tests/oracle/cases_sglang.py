@@ -281,7 +281,7 @@ def _peft_adapters(out: Path, rng: random.Random, n_per_base: int) -> list[tuple
             r = rng.choice((2, 4, 8))
             try:
                 peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **extra))
-            except Exception:  # noqa: BLE001 - a target PEFT refuses on this model: try without target_parameters
+            except Exception:  # a target PEFT refuses on this model: try without target_parameters
                 continue
             folder = out / f"peft-{base}-{i:02d}"
             peft_model.save_pretrained(str(folder))

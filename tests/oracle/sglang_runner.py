@@ -33,6 +33,10 @@ from transformers import AutoConfig  # noqa: E402
 
 
 def _error(exc: BaseException) -> list[str]:
+    if os.environ.get("ORACLE_TRACE"):  # debugging aid: where in the engine the exception came from
+        import traceback
+
+        return [type(exc).__name__, str(exc), traceback.format_exc()[-1500:]]
     return [type(exc).__name__, str(exc)]
 
 
@@ -51,7 +55,7 @@ def _startup(case: dict, model: torch.nn.Module) -> tuple[LoRAManager | None, di
     try:
         mgr.init_state(max_lora_rank=case.get("max_lora_rank"), target_modules=None if tm is None else set(tm),
                        lora_paths=refs)  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - the engine's own exception is the answer
+    except Exception as exc:  # the engine's own exception is the answer
         return None, {"error": _error(exc)}
     pool = mgr.memory_pool
     buffers = {}
@@ -105,7 +109,7 @@ def main() -> None:
     for case in payload["cases"]:
         try:
             results[case["id"]] = run_case(case)
-        except Exception as exc:  # noqa: BLE001 - a runner bug must show up as a disagreement, not a crash
+        except Exception as exc:  # a runner bug must show up as a disagreement, not a crash
             import traceback
 
             results[case["id"]] = {"runner_error": _error(exc), "trace": traceback.format_exc()[-3000:]}

@@ -20,9 +20,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafast.compat import _sglang_pool as _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._sglang_first_use import first_use_error
 from lorafast.compat._sglang_names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
@@ -288,10 +290,13 @@ def _init_lora_shapes(
     *,
     dsa_indexer_fusion: bool,
     col: Collector,
+    tree: list[_pool.Module] | None = None,
 ) -> tuple[set[str], int, int]:
     auto_cache: list[set[str]] = []
 
     def auto_detect() -> set[str]:
+        if tree is not None:
+            return _pool.auto_detect(tree)  # a fresh set each time, as SGLang walks the model each time
         if not auto_cache:
             if base_model_modules is None:
                 col.fail("sglang_needs_base_model", ValueError(
@@ -303,7 +308,8 @@ def _init_lora_shapes(
         return set(auto_cache[0])
 
     if target_modules and target_modules == {"all"}:
-        resolved = auto_detect() | set(EMBEDDING_NAMES)
+        resolved = auto_detect()
+        resolved.update(EMBEDDING_NAMES)
         target_modules = resolved
     elif target_modules:
         resolved = get_normalized_target_modules(target_modules)
@@ -849,6 +855,58 @@ def _check_buffer_fit(view: AdapterView, config: _LoraConfig, plans: list[Buffer
                  adapter_id=view.lora_id, adapter_name=view.name)  # fmt: skip
 
 
+def _expert_warnings(view: AdapterView, slots: dict[int, dict[tuple[str, str], _Slot]], *,
+                     experts_shared_outer: bool, base_config: Mapping[str, Any] | None, col: Collector,
+                     memo: dict[Any, Any] | None = None) -> None:  # fmt: skip
+    """lorafast's own expert-layout findings, which SGLang never reports (its errors come from `_FirstUse`)."""
+    num_experts = _num_experts(base_config) if base_config and _is_moe(base_config) else None
+    n_shared = int(base_config.get("n_shared_experts") or 1) if base_config else 1
+    key = ("experts", id(slots), experts_shared_outer, num_experts, n_shared)
+    findings = _memo(memo, key, lambda: _expert_findings(slots, experts_shared_outer, num_experts, n_shared))
+    for code, fatal, text in findings:
+        if not fatal:
+            col.warn(code, f"LoRA adapter '{view.lora_id}': {text}", stage="first_use", adapter_id=view.lora_id,
+                     adapter_name=view.name)  # fmt: skip
+
+
+def _buffer_plans(pool: _pool.Pool, itemsize: int) -> list[BufferPlan]:
+    """The pool's buffers as BufferPlans (layers with equal shapes grouped), in SGLang's allocation order."""
+    plans = []
+    for kind, a_side, b_side in (("embed_tokens", pool.embedding_a, pool.embedding_b),
+                                 ("lm_head", pool.lm_head_a, pool.lm_head_b)):  # fmt: skip
+        if kind in a_side:
+            plans.append(BufferPlan(kind, a_side[kind], b_side[kind], (), itemsize))
+    for name, a_layers in pool.a.items():
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for layer, (a, b) in enumerate(zip(a_layers, pool.b[name], strict=True)):
+            groups.setdefault((a, b), []).append(layer)
+        plans += [BufferPlan(name, a, b, tuple(ids), itemsize) for (a, b), ids in groups.items()]
+    return plans
+
+
+class _FirstUse:
+    """The checks SGLang makes when an adapter first enters a GPU slot, against one memory pool."""
+
+    def __init__(self, pool: _pool.Pool, tree: list[_pool.Module], targets: set[str], strict: bool,
+                 shared_outer: bool) -> None:  # fmt: skip
+        layers = 1 + max((m.layer for m in tree if m.layer is not None), default=-1)
+        self.pool, self.strict, self.shared_outer = pool, strict, shared_outer
+        self.modules, _embed, self.lm_head = _pool.lora_modules(tree, targets, layers)
+
+    def check(self, view: AdapterView, config: _LoraConfig, weights: LoadedWeights, col: Collector) -> None:
+        ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
+        skipped = _skipped_names(weights, self.pool.target_modules)
+        if skipped and not self.strict:
+            message = MSG_SKIPPED.format(uid=view.lora_id, n=len(skipped), targets=sorted(self.pool.target_modules),
+                                         names=skipped)  # fmt: skip
+            logger.warning(message)
+            col.warn("sglang_skipped_weights", message, stage="first_use", **ids)
+        error = first_use_error(view.lora_id, weights, config.r, self.pool, self.modules, self.lm_head,
+                                strict=self.strict, shared_outer=self.shared_outer)  # fmt: skip
+        if error is not None:
+            col.fail("sglang_first_use", error, stage="first_use", **ids)
+
+
 # --- §11 --lora-paths ---------------------------------------------------------------------------------------
 
 
@@ -891,6 +949,7 @@ class SGLangPlan:
     max_loras_per_batch: int = 8
     strict_loading: bool = False
     base_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    first_use: Any = field(default=None, repr=False, compare=False)  # the pool's first-use checks
 
     @property
     def ok(self) -> bool:
@@ -938,11 +997,12 @@ class SGLangPlan:
             col.fail("sglang_load", exc, stage="load", **ids)
             return col.problems
         targets = set(self.target_modules)
-        _check_skipped(view, weights, targets, strict=self.strict_loading, col=col)
+        if self.first_use is not None:
+            self.first_use.check(view, config, weights, col)
+        else:
+            _check_skipped(view, weights, targets, strict=self.strict_loading, col=col)
         slots = _classify(weights, targets)
-        _check_expert_layout(view, slots, experts_shared_outer=self.experts_shared_outer, base_config=cfg, col=col)
-        if self.buffers:
-            _check_buffer_fit(view, config, list(self.buffers), slots, col)
+        _expert_warnings(view, slots, experts_shared_outer=self.experts_shared_outer, base_config=cfg, col=col)
         return col.problems
 
     def to_dict(self) -> dict[str, Any]:
@@ -980,6 +1040,7 @@ def _load_one(
     _validate_new_adapter(view, config, loaded, memory_pool=None, max_loras_per_batch=max_loras_per_batch, col=col)
     peft_type = config.hf_config["peft_type"]
     assert peft_type.lower() == "lora"
+    config.lora_alpha / config.r  # LoRAAdapter.scaling: a string r or a zero r fails here, as in SGLang
     if not view.has_weights:
         raise RuntimeError(MSG_NO_WEIGHTS.format(path=view.path))
     weights = _load_weights(view, config=config, base_config=base_config,
@@ -1056,9 +1117,10 @@ def preflight(
             col.warn("lorafast_unreadable_weights", f"{view.path} has only .bin/.pt weights: lorafast checked its "
                      "config but cannot see its tensors without loading them", stage="load", **ids)  # fmt: skip
 
+    tree = _pool.base_model_tree(cfg) if cfg is not None else None
     targets, rank, added = _init_lora_shapes(
         [(v, c) for v, c, _ in entries], max_lora_rank, cli_targets, base_model_modules,
-        dsa_indexer_fusion=dsa_indexer_fusion, col=col,
+        dsa_indexer_fusion=dsa_indexer_fusion, col=col, tree=tree,
     )  # fmt: skip
 
     memo: dict[Any, Any] = {}
@@ -1071,21 +1133,25 @@ def preflight(
         logger.info(MSG_SHARED_OUTER_LOG)
 
     buffers: list[BufferPlan] | None = None
-    if cfg is not None:
+    pool: _pool.Pool | None = None
+    if cfg is not None and tree is not None:
         try:
-            buffers = plan_buffers(cfg, targets, rank, max_loras_per_batch=max_loras_per_batch,
-                                   experts_shared_outer=shared_outer, lora_added_tokens_size=added)  # fmt: skip
-        except NotImplementedError as exc:
-            col.fail("sglang_hidden_dim", exc, stage="startup")
+            pool = _pool.build_pool(cfg, tree, targets, rank, max_loras_per_batch=max_loras_per_batch,
+                                    shared_outer=shared_outer, added=added)  # fmt: skip
+            buffers = _buffer_plans(pool, _itemsize(cfg))
+        except Exception as exc:  # what the pool's allocation raises, type and text
+            col.fail("sglang_memory_pool", exc, stage="startup")
 
     # First use of each adapter: LoRAMemoryPool.load_lora_weight_to_buffer.
     target_key = frozenset(targets)
+    use = _FirstUse(pool, tree, targets, strict_loading, shared_outer) if pool is not None else None
     for view, config, weights in entries:
-        _check_skipped(view, weights, targets, strict=strict_loading, col=col, memo=memo)
+        if use is not None:
+            use.check(view, config, weights, col)
+        else:
+            _check_skipped(view, weights, targets, strict=strict_loading, col=col, memo=memo)
         slots = _memo(memo, ("slots", id(weights.layers), target_key), lambda w=weights: _classify(w, targets))
-        _check_expert_layout(view, slots, experts_shared_outer=shared_outer, base_config=cfg, col=col, memo=memo)
-        if buffers:
-            _check_buffer_fit(view, config, buffers, slots, col, memo)
+        _expert_warnings(view, slots, experts_shared_outer=shared_outer, base_config=cfg, col=col, memo=memo)
 
     refs = tuple(LoraRef(name=v.name, path=v.path, pinned=v.pinned, lora_id=v.lora_id) for v, _, _ in entries)
     return SGLangPlan(
@@ -1093,4 +1159,5 @@ def preflight(
         experts_shared_outer=shared_outer, shared_outer_source=source,
         buffers=None if buffers is None else tuple(buffers), problems=tuple(col.problems),
         max_loras_per_batch=max_loras_per_batch, strict_loading=strict_loading, base_config=cfg,
+        first_use=use,
     )  # fmt: skip

@@ -1,0 +1,91 @@
+"""The lorafast side of the SGLang oracle: `compat.sglang` answers for the same cases, in the runner's format.
+
+Run as a child interpreter with the same PYTHONHASHSEED as tests/oracle/sglang_runner.py: SGLang messages print
+Python sets, and compat builds those sets from the same strings in the same order, so the texts match only
+between interpreters that hash strings alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any
+
+from lorafast.compat import sglang as sg
+from lorafast.compat._common import LoraRef
+
+STARTUP_STAGES = ("startup", "load")
+
+
+def _base_config(base: dict[str, Any]) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**base).to_dict()  # what a user passes: the base model's config.json
+
+
+def _err(problem: Any) -> list[str]:
+    return [problem.exc_type, problem.message]
+
+
+def _buffers(plan: sg.SGLangPlan) -> dict[str, list[list[int]]]:
+    out: dict[str, list[list[int]]] = {}
+    for b in plan.buffers or ():
+        if not b.layers or 0 in b.layers:
+            out[b.name] = [list(b.a_shape), list(b.b_shape)]
+    return out
+
+
+def lorafast_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
+    """The engine runner's result structure, answered by compat.sglang from headers."""
+    refs = [LoraRef(name=a["name"], path=a["path"], pinned=a.get("pinned", False)) for a in case["adapters"]]
+    cfg = _base_config(case["base"])
+    tm = case.get("target_modules")
+    plan = sg.preflight(
+        refs, max_lora_rank=case.get("max_lora_rank"), target_modules=tm,
+        max_loras_per_batch=case.get("max_loras_per_batch", 8), experts_shared_outer=case.get("experts_shared_outer"),
+        strict_loading=case.get("strict_loading", False), base_config=cfg, collect=True, engine_version=version,
+    )  # fmt: skip
+    startup = [p for p in plan.errors if p.stage in STARTUP_STAGES]
+    if startup:
+        return {"startup": {"error": _err(startup[0])}}
+    out: dict[str, Any] = {"startup": {
+        "target_modules": sorted(plan.target_modules), "max_lora_rank": plan.max_lora_rank,
+        "shared_outer": plan.experts_shared_outer, "added_tokens": plan.lora_added_tokens_size,
+        "buffers": _buffers(plan), "ids": [r.lora_id for r in refs],
+    }}  # fmt: skip
+    first = []
+    for ref in refs:
+        fatal = [p for p in plan.errors if p.stage == "first_use" and p.adapter_id == ref.lora_id]
+        first.append(_err(fatal[0]) if fatal else None)
+    out["first_use"] = first
+    dynamic = []
+    for a in case.get("dynamic", ()):
+        ref = LoraRef(name=a["name"], path=a["path"], pinned=a.get("pinned", False))
+        problems = [p for p in plan.check_new_adapter(ref, collect=True) if p.fatal]
+        load = [p for p in problems if p.stage == "load"]
+        if load:
+            dynamic.append({"success": False, "error_message": load[0].message})
+            continue
+        use = [p for p in problems if p.stage == "first_use"]
+        dynamic.append({"success": True, "error_message": "", "first_use": _err(use[0]) if use else None})
+        plan = dataclasses.replace(plan, adapters=(*plan.adapters, ref))
+    out["dynamic"] = dynamic
+    return out
+
+
+def main() -> None:
+    logging.disable(logging.WARNING)  # compat logs SGLang's warnings; only the answers go to stdout
+    payload = json.load(sys.stdin)
+    results = {}
+    for case in payload["cases"]:
+        try:
+            results[case["id"]] = lorafast_outcome(case, payload["version"])
+        except Exception as exc:  # a compat crash is a disagreement to report, not a runner failure
+            results[case["id"]] = {"startup": {"crash": [type(exc).__name__, str(exc)]}}
+    json.dump({"results": results}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
