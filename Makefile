@@ -89,3 +89,11 @@ bench: build-release ## benchmarks (ratios against baselines measured in the sam
 bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
 	$(BIN)/python benches/bench_remote.py
 	$(BIN)/python benches/bench_ray.py
+
+# Every fuzz harness (tests/fuzz_*.rs) with many more inputs than `make test`'s short seeded
+# pass, from a new seed each run; failing inputs are saved in tests/fuzz-corpus/.
+FUZZ_CASES ?= 100000
+.PHONY: fuzz
+fuzz: ## long fuzz pass: FUZZ_CASES inputs per harness (header, classify, names, config), new seed
+	LORAFAST_FUZZ_CASES=$(FUZZ_CASES) LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
+	  cargo test --no-default-features --test fuzz_header --test fuzz_classify --test fuzz_names --test fuzz_config -- --nocapture

@@ -51,5 +51,5 @@ fn fuzz_header() {
         3 => case_strategy().prop_map(|(t, o, m, w, s)| build(&t, &o, &m, &w, s)),
         1 => mutated(),
     ];
-    common::fuzz::drive("header", 400, files, check);
+    common::fuzz::drive("header", 3000, files, check);
 }

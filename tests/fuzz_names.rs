@@ -155,5 +155,5 @@ fn check(input: &[u8]) -> Result<(), String> {
 
 #[test]
 fn fuzz_names() {
-    common::fuzz::drive("names", 3000, name_strategy().prop_map(String::into_bytes), check);
+    common::fuzz::drive("names", 12000, name_strategy().prop_map(String::into_bytes), check);
 }
