@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from lorafast.compat import diffusion as df
 from oracle import cases_diffusion, engines
@@ -37,7 +38,12 @@ def describe(tensors: dict[str, df.Tensor]) -> dict:
 
 
 def state_of(spec: list) -> dict[str, df.Tensor]:
-    return {name: df.Tensor(tuple(shape), value) for name, shape, value in spec}
+    """The runner's tensors as compat takes them: shapes, `.alpha` values, and the (zero) arrays themselves."""
+    out = {}
+    for name, shape, value in spec:
+        scalar = value if math.prod(shape) == 1 else None
+        out[name] = df.Tensor(tuple(shape), scalar, np.full(shape, value or 0.0))
+    return out
 
 
 def compat_file(case: dict, v: str) -> dict:

@@ -206,10 +206,26 @@ def bases() -> dict[str, list[Spec]]:
         "kohya_flux": kohya_flux(),
         "kohya_flux_no_alpha": kohya_flux(alpha=None),
         "kohya_flux_small": kohya_flux(r=2, h=8),
+        "kohya_flux_rank3_sparse": kohya_flux(r=3),
+        "kohya_flux_rank4": kohya_flux(r=4, alpha=None),
+        "kohya_flux_rank3_dense": [
+            (n, s, 0.5 if n.endswith("qkv.lora_up.weight") else v) for n, s, v in kohya_flux(r=3)
+        ],
         "kohya_flux_shuffled": shuffled(kohya_flux(), 3),
+        "kohya_flux_te": kohya_flux()
+        + _pair("lora_te1_text_model_encoder_layers_0_self_attn_q_proj", 1, 768, 768, "lora_down", "lora_up")
+        + [("lora_te1_text_model_encoder_layers_0_self_attn_q_proj.alpha", (), 1.0)],
+        "kohya_flux_unknown_module": kohya_flux()
+        + _pair("lora_unet_double_blocks_0_foo", 1, 8, 8, "lora_down", "lora_up"),
+        "kohya_flux_dora_scale": kohya_flux()
+        + [("lora_unet_double_blocks_0_img_attn_proj.dora_scale", (3072, 1), None)],
+        "kohya_flux_partial_alpha": [s for s in kohya_flux() if s[0] != "lora_unet_single_blocks_0_linear2.alpha"],
+        "kohya_flux_diff_b": kohya_flux() + [("lora_unet_double_blocks_0_img_attn_proj.diff_b", (3072,), None)],
         "xlabs": xlabs(),
         "xlabs_small": xlabs(h=8),
         "xlabs_diffusion_model": renamed(xlabs(), lambda n: "diffusion_model." + n),
+        "xlabs_extra_key": xlabs() + _pair("double_blocks.0.processor.other_lora", 2, 8, 8, "down", "up"),
+        "xlabs_single_blocks": renamed(xlabs(), lambda n: n.replace("double_blocks", "single_blocks")),
         "minimax_h3": minimax_h3(),
         "minimax_h3_no_weight_suffix": minimax_h3(suffix=""),
         "minimax_h3_unmatched": minimax_h3() + _pair("lora_unet_blocks_0_attn_norm", 2, 8, 8, "lora_down", "lora_up"),

@@ -83,10 +83,15 @@ class LoRAFormat(str, Enum):
 
 
 class Tensor(NamedTuple):
-    """A tensor as these rules see it: its shape, and its value when it has one element and was read."""
+    """A tensor as these rules see it: its shape, and its value when it has one element and was read.
+
+    `data` says where the rest of its values are, for the one rule that needs them (kohya Flux, below): a
+    `(file, dtype, start, end)` tuple of a tensor read from a file, or an array the caller passed.
+    """
 
     shape: Shape
     value: float | int | None = None
+    data: Any = None
 
 
 class LoadedAdapter(NamedTuple):
@@ -148,7 +153,7 @@ def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], dict[str
             if name.endswith(".alpha") and math.prod(shape) == 1:
                 f.seek(base + start)
                 value = _scalar(f.read(end - start), dtype)
-            out[name] = Tensor(shape, value)
+            out[name] = Tensor(shape, value, (path, dtype, base + start, base + end))
     return out, dict(header["metadata"] or {})
 
 
@@ -160,7 +165,7 @@ def _as_tensor(value: Any) -> Tensor:
     scalar = None
     if hasattr(value, "item") and math.prod(shape) == 1:
         scalar = value.item()
-    return Tensor(shape, scalar)
+    return Tensor(shape, scalar, value if hasattr(value, "shape") else None)
 
 
 def _state(adapter: Any) -> dict[str, Tensor]:
@@ -551,11 +556,44 @@ _DIFFUSERS_CONVERTERS = {
 }
 
 
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
+
+
+def _real(t: Tensor) -> Any:
+    """The tensor's values, from its file or the array given; None when unknown."""
+    import torch
+
+    if t.data is None:
+        return None
+    if not isinstance(t.data, tuple):
+        return torch.as_tensor(t.data)
+    path, dtype, start, end = t.data
+    if dtype not in _TORCH_DTYPES:
+        return None
+    with open(path, "rb") as f:
+        f.seek(start)
+        raw = bytearray(f.read(end - start))
+    return torch.frombuffer(raw, dtype=getattr(torch, _TORCH_DTYPES[dtype])).reshape(t.shape) if raw else None
+
+
+def _kohya_up_needs_values(name: str, state: Mapping[str, Tensor]) -> bool:
+    """diffusers splits a fused kohya Flux up weight (qkv in 3, single-block linear1 in 4) by rank when its
+    off-diagonal blocks are all zero: for a rank that 3 or 4 divides, the split depends on the values."""
+    if not name.endswith(".lora_up.weight"):
+        return False
+    down = state.get(name.removesuffix(".lora_up.weight") + ".lora_down.weight")
+    rank = down.shape[0] if down is not None and down.shape else 0
+    return rank > 0 and (rank % 3 == 0 or rank % 4 == 0)
+
+
 def _convert_with_diffusers(state: Mapping[str, Tensor], fmt: LoRAFormat) -> dict[str, Tensor]:
     """XLabs and kohya Flux: SGLang calls diffusers' converter, and keeps the keys when every candidate fails.
 
     The converter runs here too, on shape-only (meta) tensors, with the real `.alpha` values, so names,
-    shapes and failures are diffusers' own. Needs torch and diffusers, as SGLang does.
+    shapes and failures are diffusers' own. Kohya up weights whose split depends on their values (see
+    `_kohya_up_needs_values`) are read; `.diff`/`.diff_b` tensors, whose values diffusers only logs about,
+    are zeros. Needs torch and diffusers, as SGLang does.
     """
     import torch
     from diffusers.loaders import lora_conversion_utils as lcu
@@ -563,8 +601,13 @@ def _convert_with_diffusers(state: Mapping[str, Tensor], fmt: LoRAFormat) -> dic
     converters = [getattr(lcu, n) for n in _DIFFUSERS_CONVERTERS[fmt] if callable(getattr(lcu, n, None))]
     meta = {}
     for name, t in state.items():
-        if t.value is not None:
+        real = _real(t) if fmt == LoRAFormat.KOHYA_FLUX and _kohya_up_needs_values(name, state) else None
+        if real is not None:
+            meta[name] = real
+        elif t.value is not None:
             meta[name] = torch.tensor(t.value).reshape(t.shape)
+        elif ".diff" in name:
+            meta[name] = torch.zeros(()).expand(t.shape)
         else:
             meta[name] = torch.empty(t.shape, device="meta")
         module = name.removesuffix(".lora_down.weight")
