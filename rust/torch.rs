@@ -106,7 +106,11 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     }
     let zip = Archive::open(file, file_size)?;
     if let Some(order) = zip.record("byteorder") {
-        let text = zip.read(order, 16)?;
+        let text = if order.size <= 16 {
+            zip.read(order, 16)?
+        } else {
+            Vec::new()
+        };
         if text != b"little" {
             return Err(TorchError::new(
                 "unsupported_byteorder",
@@ -204,12 +208,17 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     })
 }
 
-/// The file bytes `t` spans: its extent in its storage, whose data starts at `start`. Bounds and
-/// overflow were checked against the storage (and the storage against the file) already.
+/// The file bytes `t` spans: its extent in its storage, whose data starts at `start`. A tensor with
+/// elements was checked against its storage (and the storage against the file) already; an empty
+/// one spans nothing, and its offset, which `set_` does not check, may be anything.
 fn byte_range(t: &Tensor, start: u64) -> (u64, u64) {
+    let extent = t.extent();
+    if extent == 0 {
+        return (start, start);
+    }
     let size = t.dtype.itemsize();
     let begin = start + t.offset * size;
-    (begin, begin + t.extent() * size)
+    (begin, begin + extent * size)
 }
 
 /// Opens and reads the torch file at `path`.

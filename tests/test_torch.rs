@@ -474,6 +474,33 @@ fn tensors_past_their_storage_or_missing_records_are_refused() {
     // Stride 0 and empty tensors need nothing past their offset.
     let p = state_pickle(&[("a", "0", 1, 0, &[5, 4], &[0, 0]), ("e", "1", 0, 9, &[0, 3], &[3, 1])]);
     assert!(read_bytes(&archive(&p, &[("0", 1), ("1", 0)])).is_ok());
+    // An empty tensor at an offset far past its storage (`set_` allows it) spans no bytes.
+    let mut huge = P::new()
+        .op(b"}(")
+        .str("e")
+        .global("torch._utils", "_rebuild_tensor_v2")
+        .op(b"((");
+    huge = huge
+        .str("storage")
+        .global("torch", "DoubleStorage")
+        .str("0")
+        .str("cpu")
+        .int(1)
+        .op(b"tQ");
+    huge = huge
+        .op(b"\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f")
+        .ints(&[0])
+        .ints(&[1]);
+    let p = huge
+        .op(&[0x89])
+        .global("collections", "OrderedDict")
+        .op(b")Rt")
+        .op(b"R")
+        .op(b"u")
+        .done();
+    let path = temp_file(&archive(&p, &[("0", 2)]));
+    let h = read_torch_header(&path).unwrap();
+    assert_eq!(h.header.tensors[0].begin, h.header.tensors[0].end);
     // Size and stride of different lengths.
     let p = state_pickle(&[("a", "0", 6, 0, &[6], &[1, 1])]);
     assert_eq!(pickle_code(&p).0, "invalid_torch_tensor");
