@@ -1,97 +1,294 @@
-"""vLLM's LoRA adapter checks, answered from safetensors headers (lora-formats.md §2).
+"""vLLM's LoRA adapter checks, answered from safetensors headers, version by version (vLLM 0.30.0 and 0.33.0).
 
-* `check_peft_helper`: `PEFTHelper.from_dict` (required fields, positive rank);
-* `validate_legal`: modules_to_save, DoRA, rank vs `max_lora_rank`, bias, joined into one ValueError;
-* `parse_fine_tuned_lora_name` and `check_unexpected_modules`: the unsupported-weight-name error and the
-  expected-target-modules check (leaf-name comparison; expert suffixes from `experts` on);
-* `VLLM_MAX_LORA_RANKS` and `smallest_max_lora_rank`: the values `--max-lora-rank` accepts;
-* `preflight`: all of the above for many adapters, raising the first error or collecting them all.
+The rules follow vLLM's released code (`vllm/lora/peft_helper.py`, `lora_model.py`, `utils.py`,
+`worker_manager.py`, `model_manager.py`), and the oracle tests (`tests/test_oracle_vllm.py`) run that code on
+the same adapters. Every entry point takes `engine_version=` (default: the installed vLLM, else the newest
+supported).
 
-vLLM's error texts vary between versions; these follow the files named in lora-formats.md §0.
+* `load_adapter`: `WorkerLoRAManager._load_adapter` as a whole: config, `validate_legal`, weight-file choice,
+  the expected-module check, tensor names, and (0.33) the MoE-format and classification-head checks. It
+  returns what vLLM builds (ranks, scalings, shapes) or raises what vLLM raises (same type name, same text);
+* `peft_helper` (`PEFTHelper.from_local_dir`/`from_dict`), `validate_legal`, `parse_fine_tuned_lora_name`,
+  `expected_lora_modules`, `check_unexpected_modules`: the single steps;
+* `preflight`: the per-adapter checks for a whole set; `VLLM_MAX_LORA_RANKS`, `smallest_max_lora_rank`.
+
+Messages that print a Python set (the expected modules, the missing config fields) are built from the same
+strings in the same order as vLLM builds them, so the text equals vLLM's in the same interpreter.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem
-from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._inputs import AdapterView, _read_names_and_shapes, resolve_adapters
+from lorafast.compat._vllm_torchzip import read_torch_names_and_shapes
 
 __all__ = [
     "DEFAULT_PACKED_MODULES_MAPPING",
     "VLLM_MAX_LORA_RANKS",
+    "LoRAAdapterNotFoundError",
+    "LoraWeights",
+    "VLLMLoRA",
     "VLLMPlan",
+    "WeightsMapper",
     "check_peft_helper",
     "check_unexpected_modules",
     "expected_lora_modules",
+    "load_adapter",
     "parse_fine_tuned_lora_name",
+    "peft_helper",
     "preflight",
     "smallest_max_lora_rank",
     "validate_legal",
 ]  # fmt: skip
 
-#: `LoRAConfig.max_lora_rank: Literal[...]` in `vllm/config/lora.py`.
+#: `LoRAConfig.max_lora_rank: Literal[...]` in `vllm/config/lora.py` (0.30.0 and 0.33.0).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_PACKED_MODULES_MAPPING: Mapping[str, list[str]] = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     "gate_up_proj": ["gate_proj", "up_proj"],
 }
 
-MSG_UNSUPPORTED_WEIGHT = "{name} is unsupported LoRA weight"
-MSG_UNEXPECTED_MODULES = (
-    "While loading {lora_dir}, expected target modules in {expected} but received {unexpected}. "
-    "Please verify that the loaded LoRA module is correct"
-)
-MSG_RANK_TOO_BIG = "LoRA rank {r} is greater than max_lora_rank {max_lora_rank}."
-MSG_MODULES_TO_SAVE = "vLLM only supports modules_to_save being None."
-MSG_DORA = "vLLM does not yet support DoRA."
-MSG_BIAS = "Adapter bias is not supported."
-MSG_BIAS_DISABLED = "Adapter bias cannot be used without bias_enabled."
-MSG_MISSING_FIELDS = "Missing required configuration fields: {missing}"
-MSG_RANK_POSITIVE = "LoRA rank `r` must be a positive integer, got {r}."
-MSG_NO_TENSORS = "{lora_dir} doesn't contain tensors"
-
 _PREFIX = "base_model.model."
+_CLASSIFIERS = ["classifier", "score"]
+# PEFTHelper's dataclass fields, in declaration order, per version; the first three are required.
+_FIELDS_030 = ("r", "lora_alpha", "target_modules", "bias", "modules_to_save", "use_rslora", "use_dora",
+               "vllm_lora_scaling_factor", "vllm_max_position_embeddings")  # fmt: skip
+_FIELDS_033 = ("r", "lora_alpha", "target_modules", "bias", "modules_to_save", "use_rslora", "use_dora",
+               "lora_bias", "init_lora_weights", "alora_invocation_tokens", "layer_replication", "use_bdlora",
+               "use_qalora", "rank_pattern", "alpha_pattern", "vllm_lora_scaling_factor",
+               "vllm_max_position_embeddings")  # fmt: skip
+_REQUIRED = ("r", "lora_alpha", "target_modules")
+_DEFAULTS: dict[str, Any] = {
+    "bias": "none", "modules_to_save": None, "use_rslora": False, "use_dora": False, "lora_bias": False,
+    "init_lora_weights": True, "alora_invocation_tokens": None, "layer_replication": None, "use_bdlora": None,
+    "use_qalora": False, "rank_pattern": None, "alpha_pattern": None, "vllm_lora_scaling_factor": 1.0,
+    "vllm_max_position_embeddings": False,
+}  # fmt: skip
+# init_lora_weights strings 0.33 accepts: they only set the initial weights (peft_helper._init_is_supported).
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+_INIT_TEXT = (
+    "vLLM does not support init_lora_weights={init!r}. Inits such as PiSSA, OLoRA, CorDA and LoftQ modify the "
+    "base model weights when PEFT loads the adapter. Convert it to a regular LoRA adapter with PEFT's "
+    "path_initial_model_for_weight_conversion, or set init_lora_weights to true if the served base model "
+    "already contains the modified weights."
+)
+
+
+class LoRAAdapterNotFoundError(Exception):
+    """vLLM's `vllm.exceptions.LoRAAdapterNotFoundError` (same name, same text)."""
+
+    def __init__(self, lora_name: str, lora_path: str) -> None:
+        self.message = f"Loading lora {lora_name} failed: No adapter found for {lora_path}"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _is_033(engine_version: str | None) -> bool:
+    return _versions.at_least("vllm", engine_version, "0.31.0")
+
+
+# --- names -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightsMapper:
+    """The renaming part of vLLM's `WeightsMapper` (substrings, then prefixes, then suffixes; a None target
+    drops the name), for describing a model's `hf_to_vllm_mapper` without vLLM installed."""
+
+    orig_to_new_substr: Mapping[str, str | None] = None  # type: ignore[assignment]
+    orig_to_new_prefix: Mapping[str, str | None] = None  # type: ignore[assignment]
+    orig_to_new_suffix: Mapping[str, str | None] = None  # type: ignore[assignment]
+
+    def _map_name(self, key: str) -> str | None:
+        for substr, new in (self.orig_to_new_substr or {}).items():
+            if substr in key:
+                if new is None:
+                    return None
+                key = key.replace(substr, new, 1)
+        for prefix, new in (self.orig_to_new_prefix or {}).items():
+            if key.startswith(prefix):
+                if new is None:
+                    return None
+                key = key.replace(prefix, new, 1)
+        for suffix, new in (self.orig_to_new_suffix or {}).items():
+            if key.endswith(suffix):
+                if new is None:
+                    return None
+                key = new.join(key.rsplit(suffix, 1))
+        return key
+
+    def get_rename_mapper(self) -> WeightsMapper:
+        """vLLM's rename-only variant: targets of None are dropped (what `_load_adapter` applies)."""
+
+        def keep(d: Mapping[str, str | None] | None) -> dict[str, str | None]:
+            return {k: v for k, v in (d or {}).items() if v is not None}
+
+        return WeightsMapper(keep(self.orig_to_new_substr), keep(self.orig_to_new_prefix),
+                             keep(self.orig_to_new_suffix))  # fmt: skip
 
 
 def _map(name: str, weights_mapper: Any) -> str:
-    if weights_mapper is None:
-        return name
-    if hasattr(weights_mapper, "_map_name"):
-        return weights_mapper._map_name(name)
-    return weights_mapper(name)
+    mapped = weights_mapper._map_name(name) if hasattr(weights_mapper, "_map_name") else weights_mapper(name)
+    if mapped is None:
+        raise ValueError("Mapped LoRA weight name cannot be None.")
+    return mapped
 
 
-def parse_fine_tuned_lora_name(name: str, weights_mapper: Callable[[str], str] | Any = None) -> tuple[str, bool]:
+def parse_fine_tuned_lora_name(
+    name: str, weights_mapper: Callable[[str], str | None] | Any = None, *, engine_version: str | None = None
+) -> tuple[str, bool]:
     """`(module name, is_lora_a)` for a LoRA tensor name, or vLLM's "... is unsupported LoRA weight" ValueError.
 
-    `base_model.model.` is dropped from the module name; `weights_mapper` (a callable, or vLLM's
-    `WeightsMapper`) is applied to the rest, as vLLM does.
+    `base_model.model.` is dropped from the module name; `weights_mapper` (a callable, vLLM's `WeightsMapper`
+    or this module's) is applied to the rest. From 0.33, `score`/`classifier` weights and biases name the
+    classification head (`modules_to_save`).
     """
     if name.startswith(_PREFIX):
-        name = _PREFIX + _map(name.replace(_PREFIX, ""), weights_mapper)
-    else:
+        name = name.replace(_PREFIX, "")
+        if weights_mapper:
+            name = _PREFIX + _map(name, weights_mapper)
+    elif weights_mapper:
         name = _map(name, weights_mapper)
     start = 2 if name.startswith(_PREFIX) else 0
     parts = name.split(".")
-    if parts[-1] == "weight" and len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B"):
+    if _is_033(engine_version):
+        if parts[-1] in ("weight", "bias") and len(parts) >= 2:
+            if parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight":
+                return ".".join(parts[start:-2]), parts[-2] == "lora_A"
+            if parts[-2] in _CLASSIFIERS:
+                return parts[-2], False
+    elif parts[-1] == "weight" and len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B"):
         return ".".join(parts[start:-2]), parts[-2] == "lora_A"
     if parts[-1] in ("lora_embedding_A", "lora_embedding_B"):
         return ".".join(parts[start:-1]), parts[-1] == "lora_embedding_A"
-    raise ValueError(MSG_UNSUPPORTED_WEIGHT.format(name=name))
+    raise ValueError(f"{name} is unsupported LoRA weight")
 
 
 def expected_lora_modules(
     supported_lora_modules: Iterable[str], packed_modules_mapping: Mapping[str, list[str]] | None = None
-) -> list[str]:
-    """vLLM's `expected_lora_modules`: the model's LoRA module leaves with packed names expanded."""
+) -> set[str]:
+    """`_load_adapter`'s expected modules: the model's LoRA module leaves with packed names expanded, plus
+    `experts` itself for MoE models, as a set built in vLLM's order (its repr is the one vLLM prints)."""
     packed = DEFAULT_PACKED_MODULES_MAPPING if packed_modules_mapping is None else packed_modules_mapping
     out: list[str] = []
     for module in supported_lora_modules:
-        out.extend(packed.get(module, [module]))
-    return out
+        if module in packed:
+            out.extend(packed[module])
+        else:
+            out.append(module)
+        if module == "experts":
+            out.append(module)
+    return set(out)
+
+
+def _is_base_embedding(name: str) -> bool:
+    return name.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight"))
+
+
+# --- PEFTHelper --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PEFTHelper:
+    """The fields of vLLM's `PEFTHelper` after `from_dict` and `__post_init__` (values as in the JSON)."""
+
+    fields: dict[str, Any]
+    scaling: float
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["fields"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _peft_helper_from_dict(config: Any, engine_version: str | None) -> PEFTHelper:
+    new = _is_033(engine_version)
+    names = _FIELDS_033 if new else _FIELDS_030
+    required = {name for name in names if name in _REQUIRED}
+    missing = required - set(config.keys())
+    if missing:
+        raise ValueError(f"Missing required configuration fields: {missing}")
+    fields = {name: _DEFAULTS.get(name) for name in names}
+    fields.update({k: v for k, v in config.items() if k in names})
+    r = fields["r"]
+    if r <= 0:
+        raise ValueError(f"LoRA rank `r` must be a positive integer, got {r}.")
+    if new:
+        fields["rank_pattern"] = fields["rank_pattern"] or {}
+        fields["alpha_pattern"] = fields["alpha_pattern"] or {}
+        for key, rank in fields["rank_pattern"].items():
+            if not isinstance(rank, int) or rank <= 0:
+                raise ValueError(f"LoRA rank for `{key}` in `rank_pattern` must be a positive integer, got {rank}.")
+    alpha = fields["lora_alpha"]
+    scaling = alpha / math.sqrt(r) if fields["use_rslora"] else alpha / r
+    fields["vllm_lora_scaling_factor"] = scaling
+    return PEFTHelper(fields, scaling)
+
+
+def peft_helper(path: str, max_position_embeddings: int | None = None, *,
+                engine_version: str | None = None) -> PEFTHelper:  # fmt: skip
+    """`PEFTHelper.from_local_dir`: reads `adapter_config.json` as vLLM does (same exceptions)."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    config["vllm_max_position_embeddings"] = max_position_embeddings
+    return _peft_helper_from_dict(config, engine_version)
+
+
+def _validate_features(helper: PEFTHelper, new: bool) -> list[str]:
+    errors: list[str] = []
+    if helper.modules_to_save:
+        if not new:
+            errors.append("vLLM only supports modules_to_save being None.")
+        else:
+            unsupported = [m for m in helper.modules_to_save if m not in _CLASSIFIERS]
+            if unsupported:
+                errors.append(
+                    "vLLM only supports modules_to_save being either None "
+                    'or ["classifier", "score"] for classification models. '
+                    f"Unsupported modules_to_save: {unsupported}"
+                )
+    if helper.use_dora:
+        errors.append("vLLM does not yet support DoRA.")
+    if not new:
+        return errors
+    if helper.lora_bias:
+        errors.append("vLLM does not support LoRA bias (lora_bias).")
+    init = helper.init_lora_weights
+    if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
+        errors.append(_INIT_TEXT.format(init=init))
+    if helper.alora_invocation_tokens:
+        errors.append("vLLM does not support Activated LoRA (aLoRA).")
+    if helper.layer_replication:
+        errors.append("vLLM does not support layer_replication.")
+    if helper.use_bdlora:
+        errors.append("vLLM does not support block-diagonal LoRA (BD-LoRA).")
+    if helper.use_qalora:
+        errors.append("vLLM does not support QALoRA.")
+    return errors
+
+
+def _validate_legal(helper: PEFTHelper, max_lora_rank: int, engine_version: str | None) -> None:
+    new = _is_033(engine_version)
+    errors = _validate_features(helper, new)
+    rank = max([helper.r, *helper.rank_pattern.values()]) if new else helper.r
+    if rank > max_lora_rank:
+        errors.append(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
+    if helper.bias != "none":
+        errors.append("Adapter bias is not supported.")
+    if errors:
+        raise ValueError(" ".join(errors))
 
 
 def _one(adapter: Any) -> AdapterView:
@@ -99,75 +296,290 @@ def _one(adapter: Any) -> AdapterView:
     return view
 
 
+def check_peft_helper(adapter: Any, *, engine_version: str | None = None) -> Mapping[str, Any]:
+    """`PEFTHelper.from_dict` on an adapter's config: required fields, rank (and 0.33's rank_pattern) checks.
+
+    Returns the helper's fields (config values with vLLM's defaults, and `vllm_lora_scaling_factor`).
+    """
+    config = dict(_one(adapter).config or {})
+    config["vllm_max_position_embeddings"] = None
+    return _peft_helper_from_dict(config, engine_version).fields
+
+
+def validate_legal(adapter: Any, max_lora_rank: int = 16, *, engine_version: str | None = None) -> None:
+    """`PEFTHelper.validate_legal`: every failed rule, joined with spaces, in one ValueError.
+
+    0.30: modules_to_save, DoRA, `r` above `max_lora_rank`, bias. 0.33 adds `["classifier", "score"]` as
+    allowed modules_to_save, lora_bias, PiSSA-like inits, aLoRA, layer_replication, BD-LoRA and QALoRA, and
+    takes the rank as the max over `r` and the `rank_pattern` values.
+    """
+    config = dict(_one(adapter).config or {})
+    config["vllm_max_position_embeddings"] = None
+    _validate_legal(_peft_helper_from_dict(config, engine_version), max_lora_rank, engine_version)
+
+
+# --- LoRAModel.from_local_checkpoint -----------------------------------------------------------------------
+
+
+def _unexpected_modules(names: Iterable[str], expected: Any, modules_to_save: Any, weights_mapper: Any,
+                        engine_version: str | None) -> list[str]:  # fmt: skip
+    unexpected: list[str] = []
+    for key in names:
+        if _is_base_embedding(key) or "base_layer" in key:
+            continue
+        module, _ = parse_fine_tuned_lora_name(key, weights_mapper, engine_version=engine_version)
+        base = module.rsplit(".", 1)[-1]
+        if ".experts" in module:
+            if module[module.find(".experts") + 1 :] not in expected:
+                unexpected.append(module)
+        elif base not in expected and (not _is_033(engine_version) or base not in (modules_to_save or ())):
+            unexpected.append(module)
+    return unexpected
+
+
+def _unexpected_error(lora_dir: str, expected: Any, unexpected: list[str]) -> ValueError:
+    return ValueError(
+        f"While loading {lora_dir}, expected target modules in {expected} but received {unexpected}. "
+        "Please verify that the loaded LoRA module is correct"
+    )
+
+
 def check_unexpected_modules(
     adapter: Any,
-    expected_lora_modules: list[str],
+    expected_lora_modules: Any,
     *,
     weights_mapper: Any = None,
     lora_dir: str | None = None,
+    engine_version: str | None = None,
 ) -> None:
-    """`LoRAModel.from_local_checkpoint`'s header check, before any tensor is read.
+    """`LoRAModel.from_local_checkpoint`'s name check, before any tensor is read.
 
     Keys containing `base_layer` are skipped; an expert module is compared from `experts` on, any other
-    module by its last component only. Unknown tensor names raise "... is unsupported LoRA weight".
-    `expected_lora_modules` is printed as given in the message, so pass a list as vLLM does.
+    module by its last component (0.33: or a `modules_to_save` name). `expected_lora_modules` is printed as
+    given: pass the set `expected_lora_modules()` builds, as vLLM does.
     """
     view = _one(adapter)
-    unexpected: list[str] = []
-    for key in view.tensors:
-        if key.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")) or "base_layer" in key:
-            continue
-        module, _ = parse_fine_tuned_lora_name(key, weights_mapper)
-        if ".experts" in module:
-            suffix = module[module.find(".experts") + 1 :]
-            if suffix not in expected_lora_modules:
-                unexpected.append(module)
-        elif module.rsplit(".", 1)[-1] not in expected_lora_modules:
-            unexpected.append(module)
+    saved = (view.config or {}).get("modules_to_save")
+    unexpected = _unexpected_modules(view.tensors, expected_lora_modules, saved, weights_mapper, engine_version)
     if unexpected:
-        directory = view.path if lora_dir is None else lora_dir
+        raise _unexpected_error(view.path if lora_dir is None else lora_dir, expected_lora_modules, unexpected)
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One entry of `LoRAModel.loras`: rank and scaling as vLLM computes them, and the tensor shapes."""
+
+    rank: int
+    scaling: float
+    lora_a_shape: tuple[int, ...] | None
+    lora_b_shape: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class VLLMLoRA:
+    """What `_load_adapter` returns: the `LoRAModel`'s rank, its LoRA modules and (0.33) its full modules."""
+
+    rank: Any
+    loras: dict[str, LoraWeights]
+    modules_to_save: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]
+
+
+def _pattern_value(pattern: Mapping[str, Any], name: str) -> Any:
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return None
+
+
+def _rank_and_scaling(helper: PEFTHelper, module_name: str) -> tuple[Any, float]:
+    """0.33's `PEFTHelper.get_rank_and_scaling`."""
+    if not helper.rank_pattern and not helper.alpha_pattern:
+        return helper.r, helper.scaling
+    if module_name.endswith(".experts.base_layer"):
+        module_name = module_name.removesuffix(".base_layer") + ".gate_up_proj"
+    elif module_name.endswith(".experts"):
+        module_name += ".down_proj"
+    rank = _pattern_value(helper.rank_pattern, module_name)
+    rank = helper.r if rank is None else rank
+    alpha = _pattern_value(helper.alpha_pattern, module_name)
+    alpha = helper.lora_alpha if alpha is None else alpha
+    return rank, (alpha / math.sqrt(rank) if helper.use_rslora else alpha / rank)
+
+
+def _weights(lora_dir: str) -> tuple[dict[str, tuple[int, ...] | None], bool] | None:
+    """Tensor names and shapes of the file vLLM picks (safetensors, else .bin, else .pt), headers only."""
+    st = os.path.join(lora_dir, "adapter_model.safetensors")
+    if os.path.isfile(st):
+        return _read_names_and_shapes(st), True
+    for name in ("adapter_model.bin", "adapter_model.pt"):
+        file = os.path.join(lora_dir, name)
+        if os.path.isfile(file):
+            return read_torch_names_and_shapes(file), False
+    return None
+
+
+def _build(tensors: Mapping[str, tuple[int, ...] | None], helper: PEFTHelper, vocab_size: int | None,
+           weights_mapper: Any, engine_version: str | None) -> VLLMLoRA:  # fmt: skip
+    """`LoRAModel.from_lora_tensors` on names and shapes."""
+    new = _is_033(engine_version)
+    saved_names = (helper.modules_to_save or []) if new else []
+    full: dict[str, dict[str, tuple[int, ...] | None]] = {}
+    loras: dict[str, list[Any]] = {}
+    for key, shape in tensors.items():
+        if _is_base_embedding(key):
+            continue
+        module, is_a = parse_fine_tuned_lora_name(key, weights_mapper, engine_version=engine_version)
+        if module in saved_names:
+            full.setdefault(module, {})[key.split(".")[-1]] = shape
+            continue
+        if module not in loras:
+            if new:
+                peft_name, _ = parse_fine_tuned_lora_name(key, engine_version=engine_version)
+                rank, scaling = _rank_and_scaling(helper, peft_name)
+            else:
+                rank, scaling = helper.r, helper.scaling
+            loras[module] = [rank, scaling, None, None]
+        if is_a:
+            if "lora_embedding_A" in key and vocab_size is not None and vocab_size != (shape or ())[1]:
+                raise RuntimeError(
+                    f"The embedding LoRA size({shape[1]}) must be consistent"  # type: ignore[index]
+                    f" with the base model's vocabulary size({vocab_size})."
+                )
+            loras[module][2] = shape
+        else:
+            loras[module][3] = shape
+    saved: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+    for module, params in full.items():
+        weight = params.get("weight")
+        if weight is None:
+            raise ValueError(f"Full module {module!r} is missing weight.")
+        saved[module] = (weight, params.get("bias"))
+    if len(saved) > 1:
+        raise ValueError(f"Only one full classification module is supported per adapter, received {sorted(saved)}.")
+    return VLLMLoRA(helper.r, {k: LoraWeights(*v) for k, v in loras.items()}, saved)
+
+
+# --- WorkerLoRAManager._load_adapter ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassificationHead:
+    """The model's unique classification head as vLLM's LoRA manager sees it (0.33)."""
+
+    name: str
+    max_labels: int
+    input_size: int
+    pooling_task: str = "classify"
+
+
+def _lora_of(lora: VLLMLoRA, module_name: str, is_pooling_model: bool) -> LoraWeights | None:
+    """`LoRAModelManager._get_lora_layer_weights` for a text-only model."""
+    name = module_name
+    if is_pooling_model and name not in lora.loras and module_name.removeprefix("model.") in lora.loras:
+        name = module_name.removeprefix("model.")
+    return lora.loras.get(name)
+
+
+def _check_moe_format(lora: VLLMLoRA, lora_id: int, moe_modules: Iterable[str], is_pooling_model: bool) -> None:
+    """`_validate_moe_lora_format` (0.33): a fused (target_parameters) MoE LoRA under a 2-D MoE wrapper."""
+    for module_name in moe_modules:
+        weights = _lora_of(lora, module_name, is_pooling_model)
+        if weights is not None and weights.lora_a_shape is not None:
+            raise ValueError(
+                f"LoRA adapter {lora_id} contains fused 3D MoE weights for {module_name!r}, but the model uses a "
+                "2D MoE LoRA wrapper. Start the engine with enable_mixed_moe_lora_format=True "
+                "(--enable-mixed-moe-lora-format) and set is_3d_lora_weight=True on the LoRA request."
+            )
+
+
+def _check_classification_head(lora: VLLMLoRA, head: ClassificationHead | None, is_pooling_model: bool) -> None:
+    """`_validate_classification_head_lora` (0.33)."""
+    if head is None:
+        if lora.modules_to_save:
+            raise ValueError(
+                f"Cannot load full module {next(iter(lora.modules_to_save))!r}: the model does not expose a "
+                "unique classification head."
+            )
+        return
+    name = head.name
+    full = lora.modules_to_save.get(name)
+    if full is None:
+        full = lora.modules_to_save.get(name.removeprefix("model."))
+    head_lora = _lora_of(lora, name, is_pooling_model)
+    if head.pooling_task == "token_classify" and (full is not None or head_lora is not None):
         raise ValueError(
-            MSG_UNEXPECTED_MODULES.format(lora_dir=directory, expected=expected_lora_modules, unexpected=unexpected)
+            f"Classification head {name!r} uses request routing; token_classify requires a token-routed "
+            "classification head."
+        )
+    if not lora.modules_to_save:
+        return
+    saved = next(iter(lora.modules_to_save))
+    if full is None:
+        raise ValueError(f"Full module {saved!r} does not match the model's classification head {name!r}.")
+    weight, bias = full
+    if len(weight) != 2 or weight[0] < 1 or weight[0] > head.max_labels or weight[1] != head.input_size:
+        raise ValueError(
+            f"Full module {saved!r} for {name!r} has an incompatible weight shape: expected "
+            f"(1..{head.max_labels}, {head.input_size}), received {tuple(weight)}."
+        )
+    if bias is not None and tuple(bias) != (weight[0],):
+        raise ValueError(
+            f"Full module {saved!r} for {name!r} has an incompatible bias shape: expected "
+            f"{(weight[0],)}, received {tuple(bias)}."
         )
 
 
-def check_peft_helper(adapter: Any) -> Mapping[str, Any]:
-    """`PEFTHelper.from_dict`: required fields (a set, printed as vLLM prints it) and a positive `r`."""
-    view = _one(adapter)
-    config = dict(view.config or {})
-    required = {"r", "lora_alpha", "target_modules"}
-    missing = required - config.keys()
-    if missing:
-        raise ValueError(MSG_MISSING_FIELDS.format(missing=missing))
-    r = config["r"]
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise ValueError(MSG_RANK_POSITIVE.format(r=r))
-    return config
+def load_adapter(
+    path: str | os.PathLike[str],
+    *,
+    supported_lora_modules: Iterable[str],
+    packed_modules_mapping: Mapping[str, list[str]] | None = None,
+    max_lora_rank: int = 16,
+    max_position_embeddings: int | None = None,
+    vocab_size: int | None = None,
+    hf_to_vllm_mapper: Any = None,
+    lora_name: str | None = None,
+    lora_int_id: int = 1,
+    moe_modules: Iterable[str] = (),
+    classification_head: ClassificationHead | None = None,
+    is_pooling_model: bool = False,
+    engine_version: str | None = None,
+) -> VLLMLoRA:
+    """`WorkerLoRAManager._load_adapter` for one adapter folder, from its config and weight headers.
 
-
-def validate_legal(adapter: Any, max_lora_rank: int = 16, *, bias_enabled: bool | None = None) -> None:
-    """`PEFTHelper.validate_legal`: every failed rule, joined with spaces, in one ValueError.
-
-    Order: modules_to_save, DoRA, rank above `max_lora_rank`, bias. `bias_enabled=None` is current vLLM
-    ("Adapter bias is not supported."); False/True are older versions with the `--enable-lora-bias` flag.
+    The model is described by what vLLM's LoRA manager reads from it: `supported_lora_modules` (module
+    leaves), `packed_modules_mapping` (including `experts` for MoE models), `hf_to_vllm_mapper` (vLLM's
+    `WeightsMapper` or this module's; its renames are applied), `vocab_size`, `max_position_embeddings`,
+    the MoE layers' names under 2-D wrappers (`moe_modules`) and the classification head.
     """
-    config = _one(adapter).config or {}
-    errors: list[str] = []
-    if config.get("modules_to_save"):
-        errors.append(MSG_MODULES_TO_SAVE)
-    if config.get("use_dora", False):
-        errors.append(MSG_DORA)
-    r = config.get("r")
-    if isinstance(r, (int, float)) and r > max_lora_rank:
-        errors.append(MSG_RANK_TOO_BIG.format(r=r, max_lora_rank=max_lora_rank))
-    bias = config.get("bias", "none")
-    if bias not in (None, "none"):
-        if bias_enabled is None:
-            errors.append(MSG_BIAS)
-        elif not bias_enabled:
-            errors.append(MSG_BIAS_DISABLED)
-    if errors:
-        raise ValueError(" ".join(errors))
+    new = _is_033(engine_version)
+    lora_path = os.fspath(path)
+    name = os.path.basename(lora_path.rstrip("/")) if lora_name is None else lora_name
+    expected = expected_lora_modules(supported_lora_modules, packed_modules_mapping or {})
+    if not os.path.isabs(lora_path) and os.path.exists(lora_path):  # get_adapter_absolute_path
+        lora_path = os.path.abspath(lora_path)
+    try:
+        helper = peft_helper(lora_path, max_position_embeddings, engine_version=engine_version)
+    except FileNotFoundError as exc:
+        raise LoRAAdapterNotFoundError(name, os.fspath(path)) from exc
+    _validate_legal(helper, max_lora_rank, engine_version)
+    mapper = hf_to_vllm_mapper.get_rename_mapper() if hasattr(hf_to_vllm_mapper, "get_rename_mapper") else None
+    mapper = hf_to_vllm_mapper if mapper is None else mapper
+    found = _weights(lora_path)
+    if found is None:
+        raise ValueError(f"{lora_path} doesn't contain tensors")
+    tensors, _ = found
+    unexpected = _unexpected_modules(tensors, expected, helper.modules_to_save, mapper, engine_version)
+    if unexpected:
+        raise _unexpected_error(lora_path, expected, unexpected)
+    lora = _build(tensors, helper, vocab_size, mapper, engine_version)
+    if new:
+        _check_moe_format(lora, lora_int_id, moe_modules, is_pooling_model)
+        _check_classification_head(lora, classification_head, is_pooling_model)
+    return lora
+
+
+# --- sets of adapters -------------------------------------------------------------------------------------
 
 
 def smallest_max_lora_rank(adapters: Any) -> int | None:
@@ -194,36 +606,39 @@ def preflight(
     adapters: Any,
     *,
     max_lora_rank: int = 16,
-    expected_lora_modules: list[str] | None = None,
-    bias_enabled: bool | None = None,
+    expected_lora_modules: Any = None,
     weights_mapper: Any = None,
     collect: bool = False,
+    engine_version: str | None = None,
 ) -> VLLMPlan:
     """vLLM's per-adapter load checks for a whole set, in vLLM's order for each adapter:
-    `PEFTHelper.from_dict`, `validate_legal`, then (with `expected_lora_modules`) the header check.
+    `PEFTHelper.from_dict`, `validate_legal`, then (with `expected_lora_modules`) the name check.
 
     `max_lora_rank` outside `VLLM_MAX_LORA_RANKS` is reported first (vLLM's config validation rejects it).
     Raises the first error unless `collect=True`; then every problem is in `VLLMPlan.problems`.
+    For the whole load path of one adapter, with vLLM's exception for each failure, use `load_adapter`.
     """
     col = Collector(collect)
     if max_lora_rank not in VLLM_MAX_LORA_RANKS:
         col.fail("vllm_max_lora_rank_value", ValueError(
             f"lorafast: vLLM accepts --max-lora-rank in {list(VLLM_MAX_LORA_RANKS)}, not {max_lora_rank}"
         ), stage="config")  # fmt: skip
-    views = resolve_adapters(adapters)
     ranks = []
-    for view in views:
+    for view in resolve_adapters(adapters):
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         try:
-            config = check_peft_helper(view)
-            ranks.append(int(config["r"]))
-            validate_legal(view, max_lora_rank, bias_enabled=bias_enabled)
-            if not view.tensors:
-                raise ValueError(MSG_NO_TENSORS.format(lora_dir=view.path))
+            config = dict(view.config or {})
+            config["vllm_max_position_embeddings"] = None
+            helper = _peft_helper_from_dict(config, engine_version)
+            ranks.append(max([helper.r, *(helper.fields.get("rank_pattern") or {}).values()]))
+            _validate_legal(helper, max_lora_rank, engine_version)
+            if not view.tensors and not view.has_weights:
+                raise ValueError(f"{view.path} doesn't contain tensors")
             if expected_lora_modules is not None:
-                check_unexpected_modules(view, expected_lora_modules, weights_mapper=weights_mapper)
-        except ValueError as exc:
+                check_unexpected_modules(view, expected_lora_modules, weights_mapper=weights_mapper,
+                                         engine_version=engine_version)  # fmt: skip
+        except (ValueError, TypeError, AttributeError) as exc:
             col.fail("vllm_load", exc, stage="load", **ids)
-    need = max(ranks, default=0)
+    need = int(max(ranks, default=0))
     suggested = next((value for value in VLLM_MAX_LORA_RANKS if value >= need), None)
     return VLLMPlan(max_rank=need, suggested_max_lora_rank=suggested, problems=tuple(col.problems))
