@@ -145,7 +145,9 @@ class MergeHandle:
         """Restore every merged weight, bit for bit from the snapshots (or by subtraction in subtract mode).
 
         Refuses (`MergeError` code "stale", nothing touched) when a weight changed after the merge, since
-        restoring would silently drop that change; `force=True` restores anyway.
+        restoring would silently drop that change; `force=True` restores anyway. Merges stacked on one weight
+        unmerge in reverse order. An unmerge cut short (KeyboardInterrupt) leaves the handle merged; calling
+        it again resumes it.
         """
         import torch
 

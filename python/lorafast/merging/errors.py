@@ -24,7 +24,9 @@ MERGE_ERROR_CODES = (
 class MergeError(LorafastError, ValueError):
     """A merge failed. `module` and `adapter` name what was being merged; `code` is one of `MERGE_ERROR_CODES`.
 
-    When raised by `merge()`, the weights are exactly as they were before the call (see `restored`).
+    When raised by `merge()`, the weights are as they were before the call: bit for bit with a snapshot, by
+    subtraction in `snapshot="subtract"` mode. `restored` is False when that could not be done (an unmerge
+    refused as stale, or NaN/Inf written with `safe=False` that subtraction cannot take back).
     """
 
     def __init__(
