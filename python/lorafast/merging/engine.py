@@ -7,7 +7,7 @@ written so far is restored from its snapshot, so the weights end bit-identical t
 names the module and the adapter. `MergeHandle.unmerge()` restores the snapshots the same way.
 
 `snapshot="subtract"` keeps no snapshot: unmerge (and a failure's rollback) subtract the delta again, which is
-lossy by up to an ulp per element but needs no memory beyond the factors. Only blocks that were written are
+lossy by up to an ulp per element but needs no memory beyond the factors and one block's copy. Only blocks that were written are
 subtracted; the block being written when a failure struck is put back from a one-block copy (`kernel.Pending`).
 
 Merges and unmerges into the same weights take turns (`claims.py`): a second thread waits for the first.
