@@ -126,6 +126,11 @@ class AdapterView:
                     config = json.load(f)
             except ValueError as exc:  # json.JSONDecodeError, or bad UTF-8
                 config_error = exc
+            if config is not None and config_error is None and not isinstance(config, Mapping):
+                try:  # LoRAConfig's first lookup on a JSON list or scalar fails with Python's own TypeError
+                    config["target_modules"]
+                except Exception as exc:
+                    config_error = exc
         files: list[str] = []
         has_weights = True
         tensors: dict[str, Shape | None] = {}
@@ -134,7 +139,7 @@ class AdapterView:
             files, has_weights = _weight_files(given, is_dir)
             for file in files:
                 tensors.update(_read_names_and_shapes(file))
-        except (OSError, ValueError) as exc:  # HeaderError is a ValueError
+        except Exception as exc:  # what SGLang's loader raises (index errors, OSError); HeaderError is a ValueError
             load_error = exc
         added, added_error = _read_added_tokens(folder) if is_dir else (None, None)
         return cls(
@@ -151,8 +156,25 @@ class AdapterView:
             return self.config_load_error
         if self.config is not None and self.config_file:
             return None
+        if not os.path.isdir(self.path):  # LoRAConfig hands a non-folder to the hub, which checks the repo id
+            hub_error = _repo_id_error(self.path)
+            if hub_error is not None:
+                return hub_error
         target = os.path.join(self.path, "adapter_config.json")
         return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), target)
+
+
+def _repo_id_error(path: str) -> BaseException | None:
+    """What `huggingface_hub.snapshot_download(path)` raises for a path that is not a valid repo id."""
+    try:
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:
+        return None
+    try:
+        validate_repo_id(path)
+    except ValueError as exc:  # HFValidationError
+        return exc
+    return None
 
 
 def _is_adapter(obj: Any) -> bool:
@@ -262,24 +284,45 @@ _SKIPPED_BIN = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", 
 
 
 def _weight_files(path: str, is_dir: bool) -> tuple[list[str], bool]:
-    """The safetensors files SGLang's loader reads, and whether it finds any weights at all.
+    """The safetensors files SGLang's loader reads (`DefaultModelLoader._prepare_weights`, sglang 0.5.23), and
+    whether it finds any weights at all; raises what the loader raises for a broken index.
 
-    `*.safetensors` wins when present; otherwise `.bin`/`.pt` files (which lorafast cannot read headers of)
-    still count as weights.
+    Patterns `*.safetensors`, `*.bin`, `*.pt` in turn, the first that matches wins. Safetensors are filtered by
+    `model.safetensors.index.json` (every shard it names must exist) or, without one, `consolidated.safetensors`
+    next to `model.safetensors` keeps only the latter. `.bin`/`.pt` files (which lorafast cannot read headers
+    of) still count as weights.
     """
     if not is_dir:
         return ([path] if path.endswith(".safetensors") else []), os.path.isfile(path)
     names = sorted(os.listdir(path))
-    tensors = [n for n in names if n.endswith(".safetensors")]
-    index = os.path.join(path, "model.safetensors.index.json")
-    if tensors and os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            wanted = set(json.load(f).get("weight_map", {}).values())
-        tensors = [n for n in tensors if n in wanted]
+    names = [n for n in names if not n.startswith(".")]  # glob patterns skip hidden files
+    tensors = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
     if tensors:
-        return [os.path.join(path, n) for n in tensors], True
+        return _filter_duplicates(tensors, path), True
     bins = [n for n in names if n.endswith((".bin", ".pt")) and n not in _SKIPPED_BIN]
     return [], bool(bins)
+
+
+def _filter_duplicates(files: list[str], folder: str) -> list[str]:
+    """sglang `filter_duplicate_safetensors_files` with the default index file."""
+    index_file = "model.safetensors.index.json"
+    index = os.path.join(folder, index_file)
+    if not os.path.isfile(index):
+        if len(files) == 2 and files[0].endswith("consolidated.safetensors") and files[1].endswith("model.safetensors"):
+            return [files[1]]
+        return files
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    in_index = set()
+    for weight_name in weight_map:
+        in_index.add(os.path.join(folder, weight_map[weight_name]))
+    missing = sorted(f for f in in_index if not os.path.isfile(f))
+    if missing:
+        raise RuntimeError(
+            f"{index_file} references {len(missing)} shard file(s) missing from {folder} (incomplete download?): "
+            f"{[os.path.basename(f) for f in missing]}"
+        )
+    return [f for f in files if f in in_index]
 
 
 def _read_names_and_shapes(file: str) -> dict[str, Shape | None]:

@@ -158,7 +158,10 @@ def load_to_buffer(uid: str, weights: LoadedWeights, r: Any, pool: Pool, modules
             if temp_a[target] is None:
                 continue
             temp_a[target] = _slice_a(module, temp_a[target])
+            missing_b = temp_b[target] is None
             temp_b[target] = _slice_b(module, temp_b[target])
+            if missing_b:  # a row-parallel slice passes None through; SGLang then asserts on the B cache key
+                raise AssertionError()
         for side, temp in (("A", temp_a), ("B", temp_b)):
             buffers = pool.a if side == "A" else pool.b
             for name, w in temp.items():
