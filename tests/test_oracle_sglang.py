@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from oracle import cases_sglang, engines
 
 VERSION = "0.5.23"

@@ -247,7 +247,7 @@ def _hand_made(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[s
         elif kind == "config_list":
             cfg = json.dumps([cfg])
         elif kind == "config_invalid":
-            cfg = "{\"r\": 4,"
+            cfg = '{"r": 4,'
         elif kind == "no_weights":
             t = None  # type: ignore[assignment]
         elif kind == "no_config":

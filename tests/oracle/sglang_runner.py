@@ -78,7 +78,7 @@ def _startup(case: dict, model: torch.nn.Module) -> tuple[LoRAManager | None, di
 def _first_use(mgr: LoRAManager, uid: str):
     try:
         mgr.fetch_new_loras({uid})
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return _error(exc)
     return None
 

@@ -179,7 +179,7 @@ def install_sglang_llm() -> None:
                     try:
                         if finder.find_spec(name, path, target) is not None:
                             return None
-                    except Exception:  # noqa: BLE001 - a broken finder is not our concern
+                    except Exception:  # a broken finder is not our concern
                         pass
                 frame = sys._getframe(1)
                 while frame and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename):

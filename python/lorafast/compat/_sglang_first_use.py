@@ -94,7 +94,7 @@ def _view(buffer: Shape, *index: Any) -> Shape:
             out.append(_rows(size, *entry))
         elif entry >= size:
             raise IndexError(f"index {entry} is out of bounds for dimension {dim} with size {size}")
-    return (*out, *buffer[len(index):])
+    return (*out, *buffer[len(index) :])
 
 
 def _experts(weights: Any) -> list[tuple[int, Shape | None]]:
