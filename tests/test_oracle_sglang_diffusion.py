@@ -146,3 +146,25 @@ def test_missing_wheel_fails_not_skips(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(engines, "CACHE", tmp_path)
     with pytest.raises(engines.MissingWheel, match="make engines"):
         engines.run("sglang_diffusion_runner", "sglang", "0.0.0", [])
+
+
+def answers(adapter: Any, path: str) -> list[dict]:
+    return [
+        outcome(lambda: df.detect_lora_format(adapter).value),
+        outcome(lambda: list(df.normalize_peft_keys(adapter))),
+        outcome(lambda: describe(df.check_peft_config(adapter, df.load_peft_config(path)))),
+    ]
+
+
+def test_input_forms_agree_with_paths(cases: list[dict]) -> None:
+    """A scanned Adapter and an AdapterView of a file get the answers its path gets (the path's are proven above)."""
+    import lorafast
+    from lorafast.compat import AdapterView
+
+    files = [c for c in cases if c["kind"] == "file"][::10]
+    for case in files:
+        path = case["path"]
+        expected = answers(path, path)
+        for form in (lorafast.inspect(path), AdapterView.from_path(path)):
+            assert answers(form, path) == expected, (case["id"], type(form).__name__)
+    assert len(files) > 50

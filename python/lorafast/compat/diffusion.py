@@ -120,7 +120,7 @@ def _scalar(raw: bytes, dtype: str) -> float | int | None:
     if fmt is None:
         return None
     value = struct.unpack(fmt, raw)[0]
-    return int(value) if dtype in ("BOOL",) else value
+    return int(value) if dtype == "BOOL" else value
 
 
 def _weight_file(path: str) -> str:
@@ -173,8 +173,11 @@ def _state(adapter: Any) -> dict[str, Tensor]:
     if isinstance(adapter, (str, os.PathLike)):
         return read_file(adapter)[0]
     if isinstance(adapter, AdapterView):
-        if adapter.path and adapter.path.endswith(".safetensors") and os.path.isfile(adapter.path):
-            return read_file(adapter.path)[0]
+        if adapter.path and os.path.exists(adapter.path):
+            try:
+                return read_file(adapter.path)[0]  # data order and alpha values, which the view lacks
+            except ValueError:
+                pass  # not one readable safetensors file: the view's own table
         return {k: Tensor(tuple(v or ())) for k, v in adapter.tensors.items()}
     if isinstance(adapter, Mapping) and not hasattr(adapter, "modules"):
         return {k: _as_tensor(v) for k, v in adapter.items()}
