@@ -801,9 +801,16 @@ impl<'p> Machine<'p> {
     }
 }
 
-/// Refuses a tensor that reaches past its storage, as `set_` would.
+/// Refuses a tensor that reaches past its storage, as `set_` would, or whose element count
+/// overflows (torch's `numel` is an i64). Zero dims are left out of the count, so a product of the
+/// shape in any order fits in 64 bits, as the safetensors rules guarantee for their headers.
 fn check_bounds(t: &Tensor) -> Result<(), TorchError> {
     let overflow = || bad_tensor(format!("storage {:?}: tensor size overflows 64 bits", t.storage.key));
+    t.shape
+        .iter()
+        .filter(|&&n| n != 0)
+        .try_fold(1u64, |acc, &n| acc.checked_mul(n).filter(|&p| p <= i64::MAX as u64))
+        .ok_or_else(overflow)?;
     let mut extent: u64 = 1;
     for (&n, &s) in t.shape.iter().zip(&t.stride) {
         if n == 0 {

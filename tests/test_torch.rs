@@ -8,6 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use _core::scan::{load, ScanOptions, Target};
 use _core::torch::{read_torch_file, read_torch_header, TorchError, TORCH_ERROR_CODES};
 use _core::torch_pickle::{read_state_dict, read_state_dict_with, Limits};
 use proptest::prelude::*;
@@ -655,9 +656,85 @@ fn edit() -> impl Strategy<Value = Edit> {
     ]
 }
 
+/// A LONG1 opcode holding `v`.
+fn long1(v: i64) -> Vec<u8> {
+    let mut b = vec![0x8a, 8];
+    b.extend_from_slice(&v.to_le_bytes());
+    b
+}
+
+/// One tensor of `dtype` storage with arbitrary numel, offset, size and stride.
+fn arbitrary_tensor(storage: &str, numel: i64, offset: i64, size: &[i64], stride: &[i64]) -> Vec<u8> {
+    let mut p = P::new()
+        .op(b"}(")
+        .str("t")
+        .global("torch._utils", "_rebuild_tensor_v2")
+        .op(b"((");
+    p = p
+        .str("storage")
+        .global("torch", storage)
+        .str("0")
+        .str("cpu")
+        .op(&long1(numel))
+        .op(b"tQ");
+    p = p.op(&long1(offset)).op(b"(");
+    for &d in size {
+        p = p.op(&long1(d));
+    }
+    p = p.op(b"t(");
+    for &d in stride {
+        p = p.op(&long1(d));
+    }
+    p = p
+        .op(b"t")
+        .op(&[0x89])
+        .global("collections", "OrderedDict")
+        .op(b")Rt")
+        .op(b"R");
+    p.op(b"u").done()
+}
+
+fn dim() -> impl Strategy<Value = i64> {
+    prop_oneof![8 => 0i64..5, 1 => any::<i64>(), 1 => Just(i64::MAX), 1 => Just(-1)]
+}
+
+// 256 cases by default; PROPTEST_CASES=100000 for a long run.
 proptest! {
-    // Short by default; PROPTEST_CASES=100000 for a long run.
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    /// Whatever the numbers, a tensor is refused or lies inside its storage record and the file.
+    #[test]
+    fn accepted_tensors_lie_inside_the_file(
+        storage in prop::sample::select(vec!["FloatStorage", "ByteStorage", "DoubleStorage", "UntypedStorage"]),
+        numel in prop_oneof![4 => 0i64..64, 1 => any::<i64>()],
+        wrong_record in prop::option::weighted(0.2, 0usize..512),
+        offset in dim(),
+        shape in prop::collection::vec((dim(), dim()), 0..4),
+    ) {
+        let (size, stride): (Vec<i64>, Vec<i64>) = shape.into_iter().unzip();
+        let p = arbitrary_tensor(storage, numel, offset, &size, &stride);
+        let itemsize = if storage == "DoubleStorage" { 8 } else if storage == "FloatStorage" { 4 } else { 1 };
+        let record = wrong_record.unwrap_or((numel.clamp(0, 64) * itemsize) as usize);
+        let file = zip("archive", &[("data.pkl", &p), ("data/0", &vec![0; record])]);
+        let path = temp_file(&file);
+        match read_torch_header(&path) {
+            Ok(h) => {
+                let t = &h.header.tensors[0];
+                let (begin, end) = (h.header.data_start() + t.begin, h.header.data_start() + t.end);
+                prop_assert!(begin <= end && end <= file.len() as u64);
+                let elements: u64 = h.header.shape(t).iter().product();
+                prop_assert!(elements == 0 || end - begin >= t.dtype.bits() / 8);
+            }
+            Err(e) => prop_assert!(TORCH_ERROR_CODES.contains(&e.code()), "{e}"),
+        }
+        // Classified as a scan classifies it (`t` is named like a kohya alpha, whose value is read).
+        let target = Target { path: path.clone(), weights: path.clone(), config: None };
+        if let Err(e) = load(target, ScanOptions::default()) {
+            prop_assert!(TORCH_ERROR_CODES.contains(&e.code()), "{e}");
+        }
+        fs::remove_file(&path).unwrap();
+    }
+}
+
+proptest! {
 
     #[test]
     fn mutated_pickles_never_panic(edits in prop::collection::vec(edit(), 1..6)) {
