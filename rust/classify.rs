@@ -291,10 +291,18 @@ pub struct Configs<'c> {
 }
 
 impl<'c> Configs<'c> {
-    /// The config that governs a module key.
-    fn for_key(&self, key: &str) -> Option<&'c LoraConfig> {
+    /// The config that governs a module key: the file's, or the first component (in key order)
+    /// whose prefix the key starts with.
+    fn for_key(&self, key: &str, index: &ComponentIndex<'_>) -> Option<&'c LoraConfig> {
         self.file.or_else(|| {
-            let by_prefix = self.components.iter().find(|(p, _)| key.starts_with(p.as_str()));
+            let by_prefix = match &index.0 {
+                None => self.components.iter().find(|(p, _)| key.starts_with(p.as_str())),
+                // Prefixes end with a dot: look up each of the key's dotted prefixes.
+                Some(map) => memchr::memchr_iter(b'.', key.as_bytes())
+                    .filter_map(|i| map.get(&key[..=i]).copied())
+                    .min()
+                    .and_then(|i| self.components.get(i)),
+            };
             by_prefix
                 .or(if self.components.len() == 1 {
                     self.components.first()
@@ -359,8 +367,9 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
 
     // 2. Resolve every module.
     let inner_outer = target_parameter_leaves(config);
+    let components = ComponentIndex::new(configs.components);
     let mut layers = LayerSet::new(groups.len());
-    let mut leaves: Vec<(u64, &str)> = Vec::new();
+    let mut leaves = Leaves::default();
     let mut layouts: u8 = 0;
     let mut tally = TargetTally {
         matched: match configs.file.and_then(|c| c.target_modules.as_ref()) {
@@ -415,17 +424,13 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         } else {
             names::leaf_of(g.key, &parts, kohya_names)
         };
-        // Leaves repeat in every layer: compare tags before text.
-        let leaf_tag = short_tag(leaf);
-        if !leaves.iter().any(|&(tag, l)| tag == leaf_tag && same_tagged(leaf, l)) {
-            leaves.push((leaf_tag, leaf));
-        }
+        leaves.insert(leaf);
         if let Some(l) = layer {
             layers.insert(l);
         }
 
         // Ranks and features from shapes.
-        let config = configs.for_key(g.key);
+        let config = configs.for_key(g.key, &components);
         let (mut rank, b_rank, mut in_f, mut out_f, mut n_exp) = dims(kind, a_shape, b_shape);
         let config_rank = config.and_then(|c| c.rank_for(&name));
         if kind == ModuleKind::TargetParameters {
@@ -654,8 +659,53 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         _ => MoeLayout::Mixed,
     };
     out.layers = layers.into_sorted();
-    out.target_modules = leaves.into_iter().map(|(_, l)| l.to_owned()).collect();
+    out.target_modules = leaves.list.into_iter().map(|(_, l)| l.to_owned()).collect();
     out
+}
+
+/// Component prefix -> position, when there are too many components to try each per module
+/// (the first match by position is the rule; a scan per module is quadratic).
+struct ComponentIndex<'c>(Option<rustc_hash::FxHashMap<&'c str, usize>>);
+
+impl<'c> ComponentIndex<'c> {
+    fn new(components: &'c [(String, LoraConfig)]) -> Self {
+        if components.len() <= 16 || !components.iter().all(|(p, _)| p.ends_with('.')) {
+            return ComponentIndex(None);
+        }
+        let mut map = rustc_hash::FxHashMap::default();
+        for (i, (p, _)) in components.iter().enumerate() {
+            map.entry(p.as_str()).or_insert(i);
+        }
+        ComponentIndex(Some(map))
+    }
+}
+
+/// The distinct leaves, in first-seen order. Leaves repeat in every layer: a few distinct ones
+/// are compared by tag before text; past 32 a hash set takes over (a scan per module over many
+/// distinct leaves is quadratic).
+#[derive(Default)]
+struct Leaves<'k> {
+    list: Vec<(u64, &'k str)>,
+    index: rustc_hash::FxHashSet<&'k str>,
+}
+
+impl<'k> Leaves<'k> {
+    #[inline]
+    fn insert(&mut self, leaf: &'k str) {
+        if self.list.len() < 32 {
+            let leaf_tag = short_tag(leaf);
+            if !self.list.iter().any(|&(tag, l)| tag == leaf_tag && same_tagged(leaf, l)) {
+                self.list.push((leaf_tag, leaf));
+            }
+            return;
+        }
+        if self.index.is_empty() {
+            self.index.extend(self.list.iter().map(|&(_, l)| l));
+        }
+        if self.index.insert(leaf) {
+            self.list.push((0, leaf));
+        }
+    }
 }
 
 /// The layer indices seen, sorted and without repeats at the end. Small indices go to a bit mask
@@ -949,7 +999,8 @@ impl<'k> TargetTally<'k> {
                 .find(|e| e.0 == tag && same_tagged(last, e.1))
                 .map(|e| e.2);
             if let Some(mask) = known.or_else(|| c.last_only_hits(last)) {
-                if known.is_none() {
+                // Bounded: a scan of many distinct last components would be quadratic.
+                if known.is_none() && self.memo.len() < 64 {
                     self.memo.push((tag, last, mask));
                 }
                 let mut bits = mask;

@@ -253,6 +253,21 @@ impl<'f> Fields<'f> {
         fields
     }
 
+    /// `from_entries` for each of `prefixes` (distinct), in one pass over the entries: each
+    /// entry is tried against the known names it ends with, not against every prefix.
+    fn by_prefix(entries: &'f [(Cow<'_, str>, Field)], prefixes: &[String]) -> Vec<Self> {
+        let index: FxHashMap<&str, usize> = prefixes.iter().enumerate().map(|(i, p)| (p.as_str(), i)).collect();
+        let mut out: Vec<Fields<'f>> = prefixes.iter().map(|_| Fields::default()).collect();
+        for (key, value) in entries {
+            for (slot, name) in KNOWN.iter().enumerate() {
+                if let Some(&i) = key.strip_suffix(name).and_then(|p| index.get(p)) {
+                    out[i].0[slot] = Some(value);
+                }
+            }
+        }
+        out
+    }
+
     fn get(&self, name: &str) -> Option<&'f Field> {
         self.0[known_slot(name)?]
     }
@@ -398,13 +413,15 @@ impl LoraConfig {
     /// order. None if the text is not a JSON object or names no component.
     pub fn components_from_json(text: &str) -> Option<Vec<(String, LoraConfig)>> {
         let configs: Vec<(String, LoraConfig)> = match read_object(text, |_| true) {
-            Some(entries) => prefixes(entries.iter().map(|(k, _)| k.as_ref()))
-                .into_iter()
-                .map(|prefix| {
-                    let config = Self::from_fields(&Fields::from_entries(&entries, &prefix));
-                    (prefix, config)
-                })
-                .collect(),
+            Some(entries) => {
+                let prefixes = prefixes(entries.iter().map(|(k, _)| k.as_ref()));
+                let fields = Fields::by_prefix(&entries, &prefixes);
+                prefixes
+                    .into_iter()
+                    .zip(fields)
+                    .map(|(prefix, fields)| (prefix, Self::from_fields(&fields)))
+                    .collect()
+            }
             None => {
                 let value: Value = serde_json::from_str(text).ok()?;
                 let map = value.as_object()?;

@@ -41,6 +41,13 @@ const KEYS: &[&str] = &[
     "x",
     "r ",
     "R",
+    "unet.lora_r",
+    "unet.lora_",
+    "text_encoder.r",
+    "text_encoder.rank_pattern",
+    ".r",
+    "a.b.r",
+    "a.b.alpha",
 ];
 
 const PATTERN_KEYS: &[&str] = &[
@@ -214,6 +221,20 @@ fn check(input: &[u8]) -> Result<(), String> {
             let want = LoraConfig::from_map(&map, "");
             if summary(&ours) != summary(&want) {
                 return Err(format!("cursor {}\nserde {}", summary(&ours), summary(&want)));
+            }
+            // diffusers components: one config per prefix of a `<prefix>r` key, as read through serde.
+            let want: Vec<(String, String)> = map
+                .keys()
+                .filter_map(|k| k.strip_suffix('r').filter(|p| p.ends_with('.')))
+                .map(|p| (p.to_owned(), summary(&LoraConfig::from_map(&map, p))))
+                .collect();
+            let got: Vec<(String, String)> = LoraConfig::components_from_json(text)
+                .into_iter()
+                .flatten()
+                .map(|(p, c)| (p, summary(&c)))
+                .collect();
+            if got != want {
+                return Err(format!("components {got:?}\nserde {want:?}"));
             }
         }
         Ok(_) => {

@@ -264,3 +264,79 @@ fn invalid_utf8_is_reported_before_other_faults() {
         );
     }
 }
+
+#[test]
+fn many_components_pick_the_first_prefix_by_position() {
+    // Past 16 components a prefix index replaces the scan per module; the rule stays "first
+    // component, in key order, whose prefix the module key starts with".
+    let mut pairs: Vec<String> = (0..40).map(|i| format!(r#""c{i}.r": {}"#, i + 1)).collect();
+    pairs.push(r#""unet.down.r": 7"#.to_owned());
+    pairs.push(r#""unet.r": 5"#.to_owned());
+    let components = LoraConfig::components_from_json(&format!("{{{}}}", pairs.join(","))).unwrap();
+    assert_eq!(components.len(), 42);
+    let keys = [
+        "unet.down.x.q_proj",
+        "unet.up.q_proj",
+        "c3.q_proj",
+        "c39.a.b",
+        "zzz.q_proj",
+    ];
+    let tensors: Vec<(String, String, Vec<u64>)> = keys
+        .iter()
+        .flat_map(|k| {
+            [
+                (format!("{k}.lora_A.weight"), "F32".to_owned(), vec![2, 2]),
+                (format!("{k}.lora_B.weight"), "F32".to_owned(), vec![2, 2]),
+            ]
+        })
+        .collect();
+    let file = common::adapters::file_of(&tensors, None);
+    let header = parse_file(&file).unwrap();
+    let configs = Configs {
+        file: None,
+        components: &components,
+    };
+    let c = classify(
+        &header,
+        configs,
+        Path::new("/nonexistent"),
+        Options { keep_modules: true },
+    );
+    let ranks: Vec<Option<u64>> = c.modules.iter().map(|m| m.config_rank).collect();
+    assert_eq!(ranks, [Some(7), Some(5), Some(4), Some(40), None]);
+}
+
+#[test]
+fn many_distinct_leaves_are_listed_once_in_order() {
+    let mut tensors = Vec::new();
+    for layer in 0..3 {
+        for i in 0..100 {
+            for f in ["A", "B"] {
+                tensors.push((
+                    format!("model.layers.{layer}.m{i}.lora_{f}.weight"),
+                    "F32".to_owned(),
+                    vec![0],
+                ));
+            }
+        }
+    }
+    let c = classify_file(&common::adapters::file_of(&tensors, None), None);
+    let want: Vec<String> = (0..100).map(|i| format!("m{i}")).collect();
+    assert_eq!(c.target_modules, want);
+    assert_eq!(c.layers, [0, 1, 2]);
+}
+
+#[test]
+fn many_diffusers_components_read_in_one_pass() {
+    // 20,000 components once took a pass over every key per component.
+    let pairs: Vec<String> = (0..20_000)
+        .map(|i| format!(r#""c{i}.r": {i}, "c{i}.lora_alpha": 2"#))
+        .collect();
+    let components = LoraConfig::components_from_json(&format!("{{{}}}", pairs.join(","))).unwrap();
+    assert_eq!(components.len(), 20_000);
+    assert_eq!(components[12_345].0, "c12345.");
+    assert_eq!(
+        (components[12_345].1.r, components[12_345].1.lora_alpha),
+        (Some(12_345), Some(2.0))
+    );
+}
