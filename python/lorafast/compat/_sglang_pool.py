@@ -33,6 +33,9 @@ class Cfg:
 
     def __init__(self, data: Mapping[str, Any]) -> None:
         self.__dict__.update(data)
+        # transformers' default for configs written without it (a partial dict passed by a caller)
+        if "num_key_value_heads" not in data and "num_attention_heads" in data:
+            self.num_key_value_heads = data["num_attention_heads"]
 
 
 @dataclass
@@ -63,7 +66,9 @@ def base_model_tree(cfg: Mapping[str, Any]) -> list[Module]:
             inter = c.intermediate_size
             out.append(Module(f"{pre}.mlp.gate_up_proj", "merged", i, hidden, [inter, inter]))
             out.append(Module(f"{pre}.mlp.down_proj", "row", i, inter, [hidden]))
-        elif c.model_type == "mixtral":
+        elif getattr(c, "model_type", "") == "mixtral" or "MixtralForCausalLM" in (
+            getattr(c, "architectures", None) or ()
+        ):
             out.append(Module(f"{pre}.block_sparse_moe.gate", "replicated", i, hidden, [experts]))
             out.append(Module(f"{pre}.block_sparse_moe.experts", "moe", i))
         else:

@@ -831,8 +831,9 @@ def _fit_findings(slots: dict[int, dict[tuple[str, str], _Slot]], r: int | None,
                     want = (r * c, found.a_shape[2]) if ab == "A" else (found.b_shape[1], r)
                     if tuple(shape) != want:
                         out.append(
-                            f"{slot.names[-1]} will fail SGLang's copy into {buffer} (layer {layer}): LoRA buffer "
-                            f"shape {size_repr(want)} does not match weight shape {size_repr(shape)}."
+                            f"{slot.names[-1]} does not fit {buffer} (layer {layer}): LoRA buffer shape "
+                            f"{size_repr(want)}, weight shape {size_repr(shape)}; SGLang's slice to the base layer "
+                            "hides the difference and the weight is cut or padded without an error."
                         )
                 else:  # MoE: compare the input dim of A and the output dim of B
                     got = shape[-1] if ab == "A" else shape[-2]
@@ -891,6 +892,7 @@ class _FirstUse:
                  shared_outer: bool) -> None:  # fmt: skip
         layers = 1 + max((m.layer for m in tree if m.layer is not None), default=-1)
         self.pool, self.strict, self.shared_outer = pool, strict, shared_outer
+        self.plans = _buffer_plans(pool, 2)
         self.modules, _embed, self.lm_head = _pool.lora_modules(tree, targets, layers)
 
     def check(self, view: AdapterView, config: _LoraConfig, weights: LoadedWeights, col: Collector) -> None:
@@ -905,6 +907,8 @@ class _FirstUse:
                                 strict=self.strict, shared_outer=self.shared_outer)  # fmt: skip
         if error is not None:
             col.fail("sglang_first_use", error, stage="first_use", **ids)
+        elif self.plans:  # SGLang accepts it; lorafast's own finding: a weight that does not match its buffer
+            _check_buffer_fit(view, config, self.plans, _classify(weights, self.pool.target_modules), col)
 
 
 # --- §11 --lora-paths ---------------------------------------------------------------------------------------
