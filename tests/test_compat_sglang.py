@@ -761,7 +761,7 @@ def test_dynamic_load_into_a_frozen_pool(tmp_path: Path) -> None:
         shared_pool.check_new_adapter(LoraRef("n", numbered))
     assert (
         str(info.value)
-        == "experts_shared_outer_loras is enabled but gate_up_proj_moe lora_A dict has 2 entries (expected 1)."
+        == "experts_shared_outer_loras is enabled but gate_up_proj_moe lora_A dict has 4 entries (expected 1)."
     )
     big = peft(tmp_path, "big", moe_shared(r=8), r=8, target_modules=MOE_TARGETS)
     with pytest.raises(ValueError) as info:
