@@ -740,6 +740,7 @@ mod _core {
         crate::scan::install_fork_guard();
         m.add("HEADER_ERROR_CODES", super::HEADER_ERROR_CODES.to_vec())?;
         m.add("ADAPTER_ERROR_CODES", super::ADAPTER_ERROR_CODES.to_vec())?;
+        m.add("PROBLEM_CODES", crate::classify::PROBLEM_CODES.to_vec())?;
         m.add("TORCH_ERROR_CODES", crate::torch::TORCH_ERROR_CODES.to_vec())?;
         m.add("FORMATS", super::Format::NAMES.to_vec())?;
         m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;

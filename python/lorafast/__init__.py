@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._core import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, TORCH_ERROR_CODES
+from ._core import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
 from .errors import AdapterError, HeaderError, InternalError, LorafastError
 
 __version__ = "0.1.0"
@@ -78,6 +78,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ADAPTER_ERROR_CODES",
     "HEADER_ERROR_CODES",
+    "PROBLEM_CODES",
     "TORCH_ERROR_CODES",
     "Adapter",
     "AdapterError",

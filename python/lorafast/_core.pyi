@@ -5,6 +5,8 @@ from typing import Any
 import numpy as np
 
 HEADER_ERROR_CODES: list[str]
+#: Every code an adapter's `problems` can carry, in documentation order (rust/classify.rs).
+PROBLEM_CODES: list[str]
 ADAPTER_ERROR_CODES: list[str]
 TORCH_ERROR_CODES: list[str]
 FORMATS: list[str]

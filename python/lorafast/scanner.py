@@ -33,6 +33,15 @@ def _number(value: Any) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _object(value: Any) -> dict[str, Any]:
+    # A wrong-typed config field reads as absent, as in the core (which reports invalid_config_field).
+    return dict(value) if isinstance(value, dict) else {}
+
+
 def _module(fields: dict[str, Any]) -> LoraModule:
     """The `LoraModule` of a module dict from the core, whose keys are exactly its fields. The dict
     becomes the instance's `__dict__`: the frozen dataclass `__init__` sets 23 fields one
@@ -64,11 +73,11 @@ def _adapter(raw: dict[str, Any]) -> Adapter:
         base_model_name_or_path=raw["base_model_name_or_path"],
         target_modules=tuple(raw["target_modules"]),
         config=config,
-        r=cfg.get("r") if isinstance(cfg.get("r"), int) else None,
+        r=_count(cfg.get("r")),
         lora_alpha=_number(cfg.get("lora_alpha", cfg.get("alpha"))),  # PEFT LoHa/LoKr call it `alpha`
-        use_rslora=bool(cfg.get("use_rslora", False)),
-        rank_pattern=dict(cfg.get("rank_pattern") or {}),
-        alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
+        use_rslora=cfg.get("use_rslora") is True,
+        rank_pattern=_object(cfg.get("rank_pattern")),
+        alpha_pattern=_object(cfg.get("alpha_pattern")),
         modules=modules,
         rank=raw["rank"],
         moe_layout=MoeLayout(raw["moe_layout"]),
