@@ -205,6 +205,29 @@ def test_real_adapters_saved_as_torch_classify_the_same(tmp_path: Path, folder: 
     assert comparable(got) == comparable(want)
 
 
+PEFT_REAL = [p for p in REAL if (p / "adapter_config.json").exists()]
+
+
+@pytest.mark.parametrize("folder", PEFT_REAL, ids=[p.name for p in PEFT_REAL])
+def test_sglang_preflight_of_scanned_bin_adapters_matches_safetensors(tmp_path: Path, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    from lorafast.compat import sglang
+
+    copy = tmp_path / folder.name
+    copy.mkdir()
+    shutil.copy(folder / "adapter_config.json", copy)
+    torch.save(load_file(folder / "adapter_model.safetensors"), copy / "adapter_model.bin")
+    (st,) = lorafast.scan([folder])
+    (pt,) = lorafast.scan([copy])
+    want = sglang.preflight({"x": st}, collect=True)
+    got = sglang.preflight({"x": pt}, collect=True)
+    assert [(p.code, p.message.replace(str(copy), str(folder))) for p in got.problems] == [
+        (p.code, p.message) for p in want.problems
+    ]
+    assert (got.target_modules, got.max_lora_rank) == (want.target_modules, want.max_lora_rank)
+
+
 # ---- hostile files: refused, never run ----
 
 

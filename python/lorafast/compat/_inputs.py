@@ -344,11 +344,12 @@ def _read_names_and_shapes(file: str) -> dict[str, Shape | None]:
 
 def _header_tables(files: Iterable[str]) -> dict[str, dict[str, Shape | None]] | None:
     try:
-        from lorafast import read_header
+        from lorafast import read_header, read_torch_header
     except ImportError:
         return None
     out: dict[str, dict[str, Shape | None]] = {}
     for file in files:
-        header = read_header(file)
+        # A scanned PEFT folder's weights may be adapter_model.bin / .pt, read without unpickling.
+        header = read_torch_header(file) if file.endswith((".bin", ".pt", ".pth")) else read_header(file)
         out[file] = {name: tuple(int(d) for d in info.shape) for name, info in header.tensors.items()}
     return out
