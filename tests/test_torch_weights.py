@@ -210,9 +210,8 @@ PEFT_REAL = [p for p in REAL if (p / "adapter_config.json").exists()]
 
 @pytest.mark.parametrize("folder", PEFT_REAL, ids=[p.name for p in PEFT_REAL])
 def test_sglang_preflight_of_scanned_bin_adapters_matches_safetensors(tmp_path: Path, folder: Path) -> None:
-    from safetensors.torch import load_file
-
     from lorafast.compat import sglang
+    from safetensors.torch import load_file
 
     copy = tmp_path / folder.name
     copy.mkdir()
