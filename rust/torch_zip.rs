@@ -292,22 +292,26 @@ impl<'f> Archive<'f> {
         self.by_name.get(&full).map(|&i| &self.records[i])
     }
 
-    /// Where `record`'s bytes start, from its local header (checked against the central one).
+    /// Where `record`'s bytes start, from its local header (checked against the central one). One
+    /// read: the local name is as long as the central one, or the header is refused.
     pub fn data_offset(&self, record: &Record) -> Result<u64, TorchError> {
-        let head = read_at(self.file, record.local_offset, LOCAL_LEN)?;
+        let name_len = record.name.len() as u64;
+        if !fits(record.local_offset, LOCAL_LEN as u64 + name_len, self.data_end) {
+            return Err(invalid(format!("record {:?} lies outside the archive", record.name)));
+        }
+        let head = read_at(self.file, record.local_offset, LOCAL_LEN + record.name.len())?;
         if head[..4] != *b"PK\x03\x04" {
             return Err(invalid(format!("record {:?} has no local header", record.name)));
         }
-        let (name_len, extra_len) = (u16_at(&head, 26) as u64, u16_at(&head, 28) as u64);
+        let extra_len = u64::from(u16_at(&head, 28));
         let start = record.local_offset + LOCAL_LEN as u64 + name_len + extra_len;
-        if name_len != record.name.len() as u64 || !fits(start, record.size, self.data_end) {
+        if u64::from(u16_at(&head, 26)) != name_len || !fits(start, record.size, self.data_end) {
             return Err(invalid(format!(
                 "record {:?}: local header disagrees with the directory",
                 record.name
             )));
         }
-        let name = read_at(self.file, record.local_offset + LOCAL_LEN as u64, name_len as usize)?;
-        if name != record.name.as_bytes() {
+        if head[LOCAL_LEN..] != *record.name.as_bytes() {
             return Err(invalid(format!(
                 "record {:?}: local header names another record",
                 record.name
