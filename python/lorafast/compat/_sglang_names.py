@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from lorafast.compat import _versions
+
 #: `get_normalized_target_modules`: the last dotted part of a PEFT target name -> SGLang's fused module.
 PARAMS_MAPPING: Mapping[str, str] = {
     "q_proj": "qkv_proj",
@@ -148,12 +150,15 @@ MSG_PATHS_TYPE = "Invalid type for --lora-paths: {type}. Expected a list or a di
 # --- the pure name functions ---------------------------------------------------------------------------
 
 
-def get_normalized_target_modules(target_modules: str | Iterable[str]) -> set[str]:
+def get_normalized_target_modules(
+    target_modules: str | Iterable[str], *, engine_version: str | None = None
+) -> set[str]:
     """SGLang's normalization of PEFT `target_modules` to its fused module names.
 
     "all" / "all-linear" give `{"all"}`; any other string (a PEFT regex) raises ValueError. For a list,
     each entry's last dotted part goes through `PARAMS_MAPPING` (unknown names pass through unchanged).
     """
+    _versions.resolve("sglang", engine_version)
     if isinstance(target_modules, str):
         if target_modules in ("all", "all-linear"):
             return {"all"}
@@ -165,11 +170,12 @@ def get_normalized_target_modules(target_modules: str | Iterable[str]) -> set[st
     return result
 
 
-def get_stacked_multiply(module_name: str, base_model: Any = None) -> int:
+def get_stacked_multiply(module_name: str, base_model: Any = None, *, engine_version: str | None = None) -> int:
     """How many LoRA-A blocks `module_name` stacks; a base model's own `get_stacked_multiply` wins.
 
     `base_model` may be anything with a `get_stacked_multiply(name)` method, or a mapping of overrides.
     """
+    _versions.resolve("sglang", engine_version)
     if isinstance(base_model, Mapping):
         if module_name in base_model:
             return int(base_model[module_name])
@@ -178,8 +184,11 @@ def get_stacked_multiply(module_name: str, base_model: Any = None) -> int:
     return STACKED_MULTIPLY.get(module_name, 1)
 
 
-def get_target_module_name(full_module_name: str, target_modules: Iterable[str]) -> str:
+def get_target_module_name(
+    full_module_name: str, target_modules: Iterable[str], *, engine_version: str | None = None
+) -> str:
     """The longest target that is a substring of `full_module_name` (the first such, in iteration order)."""
+    _versions.resolve("sglang", engine_version)
     matches = [target for target in target_modules if target in full_module_name]
     if not matches:
         raise ValueError(MSG_NO_TARGET_NAME.format(name=full_module_name, target_modules=target_modules))
@@ -187,7 +196,7 @@ def get_target_module_name(full_module_name: str, target_modules: Iterable[str])
 
 
 def auto_detect_lora_target_modules(
-    base_model_modules: Iterable[str], supported_lora_modules: Iterable[str] = ()
+    base_model_modules: Iterable[str], supported_lora_modules: Iterable[str] = (), *, engine_version: str | None = None
 ) -> set[str]:
     """SGLang's `auto_detect_lora_target_modules`, from the base model's module names instead of the model.
 
@@ -195,6 +204,7 @@ def auto_detect_lora_target_modules(
     (`qkv_proj`, `o_proj`, `gate_up_proj`, ...), `gate_up_proj`/`down_proj` for a FusedMoE, `lm_head`,
     `embed_tokens`. Full dotted names work too; DSA indexer leaves count only under an `indexer.` parent.
     """
+    _versions.resolve("sglang", engine_version)
     indexer_leaves = {"wq_b", "wk", "weights_proj"}
     names: set[str] = set()
     for full in base_model_modules:

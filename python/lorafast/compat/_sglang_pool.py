@@ -56,16 +56,27 @@ def base_model_tree(cfg: Mapping[str, Any]) -> list[Module]:
     kv = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    routed = getattr(c, "n_routed_experts", None)  # DeepSeek-style: MLA attention, shared experts
     out = [Module("model.embed_tokens", "embed", None)]
     for i in range(c.num_hidden_layers):
         pre = f"model.layers.{i}"
-        out.append(Module(f"{pre}.self_attn.qkv_proj", "qkv", i, hidden, [heads * head_dim, kv * head_dim,
-                                                                         kv * head_dim]))  # fmt: skip
-        out.append(Module(f"{pre}.self_attn.o_proj", "row", i, heads * head_dim, [hidden]))
-        if not experts:
-            inter = c.intermediate_size
-            out.append(Module(f"{pre}.mlp.gate_up_proj", "merged", i, hidden, [inter, inter]))
-            out.append(Module(f"{pre}.mlp.down_proj", "row", i, inter, [hidden]))
+        if getattr(c, "kv_lora_rank", None):
+            out += _mla_attention(c, pre, i)
+        else:
+            qkv = [heads * head_dim, kv * head_dim, kv * head_dim]
+            out.append(Module(f"{pre}.self_attn.qkv_proj", "qkv", i, hidden, qkv))
+            out.append(Module(f"{pre}.self_attn.o_proj", "row", i, heads * head_dim, [hidden]))
+        if routed:
+            first_k = getattr(c, "first_k_dense_replace", 0) or 0
+            if i < first_k:
+                out += _mlp(f"{pre}.mlp", i, hidden, c.intermediate_size)
+            else:
+                out.append(Module(f"{pre}.mlp.experts", "moe", i))
+                shared = (getattr(c, "n_shared_experts", 0) or 0) * c.moe_intermediate_size
+                if shared:
+                    out += _mlp(f"{pre}.mlp.shared_experts", i, hidden, shared)
+        elif not experts:
+            out += _mlp(f"{pre}.mlp", i, hidden, c.intermediate_size)
         elif getattr(c, "model_type", "") == "mixtral" or "MixtralForCausalLM" in (
             getattr(c, "architectures", None) or ()
         ):
@@ -76,9 +87,32 @@ def base_model_tree(cfg: Mapping[str, Any]) -> list[Module]:
             out.append(Module(f"{pre}.mlp.experts", "moe", i))
             shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
             if shared:
-                out.append(Module(f"{pre}.mlp.shared_expert.gate_up_proj", "merged", i, hidden, [shared, shared]))
-                out.append(Module(f"{pre}.mlp.shared_expert.down_proj", "row", i, shared, [hidden]))
+                out += _mlp(f"{pre}.mlp.shared_expert", i, hidden, shared)
     out.append(Module("lm_head", "lm_head", None))
+    return out
+
+
+def _mlp(prefix: str, layer: int, hidden: int, inter: int) -> list[Module]:
+    return [Module(f"{prefix}.gate_up_proj", "merged", layer, hidden, [inter, inter]),
+            Module(f"{prefix}.down_proj", "row", layer, inter, [hidden])]  # fmt: skip
+
+
+def _mla_attention(c: Cfg, pre: str, layer: int) -> list[Module]:
+    """DeepSeek MLA attention as SGLang builds it (fused q_a/kv_a when there is a q LoRA rank)."""
+    heads, hidden = c.num_attention_heads, c.hidden_size
+    q_rank = getattr(c, "q_lora_rank", None)
+    kv_a = c.kv_lora_rank + c.qk_rope_head_dim
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    out = []
+    if q_rank:
+        out.append(Module(f"{pre}.self_attn.fused_qkv_a_proj_with_mqa", "replicated", layer, hidden, [q_rank + kv_a]))
+        out.append(Module(f"{pre}.self_attn.q_b_proj", "column", layer, q_rank, [heads * qk]))
+    else:
+        out.append(Module(f"{pre}.self_attn.q_proj", "column", layer, hidden, [heads * qk]))
+        out.append(Module(f"{pre}.self_attn.kv_a_proj_with_mqa", "replicated", layer, hidden, [kv_a]))
+    out.append(Module(f"{pre}.self_attn.kv_b_proj", "column", layer, c.kv_lora_rank,
+                      [heads * (c.qk_nope_head_dim + c.v_head_dim)]))  # fmt: skip
+    out.append(Module(f"{pre}.self_attn.o_proj", "row", layer, heads * c.v_head_dim, [hidden]))
     return out
 
 
@@ -178,7 +212,7 @@ def build_pool(cfg: Mapping[str, Any], tree: list[Module], target_modules: set[s
     pool = Pool(target_modules, max_lora_rank, num_experts)
     linears: dict[tuple[str, int], Module] = {}
     for m in tree:
-        if m.layer is not None and m.kind in ("qkv", "merged", "row", "replicated"):
+        if m.layer is not None and m.kind in ("qkv", "merged", "row", "replicated", "column"):
             linears.setdefault((m.name.rsplit(".", 1)[-1], m.layer), m)
 
     def local_dim(name: str, layer: int, axis: str) -> Any:

@@ -158,12 +158,15 @@ def _text_config(base_config: Mapping[str, Any] | None) -> Mapping[str, Any] | N
 # --- weights after SGLang's normalization ---------------------------------------------------------------
 
 
-def predict_loaded_weights(adapter: Any, *, base_config: Mapping[str, Any] | None = None) -> LoadedWeights:
+def predict_loaded_weights(
+    adapter: Any, *, base_config: Mapping[str, Any] | None = None, engine_version: str | None = None
+) -> LoadedWeights:
     """The per-layer `{name: shape}` dicts SGLang holds after `initialize_weights()` for one adapter.
 
     Fused gate/up (`[E, r, H]` + `[E, r, H]` -> `[E, 2r, H]`), `.w1/.w3/.w2` renames, q/k/v fusion and the
     repeat of an already fused lora_A are all applied, with SGLang's errors.
     """
+    _versions.resolve("sglang", engine_version)
     (view,) = resolve_adapters([adapter]) if not isinstance(adapter, AdapterView) else (adapter,)
     shared = _load_weights(view, base_config=_text_config(base_config))
     # A private copy: the normalized dicts are cached and shared between adapters of the same structure.
@@ -239,7 +242,11 @@ def _detect(loaded: list[LoadedWeights], *, legacy: bool, col: Collector, memo: 
 
 
 def detect_shared_outer_loras(
-    adapters: Any, *, legacy: bool = False, base_config: Mapping[str, Any] | None = None
+    adapters: Any,
+    *,
+    legacy: bool = False,
+    base_config: Mapping[str, Any] | None = None,
+    engine_version: str | None = None,
 ) -> bool:
     """`LoRAManager._detect_shared_outer_loras` over `adapters` (keyed by adapter id, in load order).
 
@@ -248,6 +255,7 @@ def detect_shared_outer_loras(
     tensor of every adapter is checked. Disagreement raises SGLang's RuntimeError naming the adapter id.
     `legacy=True` is the behaviour before SGLang PR #31681: 3D tensors only, first match per adapter.
     """
+    _versions.resolve("sglang", engine_version)
     views = resolve_adapters(adapters)
     cfg = _text_config(base_config)
     loaded = [_load_weights(v, base_config=cfg) for v in views]
@@ -257,13 +265,14 @@ def detect_shared_outer_loras(
 # --- §6 init_lora_shapes ------------------------------------------------------------------------------
 
 
-def predict_base_model_modules(base_config: Mapping[str, Any]) -> set[str]:
+def predict_base_model_modules(base_config: Mapping[str, Any], *, engine_version: str | None = None) -> set[str]:
     """A guess at the module names SGLang's `auto_detect_lora_target_modules` finds in a base model.
 
     Standard decoders: `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `embed_tokens`, `lm_head`; DeepSeek
     MLA configs (`kv_lora_rank`) use `fused_qkv_a_proj_with_mqa`/`q_b_proj`/`kv_b_proj`. Pass the real module
     list as `base_model_modules` where the exact answer matters.
     """
+    _versions.resolve("sglang", engine_version)
     cfg = _text_config(base_config) or {}
     modules = {"o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"}
     if cfg.get("kv_lora_rank"):
@@ -357,20 +366,21 @@ def init_lora_shapes(
     *,
     base_config: Mapping[str, Any] | None = None,
     dsa_indexer_fusion: bool = False,
+    engine_version: str | None = None,
 ) -> tuple[set[str], int, int]:
     """`LoRAManager.init_lora_shapes`: `(target_modules, max_lora_rank, lora_added_tokens_size)`.
 
     `target_modules` / `max_lora_rank` are the `--lora-target-modules` / `--max-lora-rank` values (None when
     not given). `base_model_modules` (or a `base_config` to guess them from) resolves "all" / "all-linear".
     """
-    if base_model_modules is None and base_config is not None:
-        base_model_modules = predict_base_model_modules(base_config)
+    _versions.resolve("sglang", engine_version)
     text = _text_config(base_config)
+    tree = _pool.base_model_tree(text) if text is not None and base_model_modules is None else None
     vocab = text.get("vocab_size") if text else None
     entries = [(v, _lora_config(v, vocab)) for v in resolve_adapters(adapters)]
     return _init_lora_shapes(
         entries, max_lora_rank, _cli_target_modules(target_modules), base_model_modules,
-        dsa_indexer_fusion=dsa_indexer_fusion, col=Collector(collect=False),
+        dsa_indexer_fusion=dsa_indexer_fusion, col=Collector(collect=False), tree=tree,
     )  # fmt: skip
 
 
@@ -395,8 +405,9 @@ def _can_support_one(pool: Any, config: _LoraConfig) -> bool:
     return "all" in normalized or normalized.issubset(set(pool.target_modules))
 
 
-def can_support(memory_pool: Any, adapters: Any) -> bool:
+def can_support(memory_pool: Any, adapters: Any, *, engine_version: str | None = None) -> bool:
     """`LoRAMemoryPool.can_support`: every adapter fits the pool's rank, added tokens and target modules."""
+    _versions.resolve("sglang", engine_version)
     return all(_can_support_one(memory_pool, _lora_config(v)) for v in resolve_adapters(adapters))
 
 
@@ -475,12 +486,14 @@ def validate_new_adapter(
     memory_pool: Any = None,
     max_loras_per_batch: int = 8,
     base_vocab_size: int | None = None,
+    engine_version: str | None = None,
 ) -> list[str]:
     """`LoRAManager.validate_new_adapter` for one adapter against those already `loaded`.
 
     Raises SGLang's ValueError (added tokens, DoRA, same name, `memory_pool.can_support` when a pool is
     given, pinning every slot). Returns SGLang's warnings (the same path loaded under another name).
     """
+    _versions.resolve("sglang", engine_version)
     (view,) = resolve_adapters([adapter])
     existing = _LoadedIndex(_refs(loaded))
     config = _lora_config(view, base_vocab_size)
@@ -574,6 +587,7 @@ def plan_buffers(
     lora_added_tokens_size: int = 0,
     moe_ep_size: int = 1,
     stacked_multiply: Mapping[str, int] | None = None,
+    engine_version: str | None = None,
 ) -> list[BufferPlan]:
     """The LoRA buffers SGLang's memory pool allocates (§9.2), for one GPU (tensor parallel size 1).
 
@@ -581,8 +595,16 @@ def plan_buffers(
     `gate_up_proj`/`down_proj` get 4D `<name>_moe` buffers with an expert dimension, forced to 1 for the
     outer factors (gate_up A, down B) in shared-outer mode; a dense buffer exists there only when the
     model has shared experts. Raises SGLang's NotImplementedError for a module it has no dims for.
+    With the default `moe_ep_size` and `stacked_multiply` the shapes are SGLang 0.5.23's own (dense buffers
+    sized from the base layer of that name, in SGLang's allocation order; oracle-tested).
     """
+    _versions.resolve("sglang", engine_version)
     cfg = _text_config(base_config) or {}
+    if moe_ep_size == 1 and stacked_multiply is None:
+        pool = _pool.build_pool(cfg, _pool.base_model_tree(cfg), set(target_modules), max_lora_rank,
+                                max_loras_per_batch=max_loras_per_batch, shared_outer=experts_shared_outer,
+                                added=lora_added_tokens_size)  # fmt: skip
+        return _buffer_plans(pool, _itemsize(cfg))
     layers = int(cfg["num_hidden_layers"])
     n, r, size = max_loras_per_batch, max_lora_rank, _itemsize(cfg)
     plans: list[BufferPlan] = []
@@ -670,12 +692,14 @@ def check_skipped_weights(
     *,
     strict: bool = False,
     base_config: Mapping[str, Any] | None = None,
+    engine_version: str | None = None,
 ) -> list[str]:
     """The weight-name pre-validation of `load_lora_weight_to_buffer` (§9.3.1) for one adapter.
 
     Returns the post-normalization names no target module matches. With `strict=True`
     (`--lora-strict-loading`) SGLang's ValueError is raised; otherwise its warning is logged.
     """
+    _versions.resolve("sglang", engine_version)
     (view,) = resolve_adapters([adapter])
     weights = _load_weights(view, base_config=_text_config(base_config))
     return _check_skipped(view, weights, set(target_modules), strict=strict, col=Collector(collect=False))
@@ -790,6 +814,7 @@ def check_expert_layout(
     target_modules: Iterable[str] = ("gate_up_proj", "down_proj"),
     base_config: Mapping[str, Any] | None = None,
     collect: bool = False,
+    engine_version: str | None = None,
 ) -> list[CompatProblem]:
     """The MoE expert-dimension checks of `load_lora_weight_to_buffer` (§9.3.3-4) for one adapter.
 
@@ -797,6 +822,7 @@ def check_expert_layout(
     raised unless `collect`). In either mode a `[1, ...]` factor headed for a per-expert buffer is reported:
     SGLang silently fills expert 0 only. Returns the problems found (warnings, plus errors when collecting).
     """
+    _versions.resolve("sglang", engine_version)
     (view,) = resolve_adapters([adapter])
     cfg = _text_config(base_config)
     weights = _load_weights(view, base_config=cfg)
@@ -914,8 +940,9 @@ class _FirstUse:
 # --- §11 --lora-paths ---------------------------------------------------------------------------------------
 
 
-def parse_lora_paths(lora_paths: Any) -> list[LoraRef]:
+def parse_lora_paths(lora_paths: Any, *, engine_version: str | None = None) -> list[LoraRef]:
     """`--lora-paths` as `check_lora_server_args` parses it: `NAME=PATH`, `PATH`, or dicts with `pinned`."""
+    _versions.resolve("sglang", engine_version)
     if lora_paths is None:
         return []
     if isinstance(lora_paths, Mapping):
