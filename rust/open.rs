@@ -84,3 +84,16 @@ pub fn open_error(path: &Path, e: io::Error) -> Error {
 pub fn stat(path: &Path) -> Result<Metadata, Error> {
     fs::metadata(path).map_err(|e| open_error(path, e))
 }
+
+/// The text of a small settings file (a token, an AWS config), read only if it is a regular file
+/// (a FIFO there would block) and at most `max` bytes long; None otherwise.
+pub fn read_small_text(path: &Path, max: u64) -> Option<String> {
+    use std::io::Read;
+    let (file, len) = open_regular(path).ok()?;
+    if len > max {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(max).read_to_string(&mut text).ok()?;
+    Some(text)
+}

@@ -257,6 +257,8 @@ mod imp {
     use crate::names::{self, Role};
     use crate::scan::{CONFIG_NAME, PEFT_WEIGHTS};
 
+    /// Token and AWS settings files longer than this are not read.
+    const SETTINGS_FILE_LIMIT: u64 = 1 << 20;
     /// Merge alpha ranges closer than this into one request.
     const ALPHA_GAP: u64 = 64 << 10;
     /// Content hashes are read in ranges of this size, each bounded by the timeout.
@@ -516,15 +518,14 @@ mod imp {
                 home.join("token")
             }
         };
-        std::fs::read_to_string(file)
-            .ok()
+        crate::open::read_small_text(&file, SETTINGS_FILE_LIMIT)
             .map(|t| t.trim().to_owned())
             .filter(|t| !t.is_empty())
     }
 
     /// `key = value` pairs of one section of an AWS-style INI file.
     fn ini_section(path: &Path, section: &str) -> Vec<(String, String)> {
-        let Ok(text) = std::fs::read_to_string(path) else {
+        let Some(text) = crate::open::read_small_text(path, SETTINGS_FILE_LIMIT) else {
             return Vec::new();
         };
         let mut inside = false;

@@ -334,6 +334,33 @@ def test_url_with_a_huge_timeout(tmp_path):
         server.stop()
 
 
+SETTINGS_FIFOS = """
+import json, sys, lorafast
+port = sys.argv[1]
+report = lorafast.scan([f"hf://org/repo/a.safetensors", "s3://bucket/a.safetensors"],
+                       storage_options={"endpoint": f"http://127.0.0.1:{port}", "skip_signature": "true"}, timeout=5)
+print(json.dumps(report.errors))
+"""
+
+
+def test_fifos_as_token_and_aws_settings_files_do_not_block(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    env = {**os.environ, "HF_TOKEN_PATH": str(fifo), "AWS_SHARED_CREDENTIALS_FILE": str(fifo),
+           "AWS_CONFIG_FILE": str(fifo), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}  # fmt: skip
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", SETTINGS_FIFOS, str(port)], capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Both read their settings (the FIFO is skipped), then fail to connect: a row each, no hang.
+    assert [code for _, code, _ in json.loads(out.stdout)] == ["connection_error", "connection_error"]
+
+
 def _resetting_server():
     """A server that reads each request and answers with a TCP reset."""
     srv = socket.socket()
