@@ -22,8 +22,12 @@ _owner: dict[tuple[str, int], int] = {}  # storage key -> thread id of the claim
 
 
 def storage_key(tensor: Any) -> tuple[str, int]:
-    """What identifies a weight's memory: its device and the address of its storage."""
-    return str(tensor.device), int(tensor.untyped_storage().data_ptr())
+    """What identifies a weight's memory: its device and the address of its storage (the tensor itself for
+    tensor types without a plain storage)."""
+    try:
+        return str(tensor.device), int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return "object", id(tensor)
 
 
 @contextmanager
