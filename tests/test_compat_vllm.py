@@ -38,15 +38,24 @@ def test_parse_fine_tuned_lora_name() -> None:
     assert vl.parse_fine_tuned_lora_name("model.embed_tokens.lora_embedding_B") == ("model.embed_tokens", False)
     mapped = vl.parse_fine_tuned_lora_name(P + "mlp.w1.lora_B.weight", lambda n: n.replace(".w1.", ".gate_proj."))
     assert mapped == ("model.layers.0.mlp.gate_proj", False)
+    # Without a mapper vLLM drops `base_model.model.` from the name it prints; with one, it keeps it.
     with pytest.raises(ValueError) as info:
         vl.parse_fine_tuned_lora_name("base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector")
-    assert (
-        str(info.value)
-        == "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector is unsupported LoRA weight"
-    )
+    assert str(info.value) == "model.layers.0.mlp.down_proj.lora_magnitude_vector is unsupported LoRA weight"
     with pytest.raises(ValueError) as info:
-        vl.parse_fine_tuned_lora_name("base_model.model.lm_head.weight")
+        vl.parse_fine_tuned_lora_name("base_model.model.lm_head.weight", lambda n: n)
     assert str(info.value) == "base_model.model.lm_head.weight is unsupported LoRA weight"
+    with pytest.raises(ValueError) as info:
+        vl.parse_fine_tuned_lora_name("base_model.model.x.lora_A.weight", lambda n: None)
+    assert str(info.value) == "Mapped LoRA weight name cannot be None."
+    # 0.33 names the classification head's full weights; 0.30 rejects them.
+    assert vl.parse_fine_tuned_lora_name("base_model.model.score.bias", engine_version="0.33.0") == ("score", False)
+    with pytest.raises(ValueError) as info:
+        vl.parse_fine_tuned_lora_name("base_model.model.score.bias", engine_version="0.30.0")
+    assert str(info.value) == "score.bias is unsupported LoRA weight"
+    mapper = vl.WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."})
+    assert vl.parse_fine_tuned_lora_name(P + "mlp.up_proj.lora_A.weight", mapper) == (
+        "language_model.model.layers.0.mlp.up_proj", True)  # fmt: skip
 
 
 def test_check_unexpected_modules(tmp_path: Path) -> None:
@@ -71,39 +80,51 @@ def test_check_unexpected_modules(tmp_path: Path) -> None:
         vl.check_unexpected_modules(
             AdapterView.from_tensors({**ATTN, "base_model.model.x.lora_magnitude_vector": (8,)}), EXPECTED
         )
-    assert str(info.value) == "base_model.model.x.lora_magnitude_vector is unsupported LoRA weight"
+    assert str(info.value) == "x.lora_magnitude_vector is unsupported LoRA weight"
 
 
 def test_expected_lora_modules() -> None:
-    assert vl.expected_lora_modules(["qkv_proj", "o_proj", "gate_up_proj"]) == [
+    assert vl.expected_lora_modules(["qkv_proj", "o_proj", "gate_up_proj"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-    ]  # fmt: skip
+    }  # fmt: skip
+    # MoE models: `experts` itself is expected next to the per-expert names.
+    assert vl.expected_lora_modules(["experts"], {"experts": ["experts.0.w1"]}) == {"experts.0.w1", "experts"}
 
 
 def test_validate_legal_messages() -> None:
     def v(**cfg: Any) -> AdapterView:
         return AdapterView.from_tensors(ATTN, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **cfg})
 
+    def message(view: AdapterView, version: str, max_rank: int = 16) -> str:
+        with pytest.raises(ValueError) as info:
+            vl.validate_legal(view, max_rank, engine_version=version)
+        return str(info.value)
+
     vl.validate_legal(v(), 16)
-    with pytest.raises(ValueError) as info:
-        vl.validate_legal(v(r=64), 16)
-    assert str(info.value) == "LoRA rank 64 is greater than max_lora_rank 16."
-    with pytest.raises(ValueError) as info:
-        vl.validate_legal(v(use_dora=True), 16)
-    assert str(info.value) == "vLLM does not yet support DoRA."
-    with pytest.raises(ValueError) as info:
-        vl.validate_legal(v(modules_to_save=["lm_head"]), 16)
-    assert str(info.value) == "vLLM only supports modules_to_save being None."
-    with pytest.raises(ValueError) as info:
-        vl.validate_legal(v(modules_to_save=["score"], use_dora=True, r=32, bias="lora_only"), 16)
-    assert str(info.value) == (
+    assert message(v(r=64), "0.33.0") == "LoRA rank 64 is greater than max_lora_rank 16."
+    assert message(v(use_dora=True), "0.33.0") == "vLLM does not yet support DoRA."
+    assert message(v(modules_to_save=["lm_head"]), "0.30.0") == "vLLM only supports modules_to_save being None."
+    assert message(v(modules_to_save=["score", "lm_head"]), "0.33.0") == (
+        'vLLM only supports modules_to_save being either None or ["classifier", "score"] for classification '
+        "models. Unsupported modules_to_save: ['lm_head']"
+    )
+    vl.validate_legal(v(modules_to_save=["classifier", "score"]), 16, engine_version="0.33.0")
+    assert message(v(modules_to_save=["score"], use_dora=True, r=32, bias="lora_only"), "0.30.0") == (
         "vLLM only supports modules_to_save being None. vLLM does not yet support DoRA. "
         "LoRA rank 32 is greater than max_lora_rank 16. Adapter bias is not supported."
     )
-    with pytest.raises(ValueError) as info:
-        vl.validate_legal(v(bias="all"), 16, bias_enabled=False)
-    assert str(info.value) == "Adapter bias cannot be used without bias_enabled."
-    vl.validate_legal(v(bias="all"), 16, bias_enabled=True)
+    # 0.33: rank_pattern counts towards the rank; 0.30 ignores it. `bias: null` is not "none".
+    assert message(v(rank_pattern={"q_proj": 32}), "0.33.0") == "LoRA rank 32 is greater than max_lora_rank 16."
+    vl.validate_legal(v(rank_pattern={"q_proj": 32}), 16, engine_version="0.30.0")
+    assert message(v(bias=None), "0.30.0") == "Adapter bias is not supported."
+    assert message(v(lora_bias=True, init_lora_weights="pissa", use_qalora=True), "0.33.0") == (
+        "vLLM does not support LoRA bias (lora_bias). vLLM does not support init_lora_weights='pissa'. Inits "
+        "such as PiSSA, OLoRA, CorDA and LoftQ modify the base model weights when PEFT loads the adapter. "
+        "Convert it to a regular LoRA adapter with PEFT's path_initial_model_for_weight_conversion, or set "
+        "init_lora_weights to true if the served base model already contains the modified weights. "
+        "vLLM does not support QALoRA."
+    )
+    vl.validate_legal(v(lora_bias=True, init_lora_weights="pissa", use_qalora=True), 16, engine_version="0.30.0")
 
 
 def test_peft_helper_and_ranks(tmp_path: Path) -> None:
@@ -136,3 +157,46 @@ def test_preflight(tmp_path: Path) -> None:
         "vLLM does not yet support DoRA.",
     ]
     assert plan.suggested_max_lora_rank == 64 and not plan.ok
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "real"
+LLAMA = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"]
+
+
+def test_load_adapter_versions(tmp_path: Path) -> None:
+    path = str(FIXTURES / "peft_llama_patterns")  # rank_pattern {"down_proj": 4, ...}, r=8
+    new = vl.load_adapter(path, supported_lora_modules=LLAMA, engine_version="0.33.0")
+    old = vl.load_adapter(path, supported_lora_modules=LLAMA, engine_version="0.30.0")
+    down = "model.layers.0.mlp.down_proj"
+    assert new.loras[down].rank == 4 and old.loras[down].rank == 8
+    assert new.loras[down].lora_a_shape == (4, 48) and new.rank == old.rank == 8
+    with pytest.raises(vl.LoRAAdapterNotFoundError) as info:
+        vl.load_adapter(str(tmp_path / "nothing"), supported_lora_modules=LLAMA, lora_name="x")
+    assert str(info.value) == f"Loading lora x failed: No adapter found for {tmp_path / 'nothing'}"
+    with pytest.raises(ValueError) as info:
+        vl.load_adapter(path, supported_lora_modules=["qkv_proj"], engine_version="0.33.0")
+    assert str(info.value).startswith(f"While loading {path}, expected target modules in {{")
+
+
+def test_bin_weights_read_without_running_the_pickle(tmp_path: Path) -> None:
+    import pickle
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    torch.save({P + "self_attn.q_proj.lora_A.weight": torch.zeros(8, 32),
+                P + "self_attn.q_proj.lora_B.weight": torch.zeros(32, 8)}, folder / "adapter_model.bin")  # fmt: skip
+    lora = vl.load_adapter(str(folder), supported_lora_modules=LLAMA)
+    assert lora.loras["model.layers.0.self_attn.q_proj"].lora_b_shape == (32, 8)
+
+    class Hostile:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    with zipfile.ZipFile(folder / "adapter_model.bin", "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"x": Hostile()}, protocol=2))
+    with pytest.raises(pickle.UnpicklingError, match="is not allowed"):
+        vl.load_adapter(str(folder), supported_lora_modules=LLAMA)
+    assert not (tmp_path / "pwned").exists()

@@ -75,11 +75,41 @@ def test_compat_vllm_agrees_with_vllm(vllm_cases: list[dict[str, Any]]) -> None:
 
 def test_outcomes_cover_every_class(vllm_cases: list[dict[str, Any]]) -> None:
     kinds = {case["kind"] for case in vllm_cases}
-    for kind in ("init_pissa", "lora_bias", "alora", "layer_replication", "qalora", "bdlora", "rank_pattern_zero",
-                 "bias_null", "r_float", "r_bool", "alpha_null", "alpha_string", "config_invalid_json",
-                 "config_bom", "config_array", "no_config", "file_not_folder", "bin_only", "pt_only_unexpected",
-                 "safetensors_over_bin", "score_full_score", "classifier_and_score", "mts_classifier_score"):
+    for kind in (
+        "init_pissa",
+        "lora_bias",
+        "alora",
+        "layer_replication",
+        "qalora",
+        "bdlora",
+        "rank_pattern_zero",
+        "bias_null",
+        "r_float",
+        "r_bool",
+        "alpha_null",
+        "alpha_string",
+        "config_invalid_json",
+        "config_bom",
+        "config_array",
+        "no_config",
+        "file_not_folder",
+        "bin_only",
+        "pt_only_unexpected",
+        "safetensors_over_bin",
+        "score_full_score",
+        "classifier_and_score",
+        "mts_classifier_score",
+    ):
         assert kind in kinds
     families = {case["family"] for case in vllm_cases if case["op"] == "load"}
-    assert families >= {"llama", "qwen2", "qwen2_vl", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                        "llama_seqcls"}
+    assert families >= {
+        "llama",
+        "qwen2",
+        "qwen2_vl",
+        "mistral",
+        "gpt2",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "llama_seqcls",
+    }

@@ -151,8 +151,15 @@ CONFIG_VARIANTS: dict[str, Mutation] = {
     "bias_null": _set(bias=None),
     "bias_all": _set(bias="all"),
     "bias_lora_only": _set(bias="lora_only"),
-    "everything_wrong": _set(modules_to_save=["lm_head"], use_dora=True, lora_bias=True, init_lora_weights="olora",
-                             use_qalora=True, r=128, bias="all"),  # fmt: skip
+    "everything_wrong": _set(
+        modules_to_save=["lm_head"],
+        use_dora=True,
+        lora_bias=True,
+        init_lora_weights="olora",
+        use_qalora=True,
+        r=128,
+        bias="all",
+    ),  # fmt: skip
 }
 
 RAW_CONFIGS: dict[str, str] = {

@@ -24,7 +24,9 @@ def summary(lora: vllm.VLLMLoRA) -> dict[str, Any]:
     def shape(s: Any) -> list[int] | None:
         return None if s is None else list(s)
 
-    loras = [[n, w.rank, w.scaling, shape(w.lora_a_shape), shape(w.lora_b_shape)] for n, w in sorted(lora.loras.items())]
+    loras = [
+        [n, w.rank, w.scaling, shape(w.lora_a_shape), shape(w.lora_b_shape)] for n, w in sorted(lora.loras.items())
+    ]
     saved = {n: [shape(w), shape(b)] for n, (w, b) in sorted(lora.modules_to_save.items())}
     return {"rank": lora.rank, "loras": loras, "modules_to_save": saved}
 

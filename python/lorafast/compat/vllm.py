@@ -548,14 +548,15 @@ def load_adapter(
     """`WorkerLoRAManager._load_adapter` for one adapter folder, from its config and weight headers.
 
     The model is described by what vLLM's LoRA manager reads from it: `supported_lora_modules` (module
-    leaves), `packed_modules_mapping` (including `experts` for MoE models), `hf_to_vllm_mapper` (vLLM's
+    leaves), `packed_modules_mapping` (including `experts` for MoE models; None: Llama's qkv/gate_up
+    packing), `hf_to_vllm_mapper` (vLLM's
     `WeightsMapper` or this module's; its renames are applied), `vocab_size`, `max_position_embeddings`,
     the MoE layers' names under 2-D wrappers (`moe_modules`) and the classification head.
     """
     new = _is_033(engine_version)
     lora_path = os.fspath(path)
     name = os.path.basename(lora_path.rstrip("/")) if lora_name is None else lora_name
-    expected = expected_lora_modules(supported_lora_modules, packed_modules_mapping or {})
+    expected = expected_lora_modules(supported_lora_modules, packed_modules_mapping)
     if not os.path.isabs(lora_path) and os.path.exists(lora_path):  # get_adapter_absolute_path
         lora_path = os.path.abspath(lora_path)
     try:
