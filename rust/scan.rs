@@ -328,6 +328,9 @@ fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
 /// Where a row belongs in the walk's order: its index in each folder on the way down to it.
 type Key = Vec<u32>;
 
+/// Entries per job of a walk: enough to pay for the job, few enough to share a folder's work.
+const WALK_CHUNK: usize = 8;
+
 /// One walk: what to do with each adapter (`visit`, given its config's bytes when already read)
 /// and each error (`failed`), and the rows so far, each with its `Key`.
 struct Walk<'a, V, F, R> {
@@ -360,22 +363,35 @@ where
         }
     }
 
-    /// The entries of one folder in parallel. A sub-folder becomes a job of its own on the pool's
-    /// queue, never a nested call, so the stack stays flat however deep the tree is.
+    /// The entries of one folder in parallel: jobs of up to `WALK_CHUNK` entries on the pool's
+    /// queue. A job never waits for another (no `join`), so no job runs nested on top of a waiting
+    /// one, and the stack stays flat however deep the tree is; a sub-folder's entries become jobs
+    /// of their own.
     fn entries<'s>(&'s self, s: &rayon::Scope<'s>, key: &[u32], found: Vec<Result<Found, Error>>) {
-        found.into_par_iter().enumerate().with_min_len(8).for_each(|(i, f)| {
-            let mut k = Key::with_capacity(key.len() + 1);
-            k.extend_from_slice(key);
-            k.push(u32::try_from(i).unwrap_or(u32::MAX));
-            match f {
-                Err(e) => self.push(k, (self.failed)(e)),
-                Ok(Found::Target(t)) => self.push(k, (self.visit)(t, None)),
-                Ok(Found::Folder(dir)) => s.spawn(move |s| match self.enter(&dir) {
-                    Ok(row) => self.push(k, row),
-                    Err(found) => self.entries(s, &k, found.into_iter().map(Ok).collect()),
-                }),
-            }
-        });
+        let mut found = found.into_iter().enumerate().peekable();
+        while found.peek().is_some() {
+            let chunk: Vec<_> = found.by_ref().take(WALK_CHUNK).collect();
+            let key = key.to_vec();
+            s.spawn(move |s| {
+                for (i, f) in chunk {
+                    self.entry(s, &key, i, f);
+                }
+            });
+        }
+    }
+
+    fn entry<'s>(&'s self, s: &rayon::Scope<'s>, parent: &[u32], i: usize, f: Result<Found, Error>) {
+        let mut key = Key::with_capacity(parent.len() + 1);
+        key.extend_from_slice(parent);
+        key.push(u32::try_from(i).unwrap_or(u32::MAX));
+        match f {
+            Err(e) => self.push(key, (self.failed)(e)),
+            Ok(Found::Target(t)) => self.push(key, (self.visit)(t, None)),
+            Ok(Found::Folder(dir)) => match self.enter(&dir) {
+                Ok(row) => self.push(key, row),
+                Err(found) => self.entries(s, &key, found.into_iter().map(Ok).collect()),
+            },
+        }
     }
 
     /// The same walk on this thread alone (after a fork, rayon's threads are gone), with a stack
