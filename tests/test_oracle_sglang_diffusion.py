@@ -78,6 +78,13 @@ def compat(case: dict, v: str) -> dict:
         return compat_file(case, v)
     if kind == "state":
         return compat_state(state_of(case["tensors"]), case.get("config", {}), v)
+    if kind == "set_lora":
+        a, mods = case["args"], case["modules"]
+        return {"set_lora": outcome(lambda: df.check_set_lora(
+            a["nickname"], a["path"], a["target"], a["strength"], a["merge_weights"], a["merge_mode"], a["lora_alpha"],
+            server_mode=case["server_mode"], loaded=case["loaded"], modules=[m for m, layer in mods.items() if layer],
+            fsdp_sharded=[m for m, (d, _) in mods.items() if d], quantized=[m for m, (_, c) in mods.items() if not c],
+            engine_version=v)._asdict())}  # fmt: skip
     if kind == "constants":
         return {"valid_targets": {"ok": df.VALID_TARGETS}}
     if kind == "alpha":

@@ -539,5 +539,37 @@ def argument_cases() -> list[dict]:
     return cases
 
 
+def set_lora_cases(n: int = 240) -> list[dict]:
+    """`set_lora` calls on pipelines of one to three DiTs, plain, FSDP-sharded or quantized, with adapters loaded
+    or not: argument errors in their order, the one-adapter rule, and each module's merge decision."""
+    rng = random.Random(13)
+    calls = [
+        ("a", "p", "all", 1.0, None), (["a", "b"], ["p", "q"], "all", 1.0, None),
+        (["a", "b"], ["p", "q"], ["transformer", "transformer_2"], [1.0, 0.5], None),
+        (["a", "b"], ["p", None], "transformer", 1.0, None), (["a", "c"], [None, None], "all", 1.0, None),
+        ("a", None, "critic", 1.0, 8), (["a", "a"], ["p", "p2"], ["all", "critic"], 1.0, [4, None]),
+        (["a", "b", "c"], ["p", "q", "r"], ["all", "transformer", "all"], 1.0, None),
+        ("a", "p", "bogus", 1.0, None), (["a", "b"], ["p", "q"], ["all", "bogus"], 1.0, None),
+        (["a", "b"], ["p"], "all", 1.0, None), ("a", "p", "all", 1.0, 0), ("a", "p", "transformer_2", 1.0, None),
+    ]  # fmt: skip
+    module_sets = [
+        {"transformer": [False, True]}, {"transformer": [True, True]}, {"transformer": [False, False]},
+        {"transformer": [False, True], "transformer_2": [False, False]},
+        {"transformer": [False, True], "critic": [True, True]},
+        {"transformer": [False, False], "transformer_2": [True, True], "critic": [False, True]}, {},
+    ]  # fmt: skip
+    loaded_sets = [{}, {"a": "p"}, {"a": "old", "b": "q"}]
+    cases = []
+    for i in range(n):
+        nick, path, target, strength, alpha = rng.choice(calls)
+        args = {"nickname": nick, "path": path, "target": target, "strength": strength, "lora_alpha": alpha,
+                "merge_weights": rng.choice((None, None, True, False)),
+                "merge_mode": rng.choice((None, None, "auto", "merge", "dynamic", "fast"))}  # fmt: skip
+        cases.append({"id": f"set_lora/{i}", "kind": "set_lora", "args": args,
+                      "server_mode": rng.choice(("auto", "merge", "dynamic")), "loaded": rng.choice(loaded_sets),
+                      "modules": rng.choice(module_sets)})  # fmt: skip
+    return cases
+
+
 def build(root: Path) -> list[dict]:
-    return file_cases(root) + state_cases() + argument_cases()
+    return file_cases(root) + state_cases() + argument_cases() + set_lora_cases()

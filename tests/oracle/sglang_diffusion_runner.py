@@ -87,6 +87,51 @@ def layer(dtensor: bool, can_merge: bool) -> types.SimpleNamespace:
     return types.SimpleNamespace(weight=weight, can_merge_base_weight=can_merge)
 
 
+class SglangDiffusionPipelineShell(Pipeline):
+    """`set_lora` runs for real on this; the four methods below are the stubs listed in stubs.py (section 3)."""
+
+    def __init__(self, case: dict) -> None:
+        self.server_args = types.SimpleNamespace(lora_merge_mode=case.get("server_mode", "auto"))
+        self.lora_initialized = True
+        self.lora_adapters = {n: {} for n in case["loaded"]}
+        self.loaded_adapter_paths = dict(case["loaded"])
+        self.loaded_adapter_alphas = {n: None for n in case["loaded"]}
+        layers = {m: {"l0": layer(*flags)} for m, flags in case["modules"].items()}
+        self.lora_layers = layers.get("transformer", {})
+        self.lora_layers_transformer_2 = layers.get("transformer_2", {})
+        self.lora_layers_critic = layers.get("critic", {})
+        self.decisions: list = []
+        self.loads: list = []
+
+    def _invalidate_lora_conditioning(self) -> None:
+        pass
+
+    def _reject_lora_on_packed_weights(self) -> None:
+        pass
+
+    def load_lora_adapter(self, path, nickname, rank, lora_alpha=None) -> None:
+        self.loads.append([nickname, path, lora_alpha])
+        self.lora_adapters[nickname] = {}
+        self.loaded_adapter_paths[nickname] = path
+        self.loaded_adapter_alphas[nickname] = lora_alpha
+
+    def _should_merge_lora_for_layers(self, module_name, lora_layers, merge_mode):
+        merge = super()._should_merge_lora_for_layers(module_name, lora_layers, merge_mode)
+        self.decisions.append([module_name, merge])  # recorded, not changed
+        return merge
+
+    def _check_lora_config_matches(self, *args) -> bool:
+        return True
+
+
+def set_lora(case: dict) -> dict:
+    shell = SglangDiffusionPipelineShell(case)
+    a = case["args"]
+    shell.set_lora(a["nickname"], a["path"], a["target"], a["strength"], a["merge_weights"], a["merge_mode"],
+                   a["lora_alpha"])  # fmt: skip
+    return {"decisions": shell.decisions, "loads": shell.loads}
+
+
 def run(case: dict) -> dict:
     kind = case["kind"]
     if kind == "file":
@@ -95,6 +140,8 @@ def run(case: dict) -> dict:
         return state_stages(tensors_of(case["tensors"]), case.get("config", {}))
     if kind == "alpha":
         return {"alpha": stage(pa.get_peft_lora_alpha, case["config"])}
+    if kind == "set_lora":
+        return {"set_lora": stage(set_lora, case)}
     if kind == "constants":
         return {"valid_targets": {"ok": Pipeline.VALID_TARGETS}}
     pipe = Pipeline()

@@ -355,9 +355,10 @@ def sglang_tiny_model(config):
                           weight=weight(), shard_indices=None)  # fmt: skip
     return root
 
+
 # --- SGLang diffusion (the lora/ package of the multimodal generator) ------------------------------------
 # What runs for real: `format_adapter.py` and `peft_adapter.py`, imported as modules, with their real imports
-# (torch, safetensors, diffusers' lora_conversion_utils). Two stubs:
+# (torch, safetensors, diffusers' lora_conversion_utils). Stubs:
 #
 # 1. Bare package objects for `sglang`, `sglang.multimodal_gen` and `...runtime.pipelines_core`. Their
 #    `__init__.py` files import the whole engine (srt utils, zmq, pybase64, the composed pipeline base); the
@@ -369,6 +370,14 @@ def sglang_tiny_model(config):
 #    (`lora_merge_mode`) and, for `_should_merge_lora_for_layers`, layers with `weight` and
 #    `can_merge_base_weight`. `BaseLayerWithLoRA` is a placeholder: pipeline.py names it only in annotations.
 #    `LORA_MERGE_MODES` is compiled the same way from `server_args/server_args.py`.
+# 3. For `set_lora` itself (compiled the same way), `SglangDiffusionPipelineShell` in the runner stands in for what
+#    needs a live pipeline: `_invalidate_lora_conditioning` (caches of loaded encoders: nothing to drop),
+#    `_reject_lora_on_packed_weights` (walks the loaded model's parameters for GGUF `qweight`: no model),
+#    `load_lora_adapter` (records path and alpha; the file loading is proven on its own), and
+#    `_check_lora_config_matches` (returns True, so `set_lora` stops after its decisions instead of writing
+#    weights). `_should_merge_lora_for_layers` is the real method, wrapped to record each decision. `dist` is a
+#    one-process group (rank 0), and `layerwise_offload` a module whose `finish_offload_writeback` has nothing to
+#    write back.
 
 SGLANG_DIFFUSION_METHODS = (
     "VALID_TARGETS",
@@ -376,6 +385,8 @@ SGLANG_DIFFUSION_METHODS = (
     "_resolve_lora_merge_mode",
     "_should_merge_lora_for_layers",
     "_uses_dtensor_weights",
+    "_get_target_lora_layers",
+    "set_lora",
 )
 
 
@@ -396,6 +407,8 @@ def sglang_diffusion_pipeline_class(root: str) -> type:
     import ast
     import logging
     import os
+    import sys
+    import types
 
     from torch.distributed.tensor import DTensor
 
@@ -404,7 +417,11 @@ def sglang_diffusion_pipeline_class(root: str) -> type:
         "logger": logging.getLogger("sglang_diffusion_oracle"),
         "DTensor": DTensor,
         "BaseLayerWithLoRA": type("BaseLayerWithLoRA", (), {}),
+        "dist": types.SimpleNamespace(get_rank=lambda: 0),
     }
+    offload = "sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload"
+    sys.modules[offload] = types.ModuleType(offload)
+    sys.modules[offload].finish_offload_writeback = lambda: None
     args_file = os.path.join(base, "server_args", "server_args.py")
     with open(args_file, encoding="utf-8") as f:
         args_source = f.read()

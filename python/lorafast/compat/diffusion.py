@@ -24,7 +24,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -875,3 +875,72 @@ def check_adapters_per_target(
     if not merge and num_adapters > 1:
         raise ValueError(MSG_DYNAMIC_ONE_ADAPTER)
     return merge
+
+
+class SetLoraDecision(NamedTuple):
+    """What `set_lora` decides before touching weights: `(module, merges)` in the order it decides them, and
+    the adapters it loads, as `(nickname, path, lora_alpha)`."""
+
+    decisions: list[tuple[str, bool]]
+    loads: list[tuple[str, str, int | None]]
+
+
+def _target_modules(target: str, modules: Collection[str]) -> list[str]:
+    """`_get_target_lora_layers`: "all" is the transformer plus transformer_2 and critic when the pipeline has
+    them; "transformer" is always there; a missing one gives nothing (SGLang logs a warning)."""
+    if target == "all":
+        return ["transformer"] + [m for m in ("transformer_2", "critic") if m in modules]
+    if target == "transformer":
+        return ["transformer"]
+    return [target] if target in modules else []
+
+
+def check_set_lora(
+    lora_nickname: str | list[str],
+    lora_path: str | None | list[str | None] = None,
+    target: str | list[str] = "all",
+    strength: float | list[float] = 1.0,
+    merge_weights: bool | None = None,
+    merge_mode: str | None = None,
+    lora_alpha: int | None | list[int | None] = None,
+    *,
+    server_mode: str = "auto",
+    loaded: Mapping[str, str] | None = None,
+    modules: Collection[str] = ("transformer",),
+    fsdp_sharded: Collection[str] = (),
+    quantized: Collection[str] = (),
+    engine_version: str | None = None,
+) -> SetLoraDecision:
+    """`LoRAPipeline.set_lora` up to the weights: its argument errors, in its order, and its decisions.
+
+    `loaded` maps the nicknames already loaded to their paths; `modules` names the DiTs the pipeline has
+    (`transformer`, `transformer_2`, `critic`); `fsdp_sharded`/`quantized` name those whose LoRA layers hold
+    FSDP-sharded weights, or quantized weights that cannot take a merged delta. Loading an adapter and the
+    `auto` rounding-loss rule need the files and weights: see `load_lora_adapter`.
+    """
+    mode = resolve_lora_merge_mode(merge_mode, merge_weights, server_mode, engine_version=engine_version)
+    nicknames, paths, _strengths, targets, alphas = normalize_lora_params(
+        lora_nickname, lora_path, strength, target, lora_alpha, engine_version=engine_version
+    )
+    check_targets(targets, engine_version=engine_version)
+    loaded_paths = dict(loaded or {})
+    loads: list[tuple[str, str, int | None]] = []
+    for nickname, path, alpha in zip(nicknames, paths, alphas, strict=True):
+        if nickname not in loaded_paths and path is None:
+            raise ValueError(f"Adapter {nickname} not found in the pipeline. Please provide lora_path to load it.")
+        if path is not None and loaded_paths.get(nickname) != path:
+            loads.append((nickname, path, alpha))
+            loaded_paths[nickname] = path
+    groups: dict[str, int] = {}
+    for tgt in targets:
+        groups[tgt] = groups.get(tgt, 0) + 1
+    decisions: list[tuple[str, bool]] = []
+    for tgt, count in groups.items():
+        names = _target_modules(tgt, modules)
+        for i, name in enumerate(names):
+            merge = should_merge_lora(mode, fsdp_sharded=name in fsdp_sharded, quantized=name in quantized,
+                                      module_name=name, engine_version=engine_version)  # fmt: skip
+            decisions.append((name, merge))
+            if i == 0 and not merge and count > 1:
+                raise ValueError(MSG_DYNAMIC_ONE_ADAPTER)
+    return SetLoraDecision(decisions, loads)
