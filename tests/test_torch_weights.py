@@ -385,3 +385,13 @@ def test_cli_header_reads_torch_files(tmp_path: Path, capsys: pytest.CaptureFixt
     torch_zip(path, b"\x80\x02cos\nsystem\n.")
     assert main(["header", str(path)]) == 1
     assert "unsafe_pickle" in capsys.readouterr().err
+
+
+def test_torch_error_codes_are_exported_and_distinct(tmp_path: Path) -> None:
+    codes = set(lorafast.TORCH_ERROR_CODES)
+    assert {"unsafe_pickle", "invalid_pickle", "invalid_zip", "legacy_torch_format", "pickle_limit"} <= codes
+    assert not codes & (set(lorafast.HEADER_ERROR_CODES) | set(lorafast.ADAPTER_ERROR_CODES))
+    # A dtype safetensors cannot name is refused, not mislabelled.
+    path = tmp_path / "c.pt"
+    torch.save({"c": torch.zeros(2, dtype=torch.complex128)}, path)
+    assert "complex128" in str(refused(path, "invalid_torch_tensor"))
