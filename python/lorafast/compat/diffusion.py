@@ -9,11 +9,13 @@ Proven against SGLang 0.5.23's own `pipelines_core/lora/` code by tests/test_ora
 * `normalize_lora_state_dict`: key normalization, format detection, the format's key conversion, then
   `apply_peft_config` (feature rejections, `alpha_pattern`, `use_rslora`) on the converted names;
 * `load_lora_adapter`: the part of `LoRAPipeline.load_lora_adapter` that needs no model, in the engine's order;
-* `normalize_lora_params`, `resolve_lora_merge_mode`, `should_merge_lora`, `check_adapters_per_target`:
-  `set_lora`'s argument checks and merge decisions.
+* `check_set_lora`: `set_lora` up to the weights (argument errors in its order, loads, per-module merge
+  decisions), built from `normalize_lora_params`, `check_targets`, `resolve_lora_merge_mode`, `should_merge_lora`
+  and `check_adapters_per_target`.
 
 Tensors come in data order (by data offset), the order safetensors' `load_file` returns them; only the values
-of one-element `.alpha` tensors are read. Every entry point takes `engine_version=` ("0.5.23"); the rules are
+of one-element `.alpha` tensors are read (and, for kohya Flux, the up weights whose split depends on their
+values). Every entry point takes `engine_version=` ("0.5.23"); the rules are
 those of 0.5.23, the only SGLang release proven so far.
 """
 
