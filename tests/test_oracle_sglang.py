@@ -48,6 +48,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], di
 def _outcomes(result: dict[str, Any]) -> list[tuple[str, Any]]:
     """One comparable outcome per start-up, per first use and per dynamic load."""
     out: list[tuple[str, Any]] = [("startup", result["startup"])]
+    out += [(f"weights[{i}]", w) for i, w in enumerate(result.get("weights", ()))]
     out += [(f"first_use[{i}]", f) for i, f in enumerate(result.get("first_use", ()))]
     out += [(f"dynamic[{i}]", d) for i, d in enumerate(result.get("dynamic", ()))]
     return out

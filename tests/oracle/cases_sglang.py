@@ -40,7 +40,9 @@ BASES: dict[str, dict[str, Any]] = {
                 "shared_expert_intermediate_size": SHARED_INTER, "num_experts_per_tok": 2, "n_shared_experts": 2,
                 "architectures": ["InklingForCausalLM"]},
 }  # fmt: skip
-MOE_BASES = ("mixtral", "qwen2_moe", "qwen3_moe", "inkling")
+for _n in (0, 1, 3):  # Inkling with other shared-expert counts (0: SGLang skips the normalization)
+    BASES[f"inkling{_n}"] = {**BASES["inkling"], "n_shared_experts": _n}
+MOE_BASES = ("mixtral", "qwen2_moe", "qwen3_moe", "inkling", "inkling0", "inkling1", "inkling3")
 
 ATTN = {"q_proj": (H, HEADS * HEAD_DIM), "k_proj": (H, KV * HEAD_DIM), "v_proj": (H, KV * HEAD_DIM),
         "o_proj": (HEADS * HEAD_DIM, H)}  # fmt: skip
@@ -256,6 +258,33 @@ def _hand_made(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[s
     return made
 
 
+def _inkling(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[str, str]]:
+    """Flat 2D `shared_experts.` factors (Inkling's shared sink) in every naming and size, on an Inkling base."""
+    made = []
+    for i in range(n):
+        r = rng.choice((2, 4))
+        n_flat = rng.choice((1, 2, 3))
+        inter = MOE_INTER * n_flat + rng.choice((0, 0, 0, 1))  # sometimes a size no shared count divides
+        names = rng.choice((("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("gate_up_proj", None,
+                                                                                         "down_proj")))  # fmt: skip
+        t = _dense_tensors(rng, ["q_proj", "k_proj", "v_proj"], r, [0, 1], fused=False)
+        for layer in range(LAYERS):
+            pre = f"{PRE}.{layer}.mlp.shared_experts"
+            if names[1] is None:
+                _pair(t, f"{pre}.{names[0]}", r, H, 2 * inter)
+            else:
+                _pair(t, f"{pre}.{names[0]}", r, H, inter)
+                _pair(t, f"{pre}.{names[1]}", r, H, inter)
+            _pair(t, f"{pre}.{names[2]}", r, inter, H)
+            if rng.random() < 0.2:
+                _pair(t, f"{pre}.0.{names[0]}", r, H, inter)  # a numbered factor beside the flat ones
+        targets = ["q_proj", "k_proj", "v_proj"] + rng.choice((["gate_proj", "up_proj", "down_proj"],
+                                                               ["gate_up_proj", "down_proj"], ["w1", "w2", "w3"]))  # fmt: skip
+        path = write_adapter(out / f"{base}-inkling-{i:02d}", t, _config(r, targets))
+        made.append(("inkling_shared", path))
+    return made
+
+
 # --- real PEFT output ------------------------------------------------------------------------------------------
 
 
@@ -302,7 +331,11 @@ def build(out: Path, seed: int = 11) -> dict[str, Any]:
     adapters: list[tuple[str, str, str]] = []
     for base in BASES:
         count = 75 if base in MOE_BASES else 55
+        if base in ("inkling0", "inkling1", "inkling3"):
+            count = 0
         adapters += [(base, kind, path) for kind, path in _hand_made(rng, out / "hand", base, count)]
+        if base.startswith("inkling"):
+            adapters += [(base, kind, path) for kind, path in _inkling(rng, out / "inkling", base, 12)]
     adapters += _peft_adapters(out / "peft", rng, 6)
     fixtures = ROOT / "tests" / "fixtures" / "real"
     for folder in sorted(fixtures.iterdir()):

@@ -37,6 +37,13 @@ def _buffers(plan: sg.SGLangPlan) -> dict[str, list[list[int]]]:
     return out
 
 
+def _weights(plan: sg.SGLangPlan, ref: LoraRef) -> list:
+    """The normalized weights preflight checked for `ref`: (layer, name, shape) in SGLang's dict order."""
+    weights = plan.loaded_weights[ref.lora_id]
+    out = [[i, name, list(shape)] for i, name, shape in weights.iter_layer_weights()]
+    return out + [[None, name, list(shape)] for name, shape in weights.embedding.items()]
+
+
 def lorafast_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
     """The engine runner's result structure, answered by compat.sglang from headers."""
     refs = [LoraRef(name=a["name"], path=a["path"], pinned=a.get("pinned", False)) for a in case["adapters"]]
@@ -55,6 +62,7 @@ def lorafast_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
         "shared_outer": plan.experts_shared_outer, "added_tokens": plan.lora_added_tokens_size,
         "buffers": _buffers(plan), "ids": [r.lora_id for r in refs],
     }}  # fmt: skip
+    out["weights"] = [_weights(plan, ref) for ref in refs]
     first = []
     for ref in refs:
         fatal = [p for p in plan.errors if p.stage == "first_use" and p.adapter_id == ref.lora_id]

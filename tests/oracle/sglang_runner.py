@@ -75,6 +75,12 @@ def _startup(case: dict, model: torch.nn.Module) -> tuple[LoRAManager | None, di
     }
 
 
+def _weights(adapter) -> list:
+    """What `initialize_weights` left: (layer, name, shape) in dict order, then the embeddings."""
+    out = [[i, name, list(w.shape)] for i, layer in enumerate(adapter.layers) for name, w in layer.weights.items()]
+    return out + [[None, name, list(w.shape)] for name, w in adapter.embedding_layers.items()]
+
+
 def _first_use(mgr: LoRAManager, uid: str):
     try:
         mgr.fetch_new_loras({uid})
@@ -89,6 +95,7 @@ def run_case(case: dict) -> dict:
     out: dict = {"startup": startup}
     if mgr is None:
         return out
+    out["weights"] = [_weights(mgr.loras[uid]) for uid in startup["ids"]]
     out["first_use"] = [_first_use(mgr, uid) for uid in startup["ids"]]
     dynamic = []
     for a in case.get("dynamic", ()):

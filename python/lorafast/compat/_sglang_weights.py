@@ -140,25 +140,35 @@ def _normalize_inkling_qkvr(w: Weights, rank: int | None) -> None:
                 w[n] = T.repeat_along(shape, 2, 4)
 
 
+def _reshape(shape: Shape, new: tuple[int, ...]) -> Shape:
+    if T.numel(shape) != T.numel(new):
+        raise RuntimeError(f"shape '{list(new)}' is invalid for input of size {T.numel(shape)}")
+    return new
+
+
 def _normalize_inkling_shared_experts(w: Weights, n_shared: int) -> None:
-    """Flat 2D `shared_experts.` factors become the 3D shared-outer form (Inkling models only)."""
+    """`_normalize_shared_expert_moe` (sglang 0.5.23): flat 2D `shared_experts.` factors of an Inkling model become
+    the 3D shared-outer form; numbered `shared_experts.N.` factors are kept for validation to reject."""
     for n in list(w):
         if "shared_experts." not in n or re.search(r"shared_experts\.\d+\.", n):
             continue
+        is_down = any(k in n for k in (".w2.", ".down_proj."))
+        is_gate_up = any(k in n for k in (".w1.", ".w3.", ".gate_proj.", ".up_proj.", ".gate_up_proj."))
         shape = w[n]
-        if shape is None or len(shape) != 2:
+        if not (is_down or is_gate_up) or shape is None or len(shape) != 2:
             continue
-        is_a = "lora_A" in n
-        if "gate_proj" in n or "up_proj" in n:
-            if is_a:
+        if "lora_A" in n:
+            if is_down:
+                r, flat = shape
+                reshaped = _reshape(shape, (r, n_shared, flat // n_shared))
+                w[n] = (reshaped[1], reshaped[0], reshaped[2])  # .transpose(0, 1)
+            else:
                 w[n] = (1, *shape)
-            elif shape[0] % n_shared == 0:
-                w[n] = (n_shared, shape[0] // n_shared, shape[1])
-        elif "down_proj" in n:
-            if not is_a:
-                w[n] = (1, *shape)
-            elif shape[1] % n_shared == 0:
-                w[n] = (n_shared, shape[0], shape[1] // n_shared)
+        elif is_down:
+            w[n] = (1, *shape)
+        else:
+            flat, r = shape
+            w[n] = _reshape(shape, (n_shared, flat // n_shared, r))
 
 
 def _rename_w123(w: Weights) -> None:
@@ -313,7 +323,7 @@ def _is_inkling(base_config: Mapping[str, Any] | None) -> bool:
     if not base_config:
         return False
     archs = base_config.get("architectures") or []
-    return any("Inkling" in str(a) for a in archs) or "Inkling" in str(base_config.get("model_type", ""))
+    return any("Inkling" in str(a) for a in archs) or "inkling" in str(base_config.get("model_type", "")).lower()
 
 
 _ADAPTER_CACHE = _BoundedCache(400_000)
@@ -348,8 +358,8 @@ def load_adapter_weights(
     if base_config is not None and base_config.get("num_hidden_layers") is not None:
         num_layers = int(base_config["num_hidden_layers"])
     n_shared = None
-    if _is_inkling(base_config):
-        n_shared = int(base_config.get("n_shared_experts") or 1)  # type: ignore[union-attr]
+    if _is_inkling(base_config):  # SGLang skips the reshape when the model has no shared experts
+        n_shared = int(base_config.get("n_shared_experts") or 0) or None  # type: ignore[union-attr]
     key = (
         tuple(view.tensors.items()), _freeze(target_modules), rank, num_layers, n_shared, lora_added_tokens_size,
         non_gated_moe_layers,

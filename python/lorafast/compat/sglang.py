@@ -981,6 +981,8 @@ class SGLangPlan:
     strict_loading: bool = False
     base_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
     first_use: Any = field(default=None, repr=False, compare=False)  # the pool's first-use checks
+    #: adapter id -> the weights as SGLang holds them after `initialize_weights()` (shapes only; read-only)
+    loaded_weights: Mapping[str, LoadedWeights] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -1190,5 +1192,5 @@ def preflight(
         experts_shared_outer=shared_outer, shared_outer_source=source,
         buffers=None if buffers is None else tuple(buffers), problems=tuple(col.problems),
         max_loras_per_batch=max_loras_per_batch, strict_loading=strict_loading, base_config=cfg,
-        first_use=use,
+        first_use=use, loaded_weights={v.lora_id: w for v, _, w in entries},
     )  # fmt: skip
