@@ -272,7 +272,7 @@ def _tensor_variants(w: _Writer, base: str, family: str, config: dict[str, Any],
 
 
 def write_cases(root: str | os.PathLike[str], n: int = 600, *, peft_bases: dict[str, tuple[str, str]] | None = None,
-                samples: int = 40) -> list[Case]:  # fmt: skip
+                samples: int = 150) -> list[Case]:  # fmt: skip
     """At least `n` cases under `root`: every base as it is, every config and file variant of each base,
     tensor-name variants of a few, and `lorafast sample` PEFT adapters. Deterministic."""
     from lorafast.sample import sample_kind_of, write_samples
@@ -293,7 +293,9 @@ def write_cases(root: str | os.PathLike[str], n: int = 600, *, peft_bases: dict[
         w.variant(path, family, "no_weights", config, {})
         w.add(Path(path, ST), family, "file_not_folder")
         w.add(Path(root, "missing", name), family, "missing_folder")
-    for name in ("peft_llama_patterns", "peft_qwen2", "peft_mixtral_v4_experts", "peft_llama_seqcls", "peft_gpt2"):
+    tensor_bases = ("peft_llama_patterns", "peft_qwen2", "peft_mixtral_v4_experts", "peft_llama_seqcls", "peft_gpt2",
+                    "peft_qwen2moe_v4_experts", "peft_qwen3moe_target_parameters")  # fmt: skip
+    for name in tensor_bases:
         path, family = bases[name]
         config = json.loads(Path(path, "adapter_config.json").read_text())
         _tensor_variants(w, path, family, config, read_header(Path(path, ST)))

@@ -90,7 +90,8 @@ def load_cases(cases: list[Case], max_lora_rank: int = 16) -> list[dict[str, Any
     out = []
     for i, case in enumerate(cases):
         family = "qwen2_vl" if case.family == "qwen2" and i % 2 else case.family
-        rank = 8 if i % 5 == 0 else max_lora_rank
+        # Every fifth case under a small --max-lora-rank; `lorafast sample` ranks reach 64.
+        rank = 8 if i % 5 == 0 else 64 if case.kind.startswith("sample_") else max_lora_rank
         out.append({"op": "load", "path": case.path, "lora_name": f"{case.kind}-{i}", "lora_int_id": i + 1,
                     "max_lora_rank": rank, "setup": SETUPS[family], "kind": case.kind, "family": family})  # fmt: skip
     return out
