@@ -276,7 +276,8 @@ fn remote_options(
         if c == 0 {
             return Err(PyValueError::new_err("concurrency must be at least 1"));
         }
-        o.concurrency = c;
+        // More requests in flight than this gain nothing, and tokio's semaphore panics past 2^61.
+        o.concurrency = c.min(remote::MAX_CONCURRENCY);
     }
     Ok(o)
 }

@@ -33,6 +33,8 @@ pub const SPECULATIVE_BYTES: u64 = 64 << 10;
 pub const STALL_LIMIT: usize = 4;
 pub const DEFAULT_TIMEOUT_S: f64 = 10.0;
 pub const DEFAULT_CONCURRENCY: usize = 64;
+/// Larger `concurrency` values are taken as this.
+pub const MAX_CONCURRENCY: usize = 4096;
 pub const DEFAULT_RETRIES: usize = 3;
 /// Longer timeouts are taken as this (a year: no request waits that long), so that a huge value
 /// such as `1e300` or `2**64` means "no limit" instead of overflowing a `Duration`.

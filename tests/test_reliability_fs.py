@@ -324,11 +324,11 @@ def test_nonsense_timeouts_raise_value_error_naming_timeout(tmp_path, timeout):
             call(path, timeout=timeout)
 
 
-def test_url_with_a_huge_timeout(tmp_path):
+def test_url_with_a_huge_timeout_and_concurrency(tmp_path):
     adapter(tmp_path / "a.safetensors")
     server = RangeServer(str(tmp_path), delay=0.1)
     try:
-        report = lorafast.scan([f"{server.url}/ok/a.safetensors"], timeout=1e19)
+        report = lorafast.scan([f"{server.url}/ok/a.safetensors"], timeout=1e19, concurrency=2**62)
         assert report.errors == [] and len(report) == 1
     finally:
         server.stop()
