@@ -52,7 +52,9 @@ _DENOISERS = ("unet", "transformer", "prior", "decoder")
 # a flat {str: str} __metadata__ object (run-specific kohya keys): left out of the structure key
 _METADATA = re.compile(rb'"__metadata__"\s*:\s*\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}\s*,?')
 #: adapter_config.json fields that change which modules exist or how their shapes are read
-_STRUCTURE_FIELDS = ("peft_type", "fan_in_fan_out", "target_parameters", "use_dora", "lora_bias")
+_CONFIG_FIELD = re.compile(
+    rb'"(peft_type|fan_in_fan_out|target_parameters|use_dora|lora_bias)"\s*:\s*("[^"]*"|true|false|null|\[[^\]]*\])'
+)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class _BaseIndex:
         self._flat: dict[str | None, dict[str, list[str]]] = {}
         self._tails: dict[str | None, dict[str, list[str]]] = {}
         self.cache: dict[Any, ModuleCheck] = {}
+        self.hints: dict[tuple[str | None, str, bool], tuple[str, str] | None] = {}
 
     def route(self, key: str) -> tuple[str | None, str, bool, str | None]:
         """(component, path inside it, kohya form, missing component) for an adapter module key."""
@@ -167,14 +170,15 @@ class _BaseIndex:
         return table
 
     def tails(self, comp: str | None) -> dict[str, list[str]]:
-        """Weight names by their last three components: where to look for a name under another prefix."""
+        """Weight names by their last four components (`N.self_attn.q_proj.weight`): where to look for a name
+        under another prefix."""
         table = self._tails.get(comp)
         if table is None:
             table = {}
             hidden = self._renamed.get(comp, set())
             for n in self.comps[comp]:
                 if n not in hidden:
-                    table.setdefault(".".join(n.rsplit(".", 3)[-3:]), []).append(n)
+                    table.setdefault(".".join(n.rsplit(".", 4)[-4:]), []).append(n)
             self._tails[comp] = table
         return table
 
@@ -255,7 +259,7 @@ def _prefix_hint(index: _BaseIndex, comp: str | None, path: str, kohya: bool) ->
             return flat[hits[0]][0], f"found only as {flat[hits[0]][0]!r}"
         return None
     name = path + ".weight"
-    cands = index.tails(comp).get(".".join(name.rsplit(".", 3)[-3:]), [])
+    cands = index.tails(comp).get(".".join(name.rsplit(".", 4)[-4:]), [])
     best: list[str] = []
     best_len = 0
     parts = name.split(".")
@@ -301,7 +305,10 @@ def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
             return w if comp is None else f"{comp}.{w}"
 
         if weight is None:
-            found = _prefix_hint(index, comp, path, kohya)
+            hkey = (comp, path, kohya)
+            if hkey not in index.hints:
+                index.hints[hkey] = _prefix_hint(index, comp, path, kohya)
+            found = index.hints[hkey]
             if found is not None:
                 w = index.comps[comp][found[0]]
                 res = ModuleCheck(m.key, "prefix_only", qual(found[0]), expected, w.shape, found[1])
@@ -366,35 +373,50 @@ def _check_adapter(index: _BaseIndex, adapter: Adapter) -> _Outcome:
 # The fleet: adapters grouped by structure
 
 
-def _structure_key(weights: str, config: str | None) -> bytes | None:
-    """Everything a check reads from one adapter, as bytes: tensor entries (run-specific `__metadata__` left
-    out), the data size and the structural config fields. None when the file cannot be read this way."""
+def _structure_key(weights: str, config: str | None) -> tuple[tuple[Any, ...], bytes] | None:
+    """Everything a check reads from one adapter: a short key to bucket by (hashing 50 KB headers would cost more
+    than reading them) and the exact bytes compared within a bucket: the tensor entries (run-specific
+    `__metadata__` left out), the data size and the structural config fields. None when unreadable this way.
+    Plain `os` calls: a buffered `open` costs more syscalls than the read itself."""
     try:
-        with open(weights, "rb") as f:
-            head = f.read(64 << 10)
+        fd = os.open(weights, os.O_RDONLY)
+        try:
+            head = os.pread(fd, 64 << 10, 0)
             if len(head) < 8:
                 return None
             n = int.from_bytes(head[:8], "little")
             if n > (100 << 20):
                 return None
             if len(head) < 8 + n:
-                head += f.read(8 + n - len(head))
-            size = os.fstat(f.fileno()).st_size
+                head += os.pread(fd, 8 + n - len(head), len(head))
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
     except OSError:
         return None
-    entries = _METADATA.sub(b"", head[8 : 8 + n])
-    cfg = b""
+    entries = head[8 : 8 + n]
+    at = entries.find(b'"__metadata__"', 0, 4096)  # writers put it first; one found later only shares less
+    if at >= 0:
+        m = _METADATA.match(entries, at)
+        if m is not None:
+            entries = entries[:at] + entries[m.end() :]
+    cfg: tuple[Any, ...] = ()
     if config is not None:
         try:
-            with open(config, "rb") as f:
-                data = json.loads(f.read())
-            if isinstance(data, dict):
-                cfg = json.dumps([data.get(k) for k in _STRUCTURE_FIELDS]).encode()
-            else:
-                cfg = b"?"
-        except (OSError, ValueError):
+            fd = os.open(config, os.O_RDONLY)
+            try:
+                text = os.read(fd, 1 << 16)
+                while len(text) % (1 << 16) == 0 and 0 < len(text) < 1 << 24:  # a config over 64 KiB
+                    more = os.read(fd, 1 << 16)
+                    if not more:
+                        break
+                    text += more
+            finally:
+                os.close(fd)
+        except OSError:
             return None
-    return b"%d\0%s\0%s" % (size - 8 - n, cfg, entries)
+        cfg = tuple(_CONFIG_FIELD.findall(text))
+    return (size - 8 - n, len(entries), cfg, entries[:256], entries[-256:]), entries
 
 
 class _Fleet:
@@ -439,8 +461,8 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
             return
         urls = [p for p in pending if "://" in p]
         targets = _core.discover_targets([p for p in pending if "://" not in p], True, threads, None, None, None)
-        by_key: dict[bytes, int] = {}  # structure key -> row of its first adapter
-        rows: list[tuple[str, bytes | None, str | None]] = []
+        buckets: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}  # short key -> (exact bytes, representative)
+        rows: list[tuple[str, tuple[tuple[Any, ...], bytes] | None]] = []
         for path, weights, config, code, message in targets:
             if code is not None or weights is None:
                 add_error(path, code or "no_weights", message or "no weights")
@@ -448,17 +470,19 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
             if path in failed:
                 add_error(path, *failed[path])
                 continue
-            rows.append((path, _structure_key(weights, config), path))
+            rows.append((path, _structure_key(weights, config)))
         reps: list[str] = []
         rep_of: list[int] = []
-        for path, key, _ in rows:
-            if key is None or key not in by_key:
-                if key is not None:
-                    by_key[key] = len(reps)
-                rep_of.append(len(reps))
-                reps.append(path)
-            else:
-                rep_of.append(by_key[key])
+        for path, key in rows:
+            if key is not None:
+                bucket = buckets.setdefault(key[0], [])
+                hit = next((r for exact, r in bucket if exact == key[1]), None)  # memcmp, not a hash
+                if hit is not None:
+                    rep_of.append(hit)
+                    continue
+                bucket.append((key[1], len(reps)))
+            rep_of.append(len(reps))
+            reps.append(path)
         raw = _core.inspect_many(reps, "pread", False, threads, None, None, None) if reps else []
         structs = [r if isinstance(r, Exception) else _adapter(r) for r in raw]
         base_struct = len(fleet.structs)
@@ -467,7 +491,7 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
             if not isinstance(s, Exception):
                 ok_index[i] = len(fleet.structs)
                 fleet.structs.append(s)
-        for (path, _key, _), r in zip(rows, rep_of, strict=True):
+        for (path, _key), r in zip(rows, rep_of, strict=True):
             s = structs[r]
             if isinstance(s, Exception):
                 if reps[r] != path:  # its own error message, naming its own file
