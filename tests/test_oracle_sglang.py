@@ -24,14 +24,14 @@ VERSION = "0.5.23"
 HASH_SEED = "11"  # both children hash strings alike, so printed sets come out in the same order
 
 
-def _lorafast_side(cases: list[dict[str, Any]]) -> dict[str, Any]:
+def _lorafast_side(cases: list[dict[str, Any]], functions: list[dict[str, Any]]) -> dict[str, Any]:
     env = {**os.environ, "PYTHONHASHSEED": HASH_SEED}
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "oracle" / "sglang_lorafast.py")],
-        input=json.dumps({"cases": cases, "version": VERSION}), capture_output=True, text=True, env=env, check=False,
+        input=json.dumps({"cases": cases, "functions": functions, "version": VERSION}), capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)["results"]
+    return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,10 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], di
     data = cases_sglang.build(Path(tmp_path_factory.mktemp("sglang-oracle")))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONHASHSEED", HASH_SEED)
-        theirs = engines.run("sglang_runner", "sglang", VERSION, {"cases": data["cases"]})["results"]
-    ours = _lorafast_side(data["cases"])
+        theirs = engines.run(
+            "sglang_runner", "sglang", VERSION, {"cases": data["cases"], "functions": data["functions"]}
+        )
+    ours = _lorafast_side(data["cases"], data["functions"])
     return data, theirs, ours
 
 
@@ -55,7 +57,8 @@ def _outcomes(result: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def test_data_set_size(oracle: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) -> None:
-    data, results, _ = oracle
+    data, theirs, _ = oracle
+    results = theirs["results"]
     sets = [c for c in data["cases"] if len(c["adapters"]) + len(c.get("dynamic", ())) > 1]
     assert len(data["adapters"]) >= 500, len(data["adapters"])
     assert len(sets) >= 200, len(sets)
@@ -64,7 +67,8 @@ def test_data_set_size(oracle: tuple[dict[str, Any], dict[str, Any], dict[str, A
 
 
 def test_preflight_agrees_with_sglang_0_5_23(oracle: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) -> None:
-    data, results, answers = oracle
+    data, theirs, ours = oracle
+    results, answers = theirs["results"], ours["results"]
     total = agreed = 0
     disagreements: list[str] = []
     missed_rejections: list[str] = []
@@ -85,6 +89,12 @@ def test_preflight_agrees_with_sglang_0_5_23(oracle: tuple[dict[str, Any], dict[
                 isinstance(mine, dict) and mine.get("success") and not mine.get("first_use"))  # fmt: skip
             if engine_rejects and ours_passes:
                 missed_rejections.append(disagreements[-1])
+    for i, (call, value) in enumerate(zip(data["functions"], theirs["functions"], strict=True)):
+        total += 1
+        if ours["functions"][i] == value:
+            agreed += 1
+        else:
+            disagreements.append(f"function {call}: sglang={value!r} lorafast={ours['functions'][i]!r}")
     summary = f"sglang {VERSION}: {agreed}/{total} outcomes agree, {len(missed_rejections)} rejections missed"
     assert not disagreements, summary + "\n" + "\n".join(disagreements[:40])
 

@@ -346,7 +346,27 @@ def build(out: Path, seed: int = 11) -> dict[str, Any]:
     adapters += _samples(out / "samples")
     adapters.append(("llama", "not_a_folder", str(out / "does-not-exist")))
     adapters.append(("llama", "hub_id", "not a valid/repo id!"))
-    return {"adapters": adapters, "cases": _cases(rng, adapters)}
+    return {"adapters": adapters, "cases": _cases(rng, adapters), "functions": _functions(adapters)}
+
+
+def _functions(adapters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """Direct calls of SGLang's name rules: every distinct config `target_modules`, and auto-detection."""
+    calls: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _base, _kind, path in adapters:
+        config = Path(path) / "adapter_config.json"
+        try:
+            tm = json.loads(config.read_text())["target_modules"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        key = json.dumps(tm, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            calls.append({"fn": "normalized", "target_modules": tm})
+    supported = (None, [], ["up_proj"], ["in_proj", "qkv_proj"], ["not_a_module", "lm_head"], ["indexer.wk"])
+    for base in BASES.values():
+        calls += [{"fn": "auto_detect", "base": base, "supported": s} for s in supported]
+    return calls
 
 
 def _samples(out: Path) -> list[tuple[str, str, str]]:

@@ -83,6 +83,26 @@ def lorafast_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
     return out
 
 
+def run_functions(calls: list[dict[str, Any]]) -> list[Any]:
+    """compat.sglang's name rules for the runner's direct calls (module names from the predicted tree)."""
+    from lorafast.compat import _sglang_pool
+
+    out: list[Any] = []
+    for call in calls:
+        try:
+            if call["fn"] == "normalized":
+                out.append(sorted(sg.get_normalized_target_modules(call["target_modules"])))
+            else:
+                tree = _sglang_pool.base_model_tree(_base_config(call["base"]))
+                names = [m.name if m.kind != "moe" else f"{m.name}.gate_up_proj" for m in tree]
+                names += [f"{m.name}.down_proj" for m in tree if m.kind == "moe"]
+                names = [n if not n.endswith("embed_tokens") else "embed_tokens" for n in names]
+                out.append(sorted(sg.auto_detect_lora_target_modules(names, call.get("supported") or ())))
+        except Exception as exc:
+            out.append([type(exc).__name__, str(exc)])
+    return out
+
+
 def main() -> None:
     logging.disable(logging.WARNING)  # compat logs SGLang's warnings; only the answers go to stdout
     payload = json.load(sys.stdin)
@@ -92,7 +112,7 @@ def main() -> None:
             results[case["id"]] = lorafast_outcome(case, payload["version"])
         except Exception as exc:  # a compat crash is a disagreement to report, not a runner failure
             results[case["id"]] = {"startup": {"crash": [type(exc).__name__, str(exc)]}}
-    json.dump({"results": results}, sys.stdout)
+    json.dump({"results": results, "functions": run_functions(payload.get("functions", []))}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,26 @@ def run_case(case: dict) -> dict:
     return out
 
 
+def run_functions(calls: list[dict]) -> list:
+    """SGLang's pure name rules, called directly: `get_normalized_target_modules` on every adapter config's
+    `target_modules`, `auto_detect_lora_target_modules` on each tiny model with `supported_lora_modules`."""
+    from sglang.srt.lora.utils import auto_detect_lora_target_modules, get_normalized_target_modules
+
+    out = []
+    for call in calls:
+        try:
+            if call["fn"] == "normalized":
+                out.append(sorted(get_normalized_target_modules(call["target_modules"])))
+            else:
+                model = stubs.sglang_tiny_model(AutoConfig.for_model(**call["base"]))
+                if call.get("supported") is not None:
+                    model.supported_lora_modules = call["supported"]
+                out.append(sorted(auto_detect_lora_target_modules(model)))
+        except Exception as exc:  # the engine's own exception is the answer
+            out.append(_error(exc))
+    return out
+
+
 def main() -> None:
     payload = json.load(sys.stdin)
     torch.set_num_threads(1)
@@ -120,7 +140,8 @@ def main() -> None:
             import traceback
 
             results[case["id"]] = {"runner_error": _error(exc), "trace": traceback.format_exc()[-3000:]}
-    json.dump({"results": results, "pid": os.getpid()}, sys.stdout)
+    functions = run_functions(payload.get("functions", []))
+    json.dump({"results": results, "functions": functions}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,7 @@ def auto_detect_lora_target_modules(
             names.add(f"indexer.{leaf}")
             continue
         names.add(leaf)
-    normalized = {PARAMS_MAPPING.get(n.split(".")[-1], n) if not n.startswith("indexer.") else n for n in names}
-    allowed = KNOWN_LORA_TARGET_MODULES | set(supported_lora_modules)
-    return normalized & allowed
+    result = get_normalized_target_modules(names) & KNOWN_LORA_TARGET_MODULES
+    # A model's `supported_lora_modules` are added even when the walk did not find them (sglang 0.5.23).
+    result.update(set(supported_lora_modules) & KNOWN_LORA_TARGET_MODULES)
+    return result

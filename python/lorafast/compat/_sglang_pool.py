@@ -116,8 +116,8 @@ def _mla_attention(c: Cfg, pre: str, layer: int) -> list[Module]:
     return out
 
 
-def auto_detect(tree: list[Module]) -> set[str]:
-    """`auto_detect_lora_target_modules(model)` over the predicted tree."""
+def auto_detect(tree: list[Module], supported_lora_modules: Any = None) -> set[str]:
+    """`auto_detect_lora_target_modules(model)` over the predicted tree (and the model's `supported_lora_modules`)."""
     raw: set[str] = set()
     for m in tree:
         if m.kind == "moe":
@@ -137,7 +137,10 @@ def auto_detect(tree: list[Module]) -> set[str]:
             else:
                 raw.add(parts[-1])
     normalized = get_normalized_target_modules(raw)
-    return normalized & KNOWN_LORA_TARGET_MODULES
+    result = normalized & KNOWN_LORA_TARGET_MODULES
+    if supported_lora_modules is not None:
+        result.update(set(supported_lora_modules) & KNOWN_LORA_TARGET_MODULES)
+    return result
 
 
 def get_default_hidden_dim(module_name: str, c: Cfg, layer_idx: int, added: int = 0) -> tuple[Any, Any]:

@@ -300,12 +300,13 @@ def _init_lora_shapes(
     dsa_indexer_fusion: bool,
     col: Collector,
     tree: list[_pool.Module] | None = None,
+    supported_lora_modules: Iterable[str] | None = None,
 ) -> tuple[set[str], int, int]:
     auto_cache: list[set[str]] = []
 
     def auto_detect() -> set[str]:
         if tree is not None:
-            return _pool.auto_detect(tree)  # a fresh set each time, as SGLang walks the model each time
+            return _pool.auto_detect(tree, supported_lora_modules)  # a fresh set each time, as SGLang walks it
         if not auto_cache:
             if base_model_modules is None:
                 col.fail("sglang_needs_base_model", ValueError(
@@ -1094,12 +1095,14 @@ def preflight(
     base_model_modules: Iterable[str] | None = None,
     legacy_detection: bool = False,
     dsa_indexer_fusion: bool = False,
+    supported_lora_modules: Iterable[str] | None = None,
     engine_version: str | None = None,
 ) -> SGLangPlan:
     """Everything an SGLang server would decide, or reject, for `adapters` as its `--lora-paths`.
 
     Arguments mirror the server flags: `--max-lora-rank`, `--lora-target-modules`, `--max-loras-per-batch`,
-    `--experts-shared-outer-loras` / `--no-...` (None: auto-detect), `--lora-strict-loading`. `base_config`
+    `--experts-shared-outer-loras` / `--no-...` (None: auto-detect), `--lora-strict-loading`. A base model
+    class's `supported_lora_modules` (Gemma, Baichuan, ...) joins "all"/"all-linear" resolution. `base_config`
     is the base model's HF `config.json` as a dict; with it the buffer shapes are planned, layer ids are
     bounded and "all" targets are resolved (or pass `base_model_modules`).
 
@@ -1153,7 +1156,7 @@ def preflight(
     tree = _pool.base_model_tree(cfg) if cfg is not None else None
     targets, rank, added = _init_lora_shapes(
         [(v, c) for v, c, _ in entries], max_lora_rank, cli_targets, base_model_modules,
-        dsa_indexer_fusion=dsa_indexer_fusion, col=col, tree=tree,
+        dsa_indexer_fusion=dsa_indexer_fusion, col=col, tree=tree, supported_lora_modules=supported_lora_modules,
     )  # fmt: skip
 
     memo: dict[Any, Any] = {}
