@@ -289,7 +289,9 @@ def _synthetic(tmp_path: Path, name: str, dims: dict[str, tuple[int, int]], laye
 def test_identify_families(tmp_path: Path) -> None:
     eight_b = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "gate_proj": (4096, 14336)}
     a = _synthetic(tmp_path, "8b", eight_b)
-    ident = identify(lorafast.inspect(a))
+    adapter = lorafast.inspect(a)
+    assert adapter.fingerprint == {"hidden": 4096, "q_out": 4096, "kv_out": 1024, "intermediate": 14336, "layers": 2}
+    ident = identify(adapter)
     assert ident.best is None and set(ident.ambiguous) == {"Llama-3.1-8B", "Mistral-7B-v0.3"}
     emb = "base_model.model.model.embed_tokens"
     a = _synthetic(tmp_path, "8b_emb", eight_b, extra={f"{emb}.lora_embedding_A": ("BF16", (8, 128256)),

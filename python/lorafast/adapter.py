@@ -167,6 +167,14 @@ class Adapter:
         return tuple(sorted(get_normalized_target_modules(renamed))) if renamed else ()
 
     @property
+    def fingerprint(self) -> dict[str, int]:
+        """Base-model dimensions visible in the shapes (hidden/intermediate size, layers, attention widths, experts,
+        vocab, UNet/DiT layout); `lorafast.identify` ranks known families by them."""
+        from .families import fingerprint
+
+        return fingerprint(self)
+
+    @property
     def is_additive(self) -> bool:
         """True when the delta is a plain sum of B @ A terms (safe to merge with others)."""
         return not (NON_ADDITIVE_VARIANTS & (set(self.variants) | ({"dora"} if "dora" in self.flags else set())))
