@@ -74,16 +74,7 @@ impl Error {
 
     /// An OS error with `what` failed put before the OS's words; keeps the error's kind and errno.
     pub fn io_context(path: impl Into<PathBuf>, what: &str, source: io::Error) -> Self {
-        let errno = source.raw_os_error();
-        let source = io::Error::new(
-            source.kind(),
-            Context {
-                what: what.to_owned(),
-                errno,
-                source,
-            },
-        );
-        Error::io(path, source)
+        Error::io(path, with_context(what, source))
     }
 
     /// The OS error number, also through `io_context`'s wrapping (0 when there is none).
@@ -111,6 +102,19 @@ impl Error {
             message: message.into(),
         }
     }
+}
+
+/// `source` with `what` put before its words, keeping its kind and errno (see `Error::errno`).
+pub fn with_context(what: &str, source: io::Error) -> io::Error {
+    let errno = source.raw_os_error();
+    io::Error::new(
+        source.kind(),
+        Context {
+            what: what.to_owned(),
+            errno,
+            source,
+        },
+    )
 }
 
 /// An OS error with what was being done when it happened.

@@ -8,7 +8,7 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use crate::error::Error;
+use crate::error::{with_context, Error};
 
 /// Opens `path` for reading with `O_NONBLOCK`, so that a FIFO cannot block; its type is not
 /// checked yet. The flag is left set: reads of a regular file ignore it.
@@ -66,11 +66,8 @@ pub fn not_regular(path: &Path, meta: &Metadata) -> Error {
 /// `symlink_loop`.
 pub fn open_error(path: &Path, e: io::Error) -> Error {
     if e.kind() == io::ErrorKind::NotFound && fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
-        return Error::io_coded(
-            path,
-            "dangling_link",
-            io::Error::new(e.kind(), "dangling symlink: its target does not exist"),
-        );
+        let why = with_context("dangling symlink, its target does not exist", e);
+        return Error::io_coded(path, "dangling_link", why);
     }
     if matches!(e.raw_os_error(), Some(libc::ENXIO | libc::ENODEV | libc::EOPNOTSUPP)) {
         if let Some(meta) = fs::metadata(path).ok().filter(|m| !m.is_file() && !m.is_dir()) {

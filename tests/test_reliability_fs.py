@@ -123,8 +123,9 @@ def test_sockets_devices_and_bad_links_each_get_a_row(tmp_path):
     assert "character device" in messages["null.safetensors"] and "socket" in messages["sock.safetensors"]
     assert "dangling" in messages["dangling.safetensors"]
     # inspect raises: builtin OS errors for links, AdapterError for what is no regular file.
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as info:
         lorafast.inspect(tmp_path / "dangling.safetensors")
+    assert info.value.errno == errno.ENOENT and "dangling symlink" in str(info.value)
     with pytest.raises(OSError) as info:
         lorafast.inspect(tmp_path / "loop.safetensors")
     assert info.value.errno == errno.ELOOP
