@@ -29,7 +29,6 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem
 from lorafast.compat._inputs import AdapterView, _read_names_and_shapes, resolve_adapters
-from lorafast.compat._vllm_torchzip import read_torch_names_and_shapes
 
 __all__ = [
     "DEFAULT_PACKED_MODULES_MAPPING",
@@ -414,7 +413,10 @@ def _weights(lora_dir: str) -> tuple[dict[str, tuple[int, ...] | None], bool] | 
     for name in ("adapter_model.bin", "adapter_model.pt"):
         file = os.path.join(lora_dir, name)
         if os.path.isfile(file):
-            return read_torch_names_and_shapes(file), False
+            # The core's restricted reader: names and shapes in the saved order, the pickle never run.
+            from lorafast import read_torch_header
+
+            return {key: tuple(info.shape) for key, info in read_torch_header(file).tensors.items()}, False
     return None
 
 
