@@ -345,3 +345,22 @@ def test_remote_bases_over_http_and_hf(zoo: dict[str, Path], tmp_path: Path, mon
             read_base(f"{server.url}/ok/nothing-here.safetensors", timeout=5)
     finally:
         server.stop()
+
+
+def test_engine_rejection_text_per_adapter(zoo: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    for name in ("d1", "d2"):  # two copies: one structure, one engine run, each named in its own message
+        shutil.copytree(zoo["a_llama"], tmp_path / name)
+        cfg = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    report = check([tmp_path / "d1", tmp_path / "d2"], zoo["llama"], engine="sglang")
+    results = list(report)
+    assert [r.verdict for r in results] == ["ok", "ok"]  # the shapes fit; the engine refuses DoRA
+    for r in results:
+        assert r.engine is not None and r.engine.outcome == "rejected"
+        assert any("DoRA" in e or "dora" in e for e in r.engine.errors)
+        other = "d2" if r.adapter.endswith("d1") else "d1"
+        assert all(other not in e for e in r.engine.errors), r.engine.errors
+        assert any(Path(r.adapter).name in e for e in r.engine.errors)
+    assert report.failed

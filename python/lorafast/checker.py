@@ -22,7 +22,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
@@ -591,8 +591,15 @@ class CheckReport:
             code, message = self._fleet.errors[adapter]
             return PairResult(path, bpath, "error", 0, 0, 0, (), None, None, f"[{code}] {message}")
         o = self._table[base][s]
+        engine = self._engines.get((base, s))
+        rep = self._fleet.structs[s]
+        if engine is not None and rep.path != path:  # computed once per structure: name this adapter instead
+            ours = os.path.basename(path.rstrip("/")).removesuffix(".safetensors")
+            word = re.compile(rf"(?<![\w./-]){re.escape(rep.name)}(?![\w./-])")
+            errors = tuple(word.sub(ours, e.replace(rep.path, path)) for e in engine.errors)
+            engine = replace(engine, errors=errors)
         return PairResult(path, bpath, VERDICTS[o.verdict], o.matched, o.missing, o.mismatched, o.modules, o.hint,
-                          self._engines.get((base, s)))  # fmt: skip
+                          engine)  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.adapters) * len(self.bases)
