@@ -140,6 +140,9 @@ def test_peft_helper_and_ranks(tmp_path: Path) -> None:
     assert vl.smallest_max_lora_rank([a]) == 8
     assert vl.smallest_max_lora_rank([a, b]) == 320
     assert vl.smallest_max_lora_rank([peft(tmp_path, "huge", ATTN, r=1024)]) is None
+    patterned = peft(tmp_path, "patterned", ATTN, r=8, rank_pattern={"q_proj": 64})
+    assert vl.smallest_max_lora_rank([patterned], engine_version="0.33.0") == 64
+    assert vl.smallest_max_lora_rank([patterned], engine_version="0.30.0") == 8
 
 
 def test_preflight(tmp_path: Path) -> None:

@@ -175,10 +175,15 @@ def parse_fine_tuned_lora_name(
 
 
 def expected_lora_modules(
-    supported_lora_modules: Iterable[str], packed_modules_mapping: Mapping[str, list[str]] | None = None
+    supported_lora_modules: Iterable[str],
+    packed_modules_mapping: Mapping[str, list[str]] | None = None,
+    *,
+    engine_version: str | None = None,
 ) -> set[str]:
     """`_load_adapter`'s expected modules: the model's LoRA module leaves with packed names expanded, plus
-    `experts` itself for MoE models, as a set built in vLLM's order (its repr is the one vLLM prints)."""
+    `experts` itself for MoE models, as a set built in vLLM's order (its repr is the one vLLM prints).
+    The rule is the same in 0.30.0 and 0.33.0."""
+    _versions.resolve("vllm", engine_version)
     packed = DEFAULT_PACKED_MODULES_MAPPING if packed_modules_mapping is None else packed_modules_mapping
     out: list[str] = []
     for module in supported_lora_modules:
@@ -585,9 +590,15 @@ def load_adapter(
 # --- sets of adapters -------------------------------------------------------------------------------------
 
 
-def smallest_max_lora_rank(adapters: Any) -> int | None:
-    """The smallest `--max-lora-rank` vLLM accepts that fits every adapter's `r` (None: above 512)."""
-    ranks = [int((v.config or {}).get("r") or 0) for v in resolve_adapters(adapters)]
+def smallest_max_lora_rank(adapters: Any, *, engine_version: str | None = None) -> int | None:
+    """The smallest `--max-lora-rank` vLLM accepts that fits every adapter (None: above 512). The rank is `r`,
+    and from 0.33 the largest `rank_pattern` value too, as `validate_legal` takes it."""
+    new = _is_033(engine_version)
+    ranks = []
+    for view in resolve_adapters(adapters):
+        config = view.config or {}
+        pattern = (config.get("rank_pattern") or {}) if new else {}
+        ranks.append(int(max([config.get("r") or 0, *pattern.values()])))
     need = max(ranks, default=0)
     return next((value for value in VLLM_MAX_LORA_RANKS if value >= need), None)
 
