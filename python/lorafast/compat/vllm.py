@@ -94,6 +94,7 @@ class LoRAAdapterNotFoundError(Exception):
 
 
 def _is_033(engine_version: str | None) -> bool:
+    # Only 0.30.0 and 0.33.0 are checked against vLLM's code; versions in between get the 0.33.0 rules.
     return _versions.at_least("vllm", engine_version, "0.31.0")
 
 
