@@ -3,6 +3,7 @@ codes, never a traceback; nonsense thread counts and a bare string path refused 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,20 @@ def test_inspect_many_takes_a_single_path_as_one_path() -> None:
     assert lorafast.inspect_many([str(path)]) == [expected]
     with pytest.raises(TypeError, match="paths must be a path or a sequence of paths"):
         lorafast.inspect_many(42)  # type: ignore[arg-type]
+
+
+def test_scan_prints_a_name_that_is_not_utf8_as_its_bytes(tmp_path: Path) -> None:
+    folder = tmp_path / "fleet"
+    folder.mkdir()
+    name = b"bad\xff.safetensors"
+    (folder / os.fsdecode(name)).write_bytes(b"x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorafast", "scan", str(folder)],
+        capture_output=True,
+        timeout=120,
+        env={"PYTHONIOENCODING": "utf-8", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert b"Traceback" not in proc.stderr
+    assert name in proc.stdout  # the very bytes of the name, so a user can find the file
+    assert b"header_too_small" in proc.stdout

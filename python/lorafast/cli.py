@@ -215,15 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from .errors import LorafastError
 
+    # Paths keep their OS bytes (os.fsdecode's surrogates); print them back as those bytes instead of failing.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="surrogateescape")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `lorafast scan ... | head`; before OSError, of which it is a subclass
+        return 0
     except (LorafastError, OSError) as e:
         code = getattr(e, "code", None)
         print(f"lorafast: {f'[{code}] ' if code else ''}{e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. `lorafast scan ... | head`
-        return 0
 
 
 if __name__ == "__main__":
