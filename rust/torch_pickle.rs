@@ -162,7 +162,9 @@ enum Global {
     RebuildV3,
     RebuildParameter,
     RebuildParameterWithState,
-    GetLayout,
+    /// Builds a value a state dict may hold besides tensors (a layout, a device, bytes, a set...),
+    /// as `torch.load(weights_only=True)` allows them. Modelled as an opaque value; never called.
+    Value(&'static str),
     Size,
     StorageType(TorchDtype),
     Dtype(TorchDtype),
@@ -175,7 +177,14 @@ fn global(module: &str, name: &str) -> Option<Global> {
         ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildV3,
         ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
         ("torch._utils", "_rebuild_parameter_with_state") => Global::RebuildParameterWithState,
-        ("torch.serialization", "_get_layout") => Global::GetLayout,
+        ("torch.serialization", "_get_layout") => Global::Value("torch.layout"),
+        ("torch", "device") => Global::Value("torch.device"),
+        ("_codecs", "encode") => Global::Value("bytes"),
+        // Protocol 2 names Python 3's builtins by their Python 2 module.
+        ("builtins" | "__builtin__", "bytearray") => Global::Value("bytearray"),
+        ("builtins" | "__builtin__", "set") => Global::Value("set"),
+        ("builtins" | "__builtin__", "complex") => Global::Value("complex"),
+        ("collections", "Counter") => Global::Value("Counter"),
         ("torch", "Size") => Global::Size,
         ("torch" | "torch.storage", "UntypedStorage") => Global::StorageType(UINT8),
         ("torch", n) if n.ends_with("Storage") => Global::StorageType(TorchDtype::by_storage(n)?),
@@ -213,7 +222,8 @@ enum Value {
     Global(Global),
     Storage(Rc<Storage>),
     Tensor(Rc<Tensor>),
-    Layout,
+    /// What an allowed non-tensor constructor built.
+    Opaque(&'static str),
 }
 
 impl Value {
@@ -231,7 +241,7 @@ impl Value {
             Value::Global(_) => "global",
             Value::Storage(_) => "storage",
             Value::Tensor(_) => "tensor",
-            Value::Layout => "layout",
+            Value::Opaque(kind) => kind,
         }
     }
 
@@ -577,7 +587,10 @@ impl<'p> Machine<'p> {
             | (Global::RebuildParameterWithState, [t @ Value::Tensor(_), Value::Bool, Value::Dict(_), _]) => {
                 Ok(t.clone())
             }
-            (Global::GetLayout, [Value::Str(_)]) => Ok(Value::Layout),
+            (Global::Value(kind), _) => {
+                self.count()?;
+                Ok(Value::Opaque(kind))
+            }
             (Global::Size, [Value::Tuple(t)]) if t.items.iter().all(|v| matches!(v, Value::Int(_))) => {
                 Ok(Value::Tuple(Rc::clone(t)))
             }

@@ -100,11 +100,20 @@ def test_shared_storage_across_dtypes_of_views_and_plain_dicts(tmp_path: Path) -
 
 
 def test_non_tensor_values_are_skipped_with_a_warning(tmp_path: Path) -> None:
+    # Every kind of value torch.load(weights_only=True) accepts besides tensors.
+    from collections import Counter
+
+    extras = {"step": 7, "big": 2**60, "name": "x", "nested": {"a": (1, 2.5, None, True)},
+              "bytes": b"\x00\xff", "set": {1, 2}, "device": torch.device("cuda", 1), "counter": Counter("aab"),
+              "complex": 1 + 2j, "bytearray": bytearray(b"xy"), "size": torch.Size([2, 3]), "list": [1, [2]],
+              "layout": torch.sparse_coo}  # fmt: skip
     path = tmp_path / "extra.pt"
-    torch.save({"w": torch.ones(2), "step": 7, "name": "x", "nested": {"a": (1, 2.5, None, True)}}, path)
+    torch.save({"w": torch.ones(2), **extras}, path)
+    assert set(torch.load(path, weights_only=True)) == {"w", *extras}
     h = lorafast.read_torch_header(path)
     assert list(h.tensors) == ["w"]
     assert h.warnings[0][0] == "non_tensor_value" and "step" in h.warnings[0][1]
+    assert h.warnings[0][1].startswith(f"{len(extras)} state-dict value(s)")
 
 
 # ---- PEFT ----
