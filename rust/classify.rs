@@ -379,6 +379,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         memo: Vec::new(),
         // With one config for every module, hits that depend on the last component alone repeat.
         memo_ok: configs.file.is_some_and(|c| c.last_only_hits("").is_some()),
+        params: Vec::new(),
     };
     for (gi, g) in groups.iter().enumerate() {
         let shape = |i: Option<u32>| i.map(|i| header.shape(&tensors[i as usize]));
@@ -694,7 +695,11 @@ impl<'k> Leaves<'k> {
     fn insert(&mut self, leaf: &'k str) {
         if self.list.len() < 32 {
             let leaf_tag = short_tag(leaf);
-            if !self.list.iter().any(|&(tag, l)| tag == leaf_tag && same_tagged(leaf, l)) {
+            if !self
+                .list
+                .iter()
+                .any(|&(tag, l)| tag == leaf_tag && same_tagged(leaf, l))
+            {
                 self.list.push((leaf_tag, leaf));
             }
             return;
@@ -985,6 +990,8 @@ struct TargetTally<'k> {
     /// Hit masks by last component (`LoraConfig::last_only_hits`), when `memo_ok`.
     memo: Vec<(u64, &'k str, u64)>,
     memo_ok: bool,
+    /// (config address, leaf, whether its `target_parameters` cover the leaf).
+    params: Vec<(usize, String, bool)>,
 }
 
 impl<'k> TargetTally<'k> {
@@ -1032,7 +1039,19 @@ fn check_target<'k>(
     out: &mut Classification,
 ) {
     if kind == ModuleKind::TargetParameters {
-        if !c.target_parameters.is_empty() && !c.target_parameters.iter().any(|p| p.ends_with(leaf)) {
+        // Two leaves, each checked once per config: a scan of the list per module is quadratic.
+        let key = (std::ptr::from_ref(c) as usize, leaf);
+        let covered = match tally.params.iter().find(|(k, l, _)| (*k, l.as_str()) == key) {
+            Some(&(_, _, covered)) => covered,
+            None => {
+                let covered = c.target_parameters.iter().any(|p| p.ends_with(leaf));
+                if tally.params.len() < 8 {
+                    tally.params.push((key.0, leaf.to_owned(), covered));
+                }
+                covered
+            }
+        };
+        if !c.target_parameters.is_empty() && !covered {
             out.problem(
                 "target_modules_mismatch",
                 format_args!("module {name:?} has expert tensors but {leaf:?} is not in config target_parameters"),

@@ -32,8 +32,9 @@ pub struct Pattern {
 /// How a pattern key is matched.
 #[derive(Debug, Clone)]
 pub enum Matcher {
-    /// A key without regex syntax (most are: PEFT writes module names): compared as text.
-    Literal,
+    /// A key whose only regex syntax is `.` (most are: PEFT writes module names), matched
+    /// without a regex: each `.` is any character but a newline, the rest is text.
+    Plain,
     Regex(Regex),
     /// A key lorafast cannot evaluate (Python-only syntax, or over the size limits); never matches.
     Bad,
@@ -44,6 +45,22 @@ pub enum Matcher {
 /// per lazy-DFA cache, and compiled patterns per config (later ones are reported as bad).
 const REGEX_SIZE_LIMIT: usize = 256 << 10;
 const MAX_REGEX_PATTERNS: usize = 64;
+
+/// `^(?:.*\.)?(?:key)$` for a key whose only regex syntax is `.`: the key takes the last
+/// characters of `name` (a `.` in it matches any but a newline); what comes before is empty, or
+/// ends with a dot and has no newline (`.*` does not cross one).
+fn plain_match(key: &str, name: &str) -> bool {
+    let mut tail = name.char_indices().rev();
+    let mut start = name.len();
+    for k in key.chars().rev() {
+        match tail.next() {
+            Some((at, c)) if c == k || (k == '.' && c != '\n') => start = at,
+            _ => return false,
+        }
+    }
+    let head = &name[..start];
+    head.is_empty() || (head.ends_with('.') && !head.contains('\n'))
+}
 
 fn build_regex(pattern: &str) -> Option<Regex> {
     regex::RegexBuilder::new(pattern)
@@ -56,14 +73,7 @@ fn build_regex(pattern: &str) -> Option<Regex> {
 impl Pattern {
     pub fn is_match(&self, name: &str) -> bool {
         match &self.matcher {
-            // The regex's reading: the key whole, or after a dot, with no newline before it
-            // (`.*` does not cross one).
-            Matcher::Literal => {
-                name == self.key
-                    || name
-                        .strip_suffix(self.key.as_str())
-                        .is_some_and(|head| head.ends_with('.') && !head.contains('\n'))
-            }
+            Matcher::Plain => plain_match(&self.key, name),
             Matcher::Regex(r) => r.is_match(name),
             Matcher::Bad => false,
         }
@@ -95,6 +105,9 @@ pub struct LoraConfig {
     targets: TargetIndex,
     /// `modules_to_save` prepared once for the per-tensor checks.
     saved: SpanSet,
+    /// `rank_pattern` / `alpha_pattern` prepared for many keys.
+    rank_index: PatternIndex,
+    alpha_index: PatternIndex,
 }
 
 /// `target_modules` ready for matching. A list entry without dots matches a module exactly when
@@ -472,6 +485,8 @@ impl LoraConfig {
         }
         let targets = TargetIndex::new(target_modules.as_ref());
         let modules_to_save = get("modules_to_save").map(Field::strings).unwrap_or_default();
+        let rank_pattern = patterns(get("rank_pattern"), &mut bad_patterns, &mut compiled);
+        let alpha_pattern = patterns(get("alpha_pattern"), &mut bad_patterns, &mut compiled);
         LoraConfig {
             peft_type: get("peft_type").and_then(Field::as_str).map(str::to_owned),
             r: get("r").and_then(Field::as_number).and_then(Number::as_u64),
@@ -482,8 +497,10 @@ impl LoraConfig {
                 .map(Number::as_f64),
             use_rslora: flag("use_rslora"),
             use_dora: flag("use_dora"),
-            rank_pattern: patterns(get("rank_pattern"), &mut bad_patterns, &mut compiled),
-            alpha_pattern: patterns(get("alpha_pattern"), &mut bad_patterns, &mut compiled),
+            rank_index: PatternIndex::new(&rank_pattern),
+            alpha_index: PatternIndex::new(&alpha_pattern),
+            rank_pattern,
+            alpha_pattern,
             target_modules,
             target_parameters: get("target_parameters").map(Field::strings).unwrap_or_default(),
             base_model_name_or_path: get("base_model_name_or_path")
@@ -506,14 +523,28 @@ impl LoraConfig {
     }
 
     /// PEFT's `get_pattern_key`: the first pattern (in file order) whose regex matches.
-    fn resolve(patterns: &[Pattern], name: &str) -> Option<f64> {
-        patterns.iter().find(|p| p.is_match(name)).map(|p| p.value)
+    fn resolve(patterns: &[Pattern], index: &PatternIndex, name: &str) -> Option<f64> {
+        let first = match &index.plain {
+            None => patterns.iter().position(|p| p.is_match(name)),
+            Some(plain) => {
+                // The first plain key that matches, then any regex key before it.
+                let plain = plain.candidates(name).filter(|&i| patterns[i].is_match(name)).min();
+                let limit = plain.unwrap_or(usize::MAX);
+                let regex = index
+                    .others
+                    .iter()
+                    .take_while(|&&i| i < limit)
+                    .find(|&&i| patterns[i].is_match(name));
+                regex.copied().or(plain)
+            }
+        };
+        first.map(|i| patterns[i].value)
     }
 
     /// The rank this config gives `name` (prefix-free module name).
     pub fn rank_for(&self, name: &str) -> Option<u64> {
         if !self.rank_pattern.is_empty() {
-            if let Some(v) = Self::resolve(&self.rank_pattern, name) {
+            if let Some(v) = Self::resolve(&self.rank_pattern, &self.rank_index, name) {
                 return Some(v as u64);
             }
         }
@@ -523,7 +554,7 @@ impl LoraConfig {
     /// The alpha this config gives `name`.
     pub fn alpha_for(&self, name: &str) -> Option<f64> {
         if !self.alpha_pattern.is_empty() {
-            if let Some(v) = Self::resolve(&self.alpha_pattern, name) {
+            if let Some(v) = Self::resolve(&self.alpha_pattern, &self.alpha_index, name) {
                 return Some(v);
             }
         }
@@ -695,6 +726,86 @@ impl Field {
     }
 }
 
+/// A pattern list with many keys, ready for `resolve`: its plain keys found by lookup, so that
+/// a module costs a few lookups rather than one match per key (quadratic over a fleet-sized list).
+#[derive(Debug, Clone, Default)]
+struct PatternIndex {
+    /// None for short lists: trying each pattern in order is as fast.
+    plain: Option<PlainIndex>,
+    /// Positions of the other (regex or bad) keys, ascending.
+    others: Vec<usize>,
+}
+
+impl PatternIndex {
+    fn new(patterns: &[Pattern]) -> PatternIndex {
+        if patterns.len() <= 16 {
+            return PatternIndex::default();
+        }
+        let plain = |p: &Pattern| matches!(p.matcher, Matcher::Plain);
+        let keys = patterns
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| plain(p))
+            .map(|(i, p)| (p.key.as_str(), i));
+        PatternIndex {
+            plain: Some(PlainIndex::new(keys)),
+            others: (0..patterns.len()).filter(|&i| !plain(&patterns[i])).collect(),
+        }
+    }
+}
+
+/// Plain keys grouped by shape: their length in characters and where their dots are, counted
+/// from the end. A key of one shape can only match the last characters of a name with those
+/// characters turned into dots, so each shape costs one lookup. PEFT's keys come in few shapes.
+#[derive(Debug, Clone, Default)]
+struct PlainIndex {
+    /// Each shape with its keys (key -> its first position).
+    shapes: Vec<(Shape, FxHashMap<String, usize>)>,
+}
+
+/// A plain key's length in characters and the positions of its dots, counted from the end.
+type Shape = (usize, Vec<usize>);
+
+impl PlainIndex {
+    fn new<'k>(keys: impl Iterator<Item = (&'k str, usize)>) -> PlainIndex {
+        let mut at: FxHashMap<Shape, usize> = FxHashMap::default();
+        let mut index = PlainIndex::default();
+        for (key, i) in keys {
+            let shape = (
+                key.chars().count(),
+                key.chars()
+                    .rev()
+                    .enumerate()
+                    .filter(|(_, c)| *c == '.')
+                    .map(|(j, _)| j)
+                    .collect(),
+            );
+            let slot = *at.entry(shape.clone()).or_insert_with(|| {
+                index.shapes.push((shape, FxHashMap::default()));
+                index.shapes.len() - 1
+            });
+            index.shapes[slot].1.entry(key.to_owned()).or_insert(i);
+        }
+        index
+    }
+
+    /// Positions of the keys that may match `name` (to be confirmed with `plain_match`).
+    fn candidates<'s>(&'s self, name: &'s str) -> impl Iterator<Item = usize> + 's {
+        let mut tail = String::new();
+        self.shapes.iter().filter_map(move |((len, dots), keys)| {
+            tail.clear();
+            let mut dots = dots.iter().peekable();
+            let mut chars = name.chars().rev();
+            for j in 0..*len {
+                let c = chars.next()?;
+                tail.push(if dots.next_if_eq(&&j).is_some() { '.' } else { c });
+            }
+            let key: String = tail.chars().rev().collect();
+            keys.get(&key).copied()
+        })
+    }
+}
+
 /// Strings matched against runs of whole dotted components of a name (`modules_to_save`).
 #[derive(Debug, Clone, Default)]
 struct SpanSet {
@@ -757,8 +868,8 @@ fn patterns(value: Option<&Field>, bad: &mut Vec<String>, compiled: &mut usize) 
         .iter()
         .filter_map(|(key, v)| {
             let value = (*v)?;
-            let matcher = if regex::escape(key) == *key {
-                Matcher::Literal
+            let matcher = if regex::escape(key) == key.replace('.', "\\.") {
+                Matcher::Plain
             } else if *compiled < MAX_REGEX_PATTERNS {
                 *compiled += 1;
                 compile(key).map_or(Matcher::Bad, Matcher::Regex)
@@ -859,17 +970,31 @@ mod tests {
         }
     }
 
-    /// Literal keys are compared as text, with the answer the regex gives.
+    /// Plain keys (only `.` as regex syntax) are matched without a regex, with the regex's answer.
     #[test]
-    fn literal_keys_match_as_their_regex() {
-        let keys = ["q_proj", "layers.1.q_proj", "", "é", "a\nb", "0"];
+    fn plain_keys_match_as_their_regex() {
+        let keys = [
+            "q_proj",
+            "layers.1.q_proj",
+            "",
+            "é",
+            "a\nb",
+            "0",
+            ".",
+            "..",
+            "a.b",
+            "é.x",
+        ];
         let names = [
             "q_proj",
             "x.q_proj",
             "xq_proj",
             "model.layers.1.q_proj",
             "layers.1.q_proj",
+            "layersX1Yq_proj",
+            "m.layers_1_q_proj",
             "a\n.q_proj",
+            "layers\n1.q_proj",
             ".",
             "",
             "x.é",
@@ -877,16 +1002,89 @@ mod tests {
             "a\nb",
             "m.0",
             "q_proj\n",
+            "ab",
+            "x.aéb",
+            "x.a\u{1F600}b",
+            "ééx",
+            "q.é😀x",
         ];
         for key in keys {
-            let literal = Pattern {
+            let plain = Pattern {
                 key: key.to_owned(),
-                matcher: Matcher::Literal,
+                matcher: Matcher::Plain,
                 value: 1.0,
             };
-            let regex = compile(&regex::escape(key)).unwrap();
+            let regex = compile(key).unwrap();
             for name in names {
-                assert_eq!(literal.is_match(name), regex.is_match(name), "{key:?} {name:?}");
+                assert_eq!(plain.is_match(name), regex.is_match(name), "{key:?} {name:?}");
+            }
+        }
+    }
+
+    /// With many keys, plain keys are looked up by shape: the same first match as a scan.
+    #[test]
+    fn pattern_index_keeps_the_first_match() {
+        let keys = [
+            "q_proj",
+            "layers.1.q_proj",
+            "1.q_proj",
+            "v_proj",
+            "x|q_proj",
+            "layers\\.1\\..*",
+            "model.layers.1.q_proj",
+            "k_proj",
+            "a\nb",
+            "b",
+            "",
+            "(",
+            "mlp.down_proj",
+            "down_proj",
+            "layers.0.mlp.down_proj",
+            "up_proj",
+        ];
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let names = [
+            "model.layers.1.q_proj",
+            "model.layers.0.q_proj",
+            "q_proj",
+            "x.a\nb",
+            "a\nb",
+            "y\n.b",
+            "model.layers.0.mlp.down_proj",
+            "layers.1.k_proj",
+            "",
+            ".",
+            "q",
+            "1.q_proj",
+            "up_proj.x",
+            "m.layersX1Yq_proj",
+            "layers.1.q_proj",
+        ];
+        for _ in 0..300 {
+            // 17 to 30 keys in a random order, some repeated: past the 16 that switch the index on.
+            let n = 17 + (next() % 14) as usize;
+            let body: Vec<String> = (0..n)
+                .map(|i| {
+                    let key = keys[(next() % keys.len() as u64) as usize];
+                    let key = if next() % 3 == 0 {
+                        format!("{key}{i}")
+                    } else {
+                        key.to_owned()
+                    };
+                    format!("{}: {i}", serde_json::to_string(&key).unwrap())
+                })
+                .collect();
+            let c = LoraConfig::from_json(&format!(r#"{{"rank_pattern": {{{}}}}}"#, body.join(","))).unwrap();
+            assert!(c.rank_index.plain.is_some() || c.rank_pattern.len() <= 16);
+            for name in names {
+                let linear = c.rank_pattern.iter().find(|p| p.is_match(name)).map(|p| p.value as u64);
+                assert_eq!(c.rank_for(name), linear.or(c.r), "{name:?} in {body:?}");
             }
         }
     }

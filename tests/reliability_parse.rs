@@ -340,3 +340,19 @@ fn many_diffusers_components_read_in_one_pass() {
         (Some(12_345), Some(2.0))
     );
 }
+
+#[test]
+fn many_pattern_keys_resolve_by_lookup() {
+    // PEFT writes one rank_pattern key per module; 8,000 keys x 8,000 modules was a compare per pair.
+    let mut pairs: Vec<String> = (0..8_000)
+        .map(|i| format!(r#""layers.{i}.q_proj": {}"#, i % 7 + 1))
+        .collect();
+    pairs.insert(3, r#""layers\\.5\\..*": 99"#.to_owned());
+    let c = LoraConfig::from_json(&format!(r#"{{"r": 8, "rank_pattern": {{{}}}}}"#, pairs.join(","))).unwrap();
+    assert_eq!(c.rank_for("model.layers.3.q_proj"), Some(4));
+    // The regex key comes before layers.5's own key in file order: first match wins.
+    assert_eq!(c.rank_for("model.layers.5.q_proj"), Some(99));
+    assert_eq!(c.rank_for("model.layers.7999.q_proj"), Some(7999 % 7 + 1));
+    assert_eq!(c.rank_for("model.layers.8000.q_proj"), Some(8));
+    assert_eq!(c.rank_for("xlayers.3.q_proj"), Some(8));
+}
