@@ -44,6 +44,13 @@ def read_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, dtype, tuple(shape)) for name, dtype, shape, _ in _core.read_torch_header(str(path))["tensors"]]
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of `t`'s elements in order (a fresh buffer: a view's strides may not allow a byte view)."""
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
 def mixed_state_dict() -> OrderedDict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 8, generator=g)
@@ -79,13 +86,51 @@ def test_torch_save_state_dict_reads_as_torch_load(tmp_path: Path) -> None:
         begin, end = header.tensors[name].data_offsets
         assert header.data_start + end <= len(raw)
         if t.is_contiguous() and t.numel():
-            want = t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+            want = tensor_bytes(t)
             assert raw[header.data_start + begin : header.data_start + end] == want, name
         if not t.numel():
             assert begin == end, name
     assert header.tensors["slice"].data_offsets[0] - header.tensors["f32"].data_offsets[0] == (2 * 8 + 3) * 4
     assert header.metadata is None and header.warnings == ()
     assert header.header_size > 0 and header.file_size == len(raw)
+
+
+def random_view(base: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A view of `base`: sliced, stepped, transposed, expanded or selected, at random."""
+    t = base
+    for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
+        op = int(torch.randint(0, 4, (1,), generator=g))
+        if op == 0 and t.dim() >= 2:
+            t = t.transpose(0, 1)
+        elif op == 1 and t.dim() and t.shape[0] > 1:
+            t = t[1 :: int(torch.randint(1, 3, (1,), generator=g))]
+        elif op == 2 and t.dim() and t.shape[-1] == 1:
+            t = t.expand(*t.shape[:-1], 3)
+        elif op == 3 and t.dim() and t.shape[0]:
+            t = t[0]
+    return t
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_state_dicts_read_as_torch_load(tmp_path: Path, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float8_e5m2, torch.int64]
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(int(torch.randint(1, 12, (1,), generator=g))):
+        shape = [int(d) for d in torch.randint(0, 5, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g)]
+        dtype = dtypes[int(torch.randint(0, len(dtypes), (1,), generator=g))]
+        base = torch.randn(shape, generator=g).to(dtype)
+        sd[f"t{i}"] = base
+        if base.dim():
+            sd[f"t{i}.view"] = random_view(base, g)  # shares base's storage
+    path = tmp_path / "r.bin"
+    torch.save(sd, path)
+    assert read_entries(path) == expected_entries(path)
+    raw, header = path.read_bytes(), lorafast.read_torch_header(path)
+    for name, t in torch.load(path, weights_only=True).items():
+        begin, end = header.tensors[name].data_offsets
+        if t.is_contiguous() and t.numel():
+            assert raw[begin:end] == tensor_bytes(t), name
 
 
 def test_shared_storage_across_dtypes_of_views_and_plain_dicts(tmp_path: Path) -> None:
