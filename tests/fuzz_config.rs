@@ -208,7 +208,30 @@ const NAMES: &[&str] = &[
     "a.b.c",
     "",
     "unet.up.0.to_out.0",
+    "modelXlayers_1Xself_attnXq_proj",
+    "a\nb.q_proj",
+    "é.x",
 ];
+
+/// PEFT's rule, with the regex crate's defaults: each key's `^(?:.*\.)?(?:key)$`, for the keys
+/// lorafast evaluates (None for the others).
+fn regexes(patterns: &[Pattern]) -> Vec<Option<regex::Regex>> {
+    patterns
+        .iter()
+        .map(|p| match p.matcher {
+            Matcher::Bad => None,
+            _ => regex::Regex::new(&format!(r"^(?:.*\.)?(?:{})$", p.key)).ok(),
+        })
+        .collect()
+}
+
+/// The value of the first key (in file order) whose regex matches `name`.
+fn first_match(patterns: &[Pattern], regexes: &[Option<regex::Regex>], name: &str) -> Option<f64> {
+    let i = regexes
+        .iter()
+        .position(|r| r.as_ref().is_some_and(|r| r.is_match(name)))?;
+    Some(patterns[i].value)
+}
 
 fn check(input: &[u8]) -> Result<(), String> {
     let Ok(text) = std::str::from_utf8(input) else {
@@ -258,7 +281,29 @@ fn check(input: &[u8]) -> Result<(), String> {
             .map(|(_, c)| c),
     );
     for c in &configs {
+        // A key whose only regex syntax is `.` is always evaluated (never capped or refused).
+        for p in c.rank_pattern.iter().chain(&c.alpha_pattern) {
+            let plain = regex::escape(&p.key) == p.key.replace('.', "\\.");
+            if plain != matches!(p.matcher, Matcher::Plain) {
+                return Err(format!("key {:?} read as {:?}", p.key, p.matcher));
+            }
+        }
+        let (rank_regexes, alpha_regexes) = (regexes(&c.rank_pattern), regexes(&c.alpha_pattern));
         for name in NAMES {
+            let alpha = c.alpha_for(name).map(f64::to_bits);
+            let want = first_match(&c.alpha_pattern, &alpha_regexes, name)
+                .or(c.lora_alpha)
+                .map(f64::to_bits);
+            if alpha != want {
+                return Err(format!("alpha_for({name:?}) {alpha:?}, the regexes give {want:?}"));
+            }
+            let rank = c.rank_for(name);
+            let want = first_match(&c.rank_pattern, &rank_regexes, name)
+                .map(|v| v as u64)
+                .or(c.r);
+            if rank != want {
+                return Err(format!("rank_for({name:?}) {rank:?}, the regexes give {want:?}"));
+            }
             let last = name.rsplit('.').next().unwrap_or(name);
             let _ = (c.rank_for(name), c.alpha_for(name), c.targets(name), c.saves(name));
             let _ = c.last_only_hits(last);
