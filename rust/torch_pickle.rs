@@ -6,10 +6,12 @@
 //! Work and memory are bounded (`Limits`): every opcode consumes input; the stack, the memo and
 //! the number of objects built are capped, and so is nesting (a deep value would overflow the
 //! native stack when dropped). Memo indices must be dense, as the pickler writes them, so a huge
-//! index cannot make the memo grow. Mutable containers (dicts, lists) are frozen once placed inside another value, and a
-//! frozen one cannot be changed again. Every value a container holds is then frozen too, so no
-//! container can come to hold itself: values form a DAG, never a cycle, and only the state dict's
-//! top level and tensor arguments are ever walked.
+//! index cannot make the memo grow.
+//!
+//! Mutable containers (dicts, lists) are frozen once placed inside another value, and a frozen one
+//! cannot be changed again. Every value a container holds is then frozen too, so no container can
+//! come to hold itself: values form a DAG, never a cycle, and only the state dict's top level and
+//! tensor arguments are ever walked.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
