@@ -419,6 +419,21 @@ def _structure_key(weights: str, config: str | None) -> tuple[tuple[Any, ...], b
     return (size - 8 - n, len(entries), cfg, entries[:256], entries[-256:]), entries
 
 
+def _structure_keys(todo: list[tuple[str, str, str | None]], threads: int | None) -> list[Any]:
+    """`_structure_key` of each (path, weights, config), read by a few threads: the reads release the GIL, so
+    one adapter's page-cache miss does not stall the others."""
+    workers = max(1, min(threads or os.cpu_count() or 1, 8))
+    if workers == 1 or len(todo) < 512:
+        return [_structure_key(w, c) for _, w, c in todo]
+    from concurrent.futures import ThreadPoolExecutor
+
+    step = 256
+    chunks = [todo[i : i + step] for i in range(0, len(todo), step)]
+    with ThreadPoolExecutor(workers) as pool:
+        parts = pool.map(lambda chunk: [_structure_key(w, c) for _, w, c in chunk], chunks)
+        return [k for part in parts for k in part]
+
+
 class _Fleet:
     """Adapters in input order, each pointing at the structure (representative `Adapter`) it shares."""
 
@@ -462,7 +477,7 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
         urls = [p for p in pending if "://" in p]
         targets = _core.discover_targets([p for p in pending if "://" not in p], True, threads, None, None, None)
         buckets: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}  # short key -> (exact bytes, representative)
-        rows: list[tuple[str, tuple[tuple[Any, ...], bytes] | None]] = []
+        todo: list[tuple[str, str, str | None]] = []
         for path, weights, config, code, message in targets:
             if code is not None or weights is None:
                 add_error(path, code or "no_weights", message or "no weights")
@@ -470,7 +485,8 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
             if path in failed:
                 add_error(path, *failed[path])
                 continue
-            rows.append((path, _structure_key(weights, config)))
+            todo.append((path, weights, config))
+        rows = list(zip((p for p, _, _ in todo), _structure_keys(todo, threads), strict=True))
         reps: list[str] = []
         rep_of: list[int] = []
         for path, key in rows:
@@ -657,9 +673,9 @@ def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: Ba
     errors = tuple(str(p.message) for p in plan.problems if getattr(p, "fatal", True))
     outcome = "rejected" if errors else "accepted"
     if outcome == "accepted" and verdict == NO_MATCH:
-        note = "accepted, but no module reaches a base weight: it serves the base model unchanged"
+        note = "no module reaches a base weight: it serves the base model unchanged"
     elif outcome == "accepted" and verdict == SHAPE_MISMATCH:
-        note = "accepted by the header checks; loading the weights fails with a size mismatch"
+        note = "its header checks pass; loading the weights fails with a size mismatch"
     return EngineOutcome(engine, version, outcome, errors, note)
 
 
