@@ -120,6 +120,47 @@ struct TargetIndex {
     dotted: Vec<usize>,
     /// The compiled `target_modules` regex (None: not a pattern, or one we cannot compile).
     regex: Option<Regex>,
+    /// For a long list: entries by text, found as dotted suffixes of a module name (trying
+    /// each entry per module is quadratic over a fleet-sized list).
+    suffixes: Option<SuffixMap>,
+}
+
+/// Strings found as dotted suffixes of a name: the whole name, or what follows one of its dots.
+#[derive(Debug, Clone, Default)]
+struct SuffixMap {
+    /// Entry -> its positions in the list.
+    entries: FxHashMap<String, Vec<usize>>,
+    /// The distinct dot counts of the entries, ascending.
+    dots: Vec<usize>,
+}
+
+impl SuffixMap {
+    fn new(list: &[String]) -> SuffixMap {
+        let mut map = SuffixMap::default();
+        for (i, t) in list.iter().enumerate() {
+            map.entries.entry(t.clone()).or_default().push(i);
+            map.dots.push(memchr::memchr_iter(b'.', t.as_bytes()).count());
+        }
+        map.dots.sort_unstable();
+        map.dots.dedup();
+        map
+    }
+
+    /// Positions of the entries `t` with `name == t` or `name` ending in `.t`.
+    fn hits<'s>(&'s self, name: &'s str) -> impl Iterator<Item = usize> + 's {
+        // An entry with d dots can only be what follows the (d+1)-th dot from the end, or the
+        // whole name when that has exactly d dots.
+        let dots: Vec<usize> = memchr::memrchr_iter(b'.', name.as_bytes()).collect();
+        self.dots
+            .iter()
+            .map_while(move |&d| match dots.get(d) {
+                Some(&at) => Some(&name[at + 1..]),
+                None => (dots.len() == d).then_some(name),
+            })
+            .filter_map(|suffix| self.entries.get(suffix))
+            .flatten()
+            .copied()
+    }
 }
 
 /// Length and first seven bytes of a string: equal tags mean equal strings for strings of up to
@@ -596,8 +637,15 @@ impl LoraConfig {
         let Some(TargetModules::List(list)) = &self.target_modules else {
             return false;
         };
-        let last_tag = short_tag(last);
         let mut any = false;
+        if let Some(suffixes) = &self.targets.suffixes {
+            for i in suffixes.hits(name) {
+                hit(i);
+                any = true;
+            }
+            return any;
+        }
+        let last_tag = short_tag(last);
         for &(tag, i) in &self.targets.dotless {
             if tag == last_tag && same_tagged(last, &list[i]) {
                 hit(i);
@@ -631,11 +679,13 @@ impl TargetIndex {
                     .map(|(i, _)| i)
                     .collect(),
                 regex: None,
+                suffixes: (list.len() > 64).then(|| SuffixMap::new(list)),
             },
             Some(TargetModules::Pattern(p)) => TargetIndex {
                 dotless: Vec::new(),
                 dotted: Vec::new(),
                 regex: build_regex(&format!("^(?:{p})$")),
+                suffixes: None,
             },
             None => TargetIndex::default(),
         }
@@ -1099,6 +1149,37 @@ mod tests {
         let c = LoraConfig::from_json(&format!(r#"{{"rank_pattern": {{{}}}}}"#, many.join(","))).unwrap();
         assert_eq!(c.bad_patterns.len(), 100 - MAX_REGEX_PATTERNS);
         assert_eq!(c.rank_for("x.q3"), Some(4));
+    }
+
+    /// A long target list is searched by suffix lookup, with the hits of the suffix rule.
+    #[test]
+    fn long_target_lists_hit_by_suffix() {
+        let mut list: Vec<String> = (0..100).map(|i| format!("m{i}")).collect();
+        list.extend(["q_proj", "to_out.0", "attn.to_k", "", "q_proj", "a.b.c"].map(str::to_owned));
+        let c = LoraConfig::from_json(&serde_json::json!({ "target_modules": list }).to_string()).unwrap();
+        assert!(c.targets.suffixes.is_some());
+        for name in [
+            "x.q_proj",
+            "q_proj",
+            "up.0.to_out.0",
+            "b.attn.to_k",
+            "b.xattn.to_k",
+            "x.",
+            "",
+            "a.b.c",
+            "b.c",
+            "m7",
+            "z.m99",
+        ] {
+            let last = name.rsplit('.').next().unwrap_or(name);
+            let mut got = Vec::new();
+            c.list_hits(name, last, |i| got.push(i));
+            got.sort_unstable();
+            let want: Vec<usize> = (0..list.len())
+                .filter(|&i| list_entry_matches(name, &list[i]))
+                .collect();
+            assert_eq!(got, want, "{name:?}");
+        }
     }
 
     #[test]
