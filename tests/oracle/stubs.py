@@ -182,7 +182,9 @@ def install_sglang_llm() -> None:
                     except Exception:  # a broken finder is not our concern
                         pass
                 frame = sys._getframe(1)
-                while frame and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename):
+                while frame and (
+                    frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename
+                ):
                     frame = frame.f_back
                 if frame is None or not frame.f_code.co_filename.startswith(root):
                     return None  # only imports made by the engine's own files are stubbed
