@@ -319,6 +319,10 @@ def test_cli_exit_codes(zoo: dict[str, Path], capsys: pytest.CaptureFixture[str]
     assert main(["check", "--base", str(zoo["llama"]), str(zoo["a_llama"]), "--engine", "sglang"]) == 0
     assert "sglang: accepted" in capsys.readouterr().out
     assert main(["check", "--base", os.fspath(zoo["llama"]) + "-missing", str(zoo["a_llama"])]) == 1
+    capsys.readouterr()
+    assert main(["check", str(zoo["a_llama"]), "--json"]) == 0  # no base: the likely families, from shapes
+    ident = json.loads(capsys.readouterr().out)["identified"][0]
+    assert ident["fingerprint"]["hidden"] == 32 and ident["candidates"] == []
 
 
 def test_remote_bases_over_http_and_hf(zoo: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -736,7 +736,8 @@ def register_cli(subparsers: Any) -> None:
     """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
     p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
-    p.add_argument("--base", action="append", required=True, help="base checkpoint, sharded folder, pipeline or URL")
+    p.add_argument("--base", action="append", default=[],
+                   help="base checkpoint, sharded folder, pipeline or URL; without one, name the likely base families")  # fmt: skip
     p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
     p.add_argument("--engine-version", default=None, help="engine release whose rules apply (default: installed)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -748,6 +749,8 @@ def _cmd_check(args: Any) -> int:
     """Exit 1 when any adapter would fail or silently do nothing on some base."""
     import sys
 
+    if not args.base:
+        return _cmd_identify(args)
     report = check(args.adapters, args.base, engine=args.engine, engine_version=args.engine_version,
                    threads=args.threads)  # fmt: skip
     if args.json:
@@ -766,6 +769,28 @@ def _cmd_check(args: Any) -> int:
     s = report.summary()
     print(", ".join(f"{v} {k}" for k, v in s["verdicts"].items() if v) + f" ({s['pairs']} pairs)")
     return 1 if report.failed else 0
+
+
+def _cmd_identify(args: Any) -> int:
+    import sys
+
+    from .families import identify
+    from .scanner import scan
+
+    report = scan(args.adapters, threads=args.threads, progress=False)
+    out: list[dict[str, Any]] = []
+    for adapter in report:
+        ident = identify(adapter)
+        out.append({"adapter": adapter.path, "base_model_name_or_path": adapter.base_model_name_or_path,
+                    "fingerprint": dict(ident.fingerprint), "candidates": [list(c) for c in ident.candidates],
+                    "ambiguous": list(ident.ambiguous), "best": ident.best})  # fmt: skip
+    if args.json:
+        sys.stdout.write(json.dumps({"identified": out, "errors": report.errors}, indent=2) + "\n")
+    else:
+        for row in out:
+            best = row["best"] or (f"ambiguous: {', '.join(row['ambiguous'])}" if row["ambiguous"] else "unknown")
+            print(f"{best:<40} {row['adapter']}  (config says {row['base_model_name_or_path'] or 'nothing'})")
+    return 1 if report.errors else 0
 
 
 __all__ = ["MODULE_STATUSES", "VERDICTS", "CheckReport", "EngineOutcome", "ModuleCheck", "PairResult", "check"]
