@@ -33,6 +33,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Plan": ("planner", "Plan"),
     "plan_groups": ("groups", "plan_groups"),
     "merge": ("merging", "merge"),
+    "convert": ("converting", "convert"),
+    "ConvertError": ("converting", "ConvertError"),
+    "ConvertResult": ("converting", "ConvertResult"),
     "MergeHandle": ("merging", "MergeHandle"),
     "compat": ("compat", None),
     "BaseModel": ("base", "BaseModel"),
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
     from .base import BaseModel, read_base
     from .checker import CheckReport, check
+    from .converting import ConvertError, ConvertResult, convert
     from .families import fingerprint, identify
     from .groups import plan_groups
     from .header import Header, TensorInfo, read_header, read_torch_header
@@ -84,6 +88,8 @@ __all__ = [
     "AdapterError",
     "BaseModel",
     "CheckReport",
+    "ConvertError",
+    "ConvertResult",
     "AdapterFormat",
     "Header",
     "HeaderError",
@@ -99,6 +105,7 @@ __all__ = [
     "TensorInfo",
     "check",
     "compat",
+    "convert",
     "fingerprint",
     "identify",
     "inspect",

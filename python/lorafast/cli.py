@@ -1,6 +1,6 @@
 """The `lorafast` command (also `python -m lorafast`).
 
-Subcommands: `scan`, `inspect`, `header`, `sample`, and from their own modules `plan`, `groups` and
+Subcommands: `scan`, `inspect`, `header`, `sample`, and from their own modules `plan`, `groups`, `convert` and
 `merge`. Exit codes: 0 all fine, 1 some adapter failed (or a check failed), 2 usage error.
 """
 
@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
-_PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli", "lorafast.checker")
+_PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli", "lorafast.checker",
+            "lorafast.converting.cli")
 
 
 def _print_json(obj: Any) -> None:

@@ -1,0 +1,195 @@
+"""`lorafast.convert(adapter, to, out)`: rewrite an adapter into another layout, exactly, streamed."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lorafast.adapter import Adapter
+from lorafast.converting import kohya, moe
+from lorafast.converting.errors import ConvertError
+from lorafast.converting.peftconfig import Want, build
+from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, write_file
+from lorafast.errors import LorafastError
+from lorafast.tensors import TensorFile, TensorReadError, TruncatedFileError
+
+#: layouts `to` accepts: the MoE layouts, `transformers5` (numbered expert names to transformers 5's fused
+#: experts, as PEFT loads them) and `peft` (a PEFT folder from kohya or old diffusers files)
+LAYOUTS = (*moe.MOE_TARGETS, "peft")
+#: which source layouts each target takes
+_FROM: dict[str, tuple[str, ...]] = {
+    "stacked_3d": ("shared_outer", "per_expert_2d", "peft_target_parameters"),
+    "shared_outer": ("stacked_3d", "per_expert_2d", "peft_target_parameters"),
+    "per_expert_2d": ("stacked_3d", "shared_outer", "peft_target_parameters"),
+    "peft_target_parameters": ("stacked_3d", "shared_outer", "per_expert_2d"),
+    "transformers5": ("per_expert_2d",),
+    "peft": ("kohya", "diffusers_legacy"),
+}
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What `convert` wrote."""
+
+    source: str
+    out: str
+    from_layout: str
+    to_layout: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int  # tensor data written
+    source_bytes: int  # tensor data of the source
+    source_sha256: str  # sha256 of the source's data section (kohya's content hash)
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def detect_layout(adapter: Adapter) -> str:
+    """The layout `convert` sees in an adapter: a MoE layout, `kohya`, `diffusers_legacy`, or `dense`."""
+    if adapter.format in kohya.SOURCE_FORMATS:
+        return str(adapter.format.value)
+    return moe.source_layout(adapter)
+
+
+def _inspect(adapter: Adapter | str | os.PathLike[str]) -> Adapter:
+    if isinstance(adapter, Adapter):
+        return adapter
+    from lorafast.errors import HeaderError
+    from lorafast.scanner import inspect
+
+    path = os.fspath(adapter)
+    try:
+        return inspect(path)
+    except HeaderError as exc:
+        code = "truncated" if exc.code == "incomplete_buffer" else "bad_source"
+        raise ConvertError(f"cannot read adapter {path}: {exc}", code, path) from exc
+    except (LorafastError, OSError) as exc:
+        raise ConvertError(f"cannot read adapter {path}: {exc}", "bad_source", path) from exc
+
+
+def _content_hash(path: str, box: list[str | BaseException]) -> None:
+    from lorafast.scanner import inspect
+
+    try:
+        box.append(inspect(path, content_hash=True).content_hash or "")
+    except BaseException as exc:  # reported by the writer, which is waiting for it
+        box.append(exc)
+
+
+def convert(
+    adapter: Adapter | str | os.PathLike[str],
+    to: str,
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    source_layout: str | None = None,
+) -> ConvertResult:
+    """Write `adapter` converted to layout `to` (one of `LAYOUTS`) as a PEFT folder `out`.
+
+    `source_layout` (`--from`) asserts the source layout; without it the scan's classification is used. The
+    result is exact (the merged delta is bit-identical) or the call raises `ConvertError` and writes nothing.
+    """
+    started = time.perf_counter()
+    if to not in LAYOUTS:
+        raise ConvertError(f"unknown layout {to!r}; expected one of {', '.join(LAYOUTS)}", "unsupported")
+    ad = _inspect(adapter)
+    path = ad.path
+    found = detect_layout(ad)
+    if source_layout is not None and source_layout != found:
+        raise ConvertError(f"{path} is {found}, not {source_layout}", "layout_mismatch", path)
+    if found not in _FROM[to]:
+        why = "already is" if found == to else "is"
+        raise ConvertError(f"{path} {why} {found}; --to {to} takes {', '.join(_FROM[to])}", "layout_mismatch"
+                           if found in ("dense",) or found == to else "unsupported", path)  # fmt: skip
+    weights = [w for w in ad.weight_files if w.endswith(".safetensors")]
+    if len(ad.weight_files) != 1 or not weights:
+        raise ConvertError(f"{path}: only single-file safetensors adapters are converted", "unsupported", path)
+    src = weights[0]
+    folder = OutputFolder(os.fspath(out), overwrite)
+    try:
+        with TensorFile(src) as tf:
+            sizes = sum(e.end - e.begin for e in tf.tensors.values())
+            tensors, config = _plan(ad, tf, found, to)
+            box: list[str | BaseException] = []
+            hasher = threading.Thread(target=_content_hash, args=(src, box), daemon=True)
+            hasher.start()
+
+            def sha() -> str:
+                hasher.join()
+                got = box[0]
+                if isinstance(got, BaseException):
+                    raise ConvertError(f"cannot hash {src}: {got}", "bad_source", path) from got
+                return got
+
+            meta = dict(tf.metadata)
+            meta.setdefault("format", "pt")
+            meta["lorafast.converted"] = json.dumps(
+                {"from": found, "to": to, "source": os.path.basename(src), "source_sha256": SHA_PLACEHOLDER,
+                 "lorafast_version": _version()}, separators=(",", ":"))  # fmt: skip
+            written = write_file(folder.join(WEIGHTS_NAME), tensors, meta, sha)
+            digest = sha()
+        files = [WEIGHTS_NAME]
+        if config is not None:
+            with open(folder.join(CONFIG_NAME), "w") as f:
+                json.dump(config, f, indent=2)
+                f.write("\n")
+            files.append(CONFIG_NAME)
+        folder.commit()
+    except TruncatedFileError as exc:
+        raise ConvertError(f"{src} is truncated: {exc}", "truncated", path) from exc
+    except TensorReadError as exc:
+        raise ConvertError(f"cannot read {src}: {exc}", "bad_source", path) from exc
+    finally:
+        folder.discard()
+    return ConvertResult(path, folder.out, found, to, tuple(os.path.join(folder.out, f) for f in files),
+                         len(tensors), written, sizes, digest, time.perf_counter() - started)  # fmt: skip
+
+
+def _version() -> str:
+    from lorafast import __version__
+
+    return __version__
+
+
+def _copy(tf: TensorFile, name: str, new: str | None = None) -> OutTensor:
+    e = tf.entry(name)
+    return OutTensor(new or name, e.dtype, e.shape, lambda: iter([tf.view(name)]))
+
+
+def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTensor], dict[str, Any] | None]:
+    if to == "peft":
+        tensors, wants = kohya.plan_peft(ad, tf)
+        return tensors, build(None, wants, [])
+    groups, covered = moe.read_groups(ad, tf)
+    if not groups:
+        raise ConvertError(f"{ad.path}: no expert modules found", "layout_mismatch", ad.path)
+    rename = moe.mixtral_to_v5 if to == "transformers5" else None
+    if to == "stacked_3d":
+        new, mods = moe.write_stacked(moe.fuse_gate_up(groups, ad.path) if found == "per_expert_2d" else groups,
+                                      False, ad.path)  # fmt: skip
+    elif to == "shared_outer":
+        new, mods = moe.write_stacked(groups, True, ad.path)
+    elif to == "per_expert_2d":
+        new, mods = moe.write_numbered(groups)
+    else:
+        new, mods = moe.write_target_parameters(groups, ad.path, rename)
+    kept = [m for m in ad.modules if m.a_key not in covered]
+    others = [n for n in sorted(tf.tensors, key=lambda n: tf.tensors[n].begin) if n not in covered]
+    tensors = [_copy(tf, n, rename(n) if rename else None) for n in others] + new
+    if ad.config is None:
+        return tensors, None
+    wants = [Want(rename(m.name) if rename else m.name, m.leaf, m.rank or 0, m.alpha) for m in kept]
+    wants += [Want(m.name, m.leaf, m.rank, m.alpha, m.parameter) for m in mods]
+    params = [".".join(m.name.split(".")[-3:]) for m in mods if m.parameter]
+    return tensors, build(ad.config, wants, params)
+
+
+__all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout"]

@@ -1,0 +1,31 @@
+"""`ConvertError`: why a layout conversion was refused. Nothing is written when it is raised."""
+
+from __future__ import annotations
+
+from lorafast.errors import LorafastError
+
+#: every `ConvertError.code`
+CONVERT_ERROR_CODES = (
+    "layout_mismatch",  # the adapter is not in the layout `--from` names
+    "mixed_layout",  # several MoE layouts inside one adapter
+    "lossy",  # the conversion would change the adapter's delta (max difference in the message)
+    "unsupported",  # no conversion from this layout to that one
+    "exists",  # the output exists and overwrite was not asked for
+    "truncated",  # the source file is shorter than its header says
+    "bad_source",  # the source cannot be read or is inconsistent (missing experts, shape mismatch)
+)
+
+
+class ConvertError(LorafastError, ValueError):
+    """A conversion refused: `.code` (one of `CONVERT_ERROR_CODES`) and `.path` (the source adapter)."""
+
+    def __init__(self, message: str, code: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.path = path
+
+    def __reduce__(self):  # keep code and path through pickling
+        return (type(self), (self.args[0], self.code, self.path))
+
+
+__all__ = ["CONVERT_ERROR_CODES", "ConvertError"]

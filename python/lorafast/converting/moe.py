@@ -1,0 +1,355 @@
+"""MoE expert layouts: shared-outer, stacked 3-D, numbered 2-D, PEFT `target_parameters`, transformers-5 names.
+
+Every source is read into the same model: per layer, per projection, one `Factor` for lora_A and one for
+lora_B, each a stack of E per-expert matrices (A `(r, in)`, B `(out, r)`) that points into the source map.
+Every target layout is then written from that model, so each pair of layouts is one read and one write.
+
+- shared-outer → stacked: the outer factor is repeated along the expert axis (exact).
+- stacked → shared-outer: one copy is kept when all experts' outer factors are bit-identical; otherwise
+  `lossy`, with the max difference.
+- numbered 2-D → stacked: the experts are stacked; gate and up are fused into `gate_up_proj` as PEFT's
+  transformers-5 conversion does (A concatenated along r, B block-diagonal, rank and alpha doubled through
+  `rank_pattern`/`alpha_pattern`, so alpha/r stays and the delta is the same).
+- stacked → numbered 2-D: split along the expert axis; a fused gate_up is split into gate_proj and up_proj
+  (both keep the shared A; B's halves).
+- `target_parameters` ⇄ stacked: A `(r·E, in)` is expert-major (a reshape); B `(out, r·E)` is rank-major
+  (`col = j·E + e`, a permutation).
+- transformers 4 → 5: numbered `experts.N.w1/w3/w2` (or gate/up/down_proj) become the `target_parameters` keys
+  PEFT loads into transformers 5 fused experts (`experts.base_layer` for gate_up, `experts` for down), and
+  Mixtral's `block_sparse_moe` becomes `mlp`, as transformers 5 renames it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+from lorafast.adapter import _SGLANG_W_RENAMES, Adapter, LoraModule, MoeLayout
+from lorafast.converting.errors import ConvertError
+from lorafast.converting.writer import OutTensor
+from lorafast.merging.sources import peft_pattern_value
+from lorafast.tensors import TensorFile
+
+if TYPE_CHECKING:
+    import torch
+
+#: target layouts this module writes
+MOE_TARGETS = ("stacked_3d", "shared_outer", "per_expert_2d", "peft_target_parameters", "transformers5")
+_NUMBERED = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)$")
+
+
+@dataclass
+class Factor:
+    """One LoRA factor of E experts: `stored` matrices (1 when shared by all experts) of `shape`."""
+
+    dtype: str
+    experts: int
+    stored: int
+    shape: tuple[int, int]
+    expert: Callable[[int], torch.Tensor]  # the 2-D matrix of expert e (a view; maybe not contiguous)
+    whole: Callable[[], torch.Tensor] | None = None  # the 3-D [stored, d1, d2] stack, when one source tensor has it
+
+    def stacked(self) -> Iterator[torch.Tensor]:
+        """The bytes of the full [E, d1, d2] stack, as a sequence of tensors."""
+        if self.stored == 1 and self.experts > 1:
+            one = self.expert(0)
+            for _ in range(self.experts):
+                yield one
+        elif self.whole is not None:
+            yield self.whole()
+        else:
+            for e in range(self.experts):
+                yield self.expert(e)
+
+
+@dataclass
+class Group:
+    """One expert projection of one layer: `owner` is the prefix-free path ending in `.experts`."""
+
+    prefix: str  # the file's key prefix (`base_model.model.`)
+    owner: str
+    proj: str  # gate_up_proj | gate_proj | up_proj | down_proj
+    a: Factor
+    b: Factor
+    rank: int
+    alpha: float | None
+    rslora: bool
+
+    @property
+    def experts(self) -> int:
+        return max(self.a.experts, self.b.experts)
+
+
+def _leaf(name: str) -> str:
+    return _SGLANG_W_RENAMES.get(name, name)
+
+
+def _alpha(adapter: Adapter, m: LoraModule, name: str) -> float | None:
+    if m.kind != "target_parameters":
+        return m.alpha
+    cfg = adapter.config or {}  # as the merge engine scales a ParamWrapper: alpha_pattern on the parameter path
+    hit = peft_pattern_value(cfg.get("alpha_pattern") or {}, name)
+    return float(hit) if hit is not None else (float(cfg["lora_alpha"]) if "lora_alpha" in cfg else m.alpha)
+
+
+def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
+    e = tf.entry(key)
+    if len(e.shape) != 3 or e.shape[0] not in (1, experts):
+        raise ConvertError(f"{key}: shape {list(e.shape)} is not a stack of {experts} experts", "bad_source", tf.path)
+    return Factor(e.dtype, experts, e.shape[0], (e.shape[1], e.shape[2]),
+                  lambda i: tf.view(key)[i if e.shape[0] > 1 else 0], lambda: tf.view(key))  # fmt: skip
+
+
+def _reshaped(tf: TensorFile, key: str, shape: tuple[int, ...], perm: tuple[int, ...] | None) -> torch.Tensor:
+    t = tf.view(key).view(shape)
+    return t.permute(perm) if perm else t
+
+
+def _index(stack: Callable[[], torch.Tensor], i: int) -> torch.Tensor:
+    return stack()[i]
+
+
+def _named(tf: TensorFile, keys: list[str], i: int) -> torch.Tensor:
+    return tf.view(keys[i])
+
+
+def _one(t: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
+    yield t()
+
+
+def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]]:
+    """The expert groups of an adapter, and the keys of the modules they cover."""
+    groups: list[Group] = []
+    covered: set[str] = set()
+    numbered: dict[tuple[str, str, str], dict[int, LoraModule]] = {}
+    for m in adapter.modules:
+        if m.a_key is None or m.b_key is None or m.kind not in ("stacked_3d", "expert_2d", "target_parameters"):
+            continue
+        prefix = m.key[: m.key.find(m.name.split(".experts")[0])] if ".experts" in m.name else ""
+        if m.kind == "expert_2d":
+            hit = _NUMBERED.match(m.name)
+            if hit is None:
+                continue
+            numbered.setdefault((prefix, hit.group(1), _leaf(hit.group(3))), {})[int(hit.group(2))] = m
+            covered.update((m.a_key, m.b_key))
+            continue
+        leaf = _leaf(m.leaf)
+        owner = m.name[: -len(m.leaf) - 1] if m.name.endswith("." + m.leaf) else m.name
+        if not owner.endswith(".experts"):
+            continue
+        if m.kind == "stacked_3d":
+            e = max(m.a_shape[0] if m.a_shape else 1, m.b_shape[0] if m.b_shape else 1)
+            a, b = _whole_factor(tf, m.a_key, e), _whole_factor(tf, m.b_key, e)
+        else:  # target_parameters: A (r·E, in) expert-major, B (out, r·E) rank-major
+            e = m.num_experts or 0
+            a_e, b_e = tf.entry(m.a_key), tf.entry(m.b_key)
+            if e <= 0 or len(a_e.shape) != 2 or len(b_e.shape) != 2 or a_e.shape[0] % e or b_e.shape[1] != a_e.shape[0]:
+                raise ConvertError(f"{m.key}: factors {list(a_e.shape)} / {list(b_e.shape)} are not r·E rows for "
+                                   f"{e} experts", "bad_source", tf.path)  # fmt: skip
+            r = a_e.shape[0] // e
+            out, fin = b_e.shape[0], a_e.shape[1]
+            a_stack = partial(_reshaped, tf, m.a_key, (e, r, fin), None)
+            b_stack = partial(_reshaped, tf, m.b_key, (out, r, e), (2, 0, 1))
+            a = Factor(a_e.dtype, e, e, (r, fin), partial(_index, a_stack), a_stack)
+            b = Factor(b_e.dtype, e, e, (out, r), partial(_index, b_stack), b_stack)
+        groups.append(Group(prefix, owner, leaf, a, b, m.rank or a.shape[0], _alpha(adapter, m, m.name), m.use_rslora))
+        covered.update((m.a_key, m.b_key))
+    for (prefix, owner, leaf), per in numbered.items():
+        n = max(per) + 1
+        if sorted(per) != list(range(n)):
+            missing = sorted(set(range(n)) - set(per))
+            raise ConvertError(f"{owner}: experts {missing[:8]} of {leaf} are missing", "bad_source", adapter.path)
+        first = per[0]
+        for m in per.values():
+            if (m.a_shape, m.b_shape, m.dtype, m.alpha, m.rank) != (first.a_shape, first.b_shape, first.dtype,
+                                                                    first.alpha, first.rank):  # fmt: skip
+                raise ConvertError(f"{m.name}: shape, dtype or scale differs from expert 0, so the experts cannot "
+                                   "be stacked", "lossy", adapter.path)  # fmt: skip
+        assert first.a_shape is not None and first.b_shape is not None and first.dtype is not None
+        keys_a = [str(per[i].a_key) for i in range(n)]
+        keys_b = [str(per[i].b_key) for i in range(n)]
+        a = Factor(first.dtype, n, n, (first.a_shape[0], first.a_shape[1]), partial(_named, tf, keys_a))
+        b = Factor(first.dtype, n, n, (first.b_shape[0], first.b_shape[1]), partial(_named, tf, keys_b))
+        groups.append(Group(prefix, owner, leaf, a, b, first.rank or 0, first.alpha, first.use_rslora))
+    return groups, covered
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gate/up fusion and splitting
+
+
+def _fuse(gate: Group, up: Group, path: str) -> Group:
+    """gate and up into one gate_up_proj, as PEFT's transformers-5 conversion: A concatenated along r, B
+    block-diagonal; rank doubles and so does alpha (alpha/r is kept exactly: both are doubled)."""
+    import torch
+
+    if (gate.rank, gate.alpha, gate.rslora, gate.experts) != (up.rank, up.alpha, up.rslora, up.experts):
+        raise ConvertError(f"{gate.owner}: gate and up have different rank, scale or expert count; fusing them "
+                           "would change the scale", "lossy", path)  # fmt: skip
+    if gate.rslora:
+        raise ConvertError(f"{gate.owner}: fusing gate and up doubles the rank, and with rsLoRA alpha/sqrt(r) "
+                           "cannot be kept exactly", "lossy", path)  # fmt: skip
+    r, e = gate.rank, gate.experts
+    ga, ua, gb, ub = gate.a, up.a, gate.b, up.b
+    a = Factor(ga.dtype, e, 1 if ga.stored == ua.stored == 1 else e, (2 * r, ga.shape[1]),
+               lambda i: torch.cat([ga.expert(i), ua.expert(i)], 0))  # fmt: skip
+    b = Factor(gb.dtype, e, e, (gb.shape[0] + ub.shape[0], 2 * r),
+               lambda i: torch.block_diag(gb.expert(i), ub.expert(i)))  # fmt: skip
+    alpha = None if gate.alpha is None else 2 * gate.alpha
+    return Group(gate.prefix, gate.owner, "gate_up_proj", a, b, 2 * r, alpha, False)
+
+
+def fuse_gate_up(groups: list[Group], path: str) -> list[Group]:
+    """Groups with every gate_proj/up_proj pair of one owner fused into gate_up_proj."""
+    by = {(g.owner, g.proj): g for g in groups}
+    out: list[Group] = []
+    for g in groups:
+        if g.proj == "up_proj" and (g.owner, "gate_proj") in by:
+            continue
+        if g.proj == "gate_proj":
+            up = by.get((g.owner, "up_proj"))
+            if up is None:
+                raise ConvertError(f"{g.owner}: gate_proj without up_proj cannot be fused into gate_up_proj",
+                                   "unsupported", path)  # fmt: skip
+            out.append(_fuse(g, up, path))
+        elif g.proj == "up_proj":
+            raise ConvertError(f"{g.owner}: up_proj without gate_proj cannot be fused into gate_up_proj",
+                               "unsupported", path)  # fmt: skip
+        else:
+            out.append(g)
+    return out
+
+
+def split_gate_up(g: Group) -> list[Group]:
+    """A fused gate_up_proj as gate_proj and up_proj: both keep A, B is split in halves (exact)."""
+    if g.proj != "gate_up_proj":
+        return [g]
+    half = g.b.shape[0] // 2
+    b = g.b
+
+    def part(lo: int) -> Factor:
+        return Factor(b.dtype, b.experts, b.stored, (half, b.shape[1]), lambda i: b.expert(i)[lo : lo + half])
+
+    return [Group(g.prefix, g.owner, "gate_proj", g.a, part(0), g.rank, g.alpha, g.rslora),
+            Group(g.prefix, g.owner, "up_proj", g.a, part(half), g.rank, g.alpha, g.rslora)]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writers per target layout
+
+
+@dataclass
+class OutModule:
+    """A module of the output, for the config: its prefix-free name, rank and alpha."""
+
+    name: str
+    leaf: str
+    rank: int
+    alpha: float | None
+    parameter: bool = False  # a target_parameters entry
+
+
+def _stack_shape(f: Factor) -> tuple[int, int, int]:
+    return (f.experts, *f.shape)
+
+
+def write_stacked(groups: list[Group], shared_outer: bool, path: str) -> tuple[list[OutTensor], list[OutModule]]:
+    if shared_outer:
+        groups = fuse_gate_up(groups, path)
+    tensors: list[OutTensor] = []
+    mods: list[OutModule] = []
+    for g in groups:
+        base = f"{g.prefix}{g.owner}.{g.proj}"
+        a, b = g.a, g.b
+        outer_a = shared_outer and g.proj == "gate_up_proj"
+        outer_b = shared_outer and g.proj == "down_proj"
+        if outer_a:
+            _require_identical(a, f"{base}.lora_A", path)
+        if outer_b:
+            _require_identical(b, f"{base}.lora_B", path)
+        tensors.append(_stack_out(f"{base}.lora_A.weight", a, outer_a))
+        tensors.append(_stack_out(f"{base}.lora_B.weight", b, outer_b))
+        mods.append(OutModule(f"{g.owner}.{g.proj}", g.proj, g.rank, g.alpha))
+    return tensors, mods
+
+
+def _stack_out(name: str, f: Factor, outer: bool) -> OutTensor:
+    if outer:
+        return OutTensor(name, f.dtype, (1, *f.shape), lambda: iter([f.expert(0)]))
+    return OutTensor(name, f.dtype, _stack_shape(f), f.stacked)
+
+
+def _require_identical(f: Factor, what: str, path: str) -> None:
+    """Shared-outer keeps one copy: every expert's factor must be bit-identical to expert 0's."""
+    import torch
+
+    if f.stored == 1:
+        return
+    first = f.expert(0)
+    worst = 0.0
+    for e in range(1, f.experts):
+        other = f.expert(e)
+        if not torch.equal(first.view(torch.uint8) if first.is_contiguous() else first.contiguous().view(torch.uint8),
+                           other.contiguous().view(torch.uint8)):  # fmt: skip
+            worst = max(worst, float((other.double() - first.double()).abs().max()))
+            if worst == 0.0:  # same values, different bits (-0.0, NaN payloads): still not a copy
+                worst = float("nan")
+    if worst != 0.0:
+        raise ConvertError(f"{what}: the experts' factors are not identical (max difference {worst:.6g}), so one "
+                           "shared copy would change the adapter", "lossy", path)  # fmt: skip
+
+
+def write_numbered(groups: list[Group]) -> tuple[list[OutTensor], list[OutModule]]:
+    tensors: list[OutTensor] = []
+    mods: list[OutModule] = []
+    for g in [part for whole in groups for part in split_gate_up(whole)]:
+        for e in range(g.experts):
+            base = f"{g.prefix}{g.owner}.{e}.{g.proj}"
+            a, b = g.a, g.b
+            tensors.append(OutTensor(f"{base}.lora_A.weight", a.dtype, a.shape, partial(_one, partial(a.expert, e))))
+            tensors.append(OutTensor(f"{base}.lora_B.weight", b.dtype, b.shape, partial(_one, partial(b.expert, e))))
+            mods.append(OutModule(f"{g.owner}.{e}.{g.proj}", g.proj, g.rank, g.alpha))
+    return tensors, mods
+
+
+def write_target_parameters(groups: list[Group], path: str, rename: Callable[[str], str] | None = None
+                            ) -> tuple[list[OutTensor], list[OutModule]]:  # fmt: skip
+    """PEFT ParamWrapper keys: gate_up at `experts.base_layer` (the inner wrapper), down at `experts`."""
+    import torch
+
+    tensors: list[OutTensor] = []
+    mods: list[OutModule] = []
+    for g in fuse_gate_up(groups, path):
+        if g.proj not in ("gate_up_proj", "down_proj"):
+            raise ConvertError(f"{g.owner}.{g.proj}: target_parameters has no place for {g.proj}", "unsupported", path)
+        owner = rename(g.owner) if rename else g.owner
+        key = f"{g.prefix}{owner}" + (".base_layer" if g.proj == "gate_up_proj" else "")
+        e, (r, fin), (out, _) = g.experts, g.a.shape, g.b.shape
+        a, b = g.a, g.b
+        tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, (r * e, fin), a.stacked))  # expert-major rows
+
+        def b_cols(b: Factor = b) -> Iterator[torch.Tensor]:
+            if b.whole is not None and b.stored == b.experts:
+                yield b.whole().permute(1, 2, 0)  # [E, out, r] -> (out, r, E): col = j·E + e
+            else:
+                yield torch.stack([b.expert(i) for i in range(b.experts)], dim=2)
+
+        tensors.append(OutTensor(f"{key}.lora_B.weight", b.dtype, (out, r * e), b_cols))
+        mods.append(OutModule(f"{owner}.{g.proj}", g.proj, g.rank, g.alpha, parameter=True))
+    return tensors, mods
+
+
+def mixtral_to_v5(owner: str) -> str:
+    """transformers 5 renames Mixtral's `block_sparse_moe` to `mlp` (conversion_mapping.py)."""
+    return owner.replace(".block_sparse_moe.", ".mlp.")
+
+
+def source_layout(adapter: Adapter) -> str:
+    layout = adapter.moe_layout
+    if layout == MoeLayout.MIXED:
+        raise ConvertError(f"{adapter.path}: the adapter mixes MoE layouts; convert needs one layout per adapter",
+                           "mixed_layout", adapter.path)  # fmt: skip
+    return str(layout.value)

@@ -1,0 +1,79 @@
+"""The `adapter_config.json` of a converted adapter: same scales, new module names.
+
+Each output module must resolve (PEFT's first-match `rank_pattern`/`alpha_pattern` rule, then `r`/`lora_alpha`)
+to the rank its tensors have and to the alpha that keeps its scale. Where the source config would not give that,
+an entry is put in front of the patterns: one `experts.<proj>` key when every module of that projection needs the
+same values, else the module's own name.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lorafast.merging.sources import peft_pattern_value
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one output module needs: prefix-free `name`, `leaf`, `rank`, `alpha` (None: alpha = rank)."""
+
+    name: str
+    leaf: str
+    rank: int
+    alpha: float | None
+    parameter: bool = False  # a PEFT target_parameters entry rather than a target module
+
+
+def _num(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+def build(source: Mapping[str, Any] | None, wants: list[Want], target_parameters: list[str]) -> dict[str, Any]:
+    if source is None:
+        ranks = Counter(w.rank for w in wants)
+        r = ranks.most_common(1)[0][0] if ranks else 8
+        alphas = Counter(w.alpha if w.alpha is not None else w.rank for w in wants if w.rank == r)
+        alpha = alphas.most_common(1)[0][0] if alphas else r
+        cfg: dict[str, Any] = {"peft_type": "LORA", "r": r, "lora_alpha": _num(alpha), "rank_pattern": {},
+                               "alpha_pattern": {}, "use_rslora": False, "bias": "none", "lora_dropout": 0.0}  # fmt: skip
+    else:
+        cfg = copy.deepcopy(dict(source))
+    rank_p = dict(cfg.get("rank_pattern") or {})
+    alpha_p = dict(cfg.get("alpha_pattern") or {})
+    r0, a0 = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+
+    def resolved(w: Want) -> tuple[int, float]:
+        rk = peft_pattern_value(rank_p, w.name)
+        al = peft_pattern_value(alpha_p, w.name)
+        return (int(rk) if rk is not None else r0), (float(al) if al is not None else a0)
+
+    needed = [w for w in wants if resolved(w) != (w.rank, w.alpha if w.alpha is not None else float(w.rank))]
+    new_r: dict[str, int] = {}
+    new_a: dict[str, float | int] = {}
+    by_leaf: dict[str, list[Want]] = {}
+    for w in needed:
+        by_leaf.setdefault(w.leaf, []).append(w)
+    for leaf, ws in by_leaf.items():
+        values = {(w.rank, w.alpha if w.alpha is not None else float(w.rank)) for w in ws}
+        generic = f"experts.{leaf}"
+        everyone = [w for w in wants if w.name.endswith("." + generic)]
+        if len(values) == 1 and all(w.name.endswith("." + generic) for w in ws) and len(everyone) == len(ws):
+            keys = [(generic, ws[0])]
+        else:
+            keys = [(w.name, w) for w in ws]
+        for key, w in keys:
+            new_r[key] = w.rank
+            new_a[key] = _num(w.alpha if w.alpha is not None else float(w.rank))
+    cfg["rank_pattern"] = {**new_r, **{k: v for k, v in rank_p.items() if k not in new_r}}
+    cfg["alpha_pattern"] = {**new_a, **{k: v for k, v in alpha_p.items() if k not in new_a}}
+    modules = sorted({w.leaf for w in wants if not w.parameter})
+    cfg["target_modules"] = modules
+    if target_parameters:
+        cfg["target_parameters"] = sorted(set(target_parameters))
+    else:
+        cfg.pop("target_parameters", None)
+    return cfg

@@ -1,0 +1,389 @@
+"""lorafast.convert (package lorafast.converting): every row of the layout table is exact (merged deltas bit-identical in fp32), bad input is
+refused with a `ConvertError` code and leaves nothing behind, and a converted mixed fleet fits one SGLang server."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+import lorafast
+import safetensors.torch as safetensors_torch
+import torch
+from lorafast import ConvertError, convert
+from lorafast.converting import CONVERT_ERROR_CODES
+
+H, IM, E, R = 16, 8, 4, 2
+LAYERS = 2
+PEFT = "base_model.model.model.layers"
+
+
+def _rnd(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen)
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict | None) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    safetensors_torch.save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if config is not None:
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _config(targets: list[str], **extra: object) -> dict:
+    return {"peft_type": "LORA", "r": R, "lora_alpha": 3 * R, "target_modules": targets, **extra}
+
+
+def _attn(t: dict, gen: torch.Generator, layer: int) -> None:
+    t[f"{PEFT}.{layer}.self_attn.q_proj.lora_A.weight"] = _rnd(gen, R, H)
+    t[f"{PEFT}.{layer}.self_attn.q_proj.lora_B.weight"] = _rnd(gen, H, R)
+
+
+def stacked_adapter(
+    folder: Path, seed: int, shared_outer: bool, identical_outer: bool = False, attn: bool = True
+) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {}
+    for layer in range(LAYERS):
+        if attn:
+            _attn(t, gen, layer)
+        pre = f"{PEFT}.{layer}.mlp.experts"
+        outer_a, outer_b = _rnd(gen, 1, R, H), _rnd(gen, 1, H, R)
+        if not shared_outer:
+            outer_a = outer_a.repeat(E, 1, 1) if identical_outer else _rnd(gen, E, R, H)
+            outer_b = outer_b.repeat(E, 1, 1) if identical_outer else _rnd(gen, E, H, R)
+        t[f"{pre}.gate_up_proj.lora_A.weight"] = outer_a
+        t[f"{pre}.gate_up_proj.lora_B.weight"] = _rnd(gen, E, 2 * IM, R)
+        t[f"{pre}.down_proj.lora_A.weight"] = _rnd(gen, E, R, IM)
+        t[f"{pre}.down_proj.lora_B.weight"] = outer_b
+    return _write(folder, t, _config(["q_proj", "gate_up_proj", "down_proj"]))
+
+
+def target_parameters_adapter(folder: Path, seed: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {}
+    for layer in range(LAYERS):
+        _attn(t, gen, layer)
+        pre = f"{PEFT}.{layer}.mlp.experts"
+        t[f"{pre}.base_layer.lora_A.weight"] = _rnd(gen, R * E, H)
+        t[f"{pre}.base_layer.lora_B.weight"] = _rnd(gen, 2 * IM, R * E)
+        t[f"{pre}.lora_A.weight"] = _rnd(gen, R * E, IM)
+        t[f"{pre}.lora_B.weight"] = _rnd(gen, H, R * E)
+    cfg = _config(["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return _write(folder, t, cfg)
+
+
+def numbered_adapter(folder: Path, seed: int, mixtral: bool = False) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if mixtral else "mlp"
+    t: dict[str, torch.Tensor] = {}
+    for layer in range(LAYERS):
+        _attn(t, gen, layer)
+        for e in range(E):
+            pre = f"{PEFT}.{layer}.{block}.experts.{e}"
+            for leaf, (fin, fout) in zip(names, ((H, IM), (H, IM), (IM, H)), strict=True):
+                t[f"{pre}.{leaf}.lora_A.weight"] = _rnd(gen, R, fin)
+                t[f"{pre}.{leaf}.lora_B.weight"] = _rnd(gen, fout, R)
+    return _write(folder, t, _config(["q_proj", *names]))
+
+
+# -- bases and a layout-free view of them ----------------------------------------------------------------------
+
+
+def fused_base(seed: int = 99) -> dict[str, torch.Tensor]:
+    """transformers-5 experts: gate_up_proj (E, 2·I, H) with gate rows first, down_proj (E, H, I)."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for layer in range(LAYERS):
+        sd[f"model.layers.{layer}.self_attn.q_proj.weight"] = _rnd(gen, H, H)
+        sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = _rnd(gen, E, 2 * IM, H)
+        sd[f"model.layers.{layer}.mlp.experts.down_proj"] = _rnd(gen, E, H, IM)
+    return sd
+
+
+def numbered_base(seed: int = 99) -> dict[str, torch.Tensor]:
+    """The same weights as `fused_base`, as transformers 4 keeps them: one Linear per expert and projection."""
+    fb = fused_base(seed)
+    sd = {}
+    for layer in range(LAYERS):
+        sd[f"model.layers.{layer}.self_attn.q_proj.weight"] = fb[f"model.layers.{layer}.self_attn.q_proj.weight"]
+        for e in range(E):
+            gu = fb[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e]
+            pre = f"model.layers.{layer}.mlp.experts.{e}"
+            sd[f"{pre}.gate_proj.weight"] = gu[:IM].clone()
+            sd[f"{pre}.up_proj.weight"] = gu[IM:].clone()
+            sd[f"{pre}.down_proj.weight"] = fb[f"model.layers.{layer}.mlp.experts.down_proj"][e].clone()
+    return sd
+
+
+def merged(base: dict[str, torch.Tensor], adapter: str) -> dict[str, torch.Tensor]:
+    sd = {k: v.clone() for k, v in base.items()}
+    lorafast.merge(sd, [adapter]).commit()
+    changed = [k for k in sd if not torch.equal(sd[k], base[k])]
+    assert changed, "the adapter changed nothing"
+    return sd
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == torch.float32
+        assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
+
+
+def _conversion_meta(out: str) -> dict:
+    with lorafast.tensors.TensorFile(os.path.join(out, "adapter_model.safetensors")) as tf:
+        return json.loads(tf.metadata["lorafast.converted"])
+
+
+# -- the table, row by row -------------------------------------------------------------------------------------
+
+
+def test_shared_outer_to_stacked_is_exact(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "shared", 1, shared_outer=True)
+    res = convert(src, "stacked_3d", tmp_path / "out")
+    conv = lorafast.inspect(res.out)
+    assert conv.moe_layout.value == "stacked_3d" and not conv.problems
+    mod = next(m for m in conv.modules if m.leaf == "gate_up_proj")
+    assert mod.a_shape == (E, R, H)
+    assert_bit_identical(merged(fused_base(), src), merged(fused_base(), res.out))
+    meta = _conversion_meta(res.out)
+    assert meta["from"] == "shared_outer" and meta["to"] == "stacked_3d"
+    assert meta["lorafast_version"] == lorafast.__version__
+    assert meta["source_sha256"] == res.source_sha256 == lorafast.inspect(src, content_hash=True).content_hash
+
+
+def test_stacked_with_identical_outer_factors_to_shared_outer_is_exact(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "stacked", 2, shared_outer=False, identical_outer=True)
+    res = convert(src, "shared_outer", tmp_path / "out")
+    conv = lorafast.inspect(res.out)
+    assert conv.moe_layout.value == "shared_outer"
+    assert_bit_identical(merged(fused_base(), src), merged(fused_base(), res.out))
+    # and back again gives the original bytes
+    back = convert(res.out, "stacked_3d", tmp_path / "back")
+    with lorafast.tensors.TensorFile(os.path.join(src, "adapter_model.safetensors")) as a, \
+            lorafast.tensors.TensorFile(os.path.join(back.out, "adapter_model.safetensors")) as b:  # fmt: skip
+        assert set(a.tensors) == set(b.tensors)
+        for name in a.tensors:
+            assert torch.equal(a.view(name), b.view(name)), name
+
+
+def test_stacked_with_different_outer_factors_is_refused_as_lossy(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "stacked", 3, shared_outer=False)
+    with pytest.raises(ConvertError, match="max difference") as info:
+        convert(src, "shared_outer", tmp_path / "out")
+    assert info.value.code == "lossy"
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["stacked"]  # no temporary folder left either
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_target_parameters_and_stacked_both_ways_are_exact(tmp_path: Path, shared: bool) -> None:
+    tp = target_parameters_adapter(tmp_path / "tp", 4)
+    st = convert(tp, "stacked_3d", tmp_path / "st")
+    assert lorafast.inspect(st.out).moe_layout.value == "stacked_3d"
+    assert_bit_identical(merged(fused_base(), tp), merged(fused_base(), st.out))
+    src = stacked_adapter(tmp_path / "s", 5, shared_outer=shared)
+    back = convert(src, "peft_target_parameters", tmp_path / "back")
+    conv = lorafast.inspect(back.out)
+    assert conv.moe_layout.value == "peft_target_parameters" and not conv.problems
+    assert_bit_identical(merged(fused_base(), src), merged(fused_base(), back.out))
+
+
+def test_numbered_to_stacked_and_back_is_exact(tmp_path: Path) -> None:
+    src = numbered_adapter(tmp_path / "numbered", 6)
+    st = convert(src, "stacked_3d", tmp_path / "st")
+    conv = lorafast.inspect(st.out)
+    assert conv.moe_layout.value == "stacked_3d" and not conv.problems
+    gate_up = next(m for m in conv.modules if m.leaf == "gate_up_proj")
+    assert gate_up.a_shape == (E, 2 * R, H) and gate_up.b_shape == (E, 2 * IM, 2 * R)  # fused as PEFT does
+    assert gate_up.scale == pytest.approx(3.0)  # alpha and rank both doubled: alpha / r is unchanged
+    back = convert(st.out, "per_expert_2d", tmp_path / "back")
+    assert lorafast.inspect(back.out).moe_layout.value == "per_expert_2d"
+    assert_bit_identical(merged(numbered_base(), src), merged(numbered_base(), back.out))
+
+
+def test_stacked_to_numbered_splits_gate_up(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "s", 7, shared_outer=False)
+    res = convert(src, "per_expert_2d", tmp_path / "out")
+    conv = lorafast.inspect(res.out)
+    assert conv.moe_layout.value == "per_expert_2d" and not conv.problems
+    names = {m.name for m in conv.modules}
+    assert {f"model.layers.0.mlp.experts.{E - 1}.{p}" for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    with lorafast.tensors.TensorFile(os.path.join(src, "adapter_model.safetensors")) as a, \
+            lorafast.tensors.TensorFile(os.path.join(res.out, "adapter_model.safetensors")) as b:  # fmt: skip
+        gu = a.view(f"{PEFT}.1.mlp.experts.gate_up_proj.lora_B.weight")
+        assert torch.equal(b.view(f"{PEFT}.1.mlp.experts.2.up_proj.lora_B.weight"), gu[2, IM:])
+        assert torch.equal(b.view(f"{PEFT}.1.mlp.experts.2.gate_proj.lora_A.weight"),
+                           a.view(f"{PEFT}.1.mlp.experts.gate_up_proj.lora_A.weight")[2])  # fmt: skip
+
+
+def _kohya(folder: Path) -> str:
+    gen = torch.Generator().manual_seed(8)
+    t = {}
+    # (module, rank, alpha): alpha 0 and a missing alpha both mean alpha = rank
+    for name, r, alpha in (("down_blocks_0_attentions_0_proj_in", 4, 1.5), ("mid_block_attentions_0_proj_out", 2, 0.0),
+                           ("up_blocks_1_attentions_0_proj_in", 4, None), ("down_blocks_1_resnets_0_conv1", 3, 7.0)):  # fmt: skip
+        key = f"lora_unet_{name}"
+        if name.endswith("conv1"):
+            t[f"{key}.lora_down.weight"] = _rnd(gen, r, H, 3, 3)
+            t[f"{key}.lora_up.weight"] = _rnd(gen, H, r, 1, 1)
+        else:
+            t[f"{key}.lora_down.weight"] = _rnd(gen, r, H)
+            t[f"{key}.lora_up.weight"] = _rnd(gen, H, r)
+        if alpha is not None:
+            t[f"{key}.alpha"] = torch.tensor(alpha)
+    folder.mkdir()
+    path = folder / "kohya.safetensors"
+    safetensors_torch.save_file(t, str(path))
+    return str(path)
+
+
+def _unet_base() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(98)
+    return {"down_blocks.0.attentions.0.proj_in.weight": _rnd(gen, H, H),
+            "mid_block.attentions.0.proj_out.weight": _rnd(gen, H, H),
+            "up_blocks.1.attentions.0.proj_in.weight": _rnd(gen, H, H),
+            "down_blocks.1.resnets.0.conv1.weight": _rnd(gen, H, H, 3, 3),
+            "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight": _rnd(gen, H, H),
+            "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.weight": _rnd(gen, H, H)}  # fmt: skip
+
+
+def test_kohya_to_peft_folder_keeps_every_scale(tmp_path: Path) -> None:
+    src = _kohya(tmp_path / "k")
+    res = convert(src, "peft", tmp_path / "peft")
+    assert sorted(os.listdir(res.out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    conv = lorafast.inspect(res.out)
+    assert conv.format.value in ("peft", "diffusers") and conv.config is not None
+    before = {m.name.removeprefix("lora_unet_"): m.scale for m in lorafast.inspect(src).modules}
+    assert {m.name: m.scale for m in conv.modules} == before
+    assert_bit_identical(merged(_unet_base(), src), merged(_unet_base(), res.out))
+
+
+def test_diffusers_legacy_to_peft_folder_is_exact(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(9)
+    pre = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.processor"
+    t = {f"{pre}.to_q_lora.down.weight": _rnd(gen, R, H), f"{pre}.to_q_lora.up.weight": _rnd(gen, H, R),
+         f"{pre}.to_out_lora.down.weight": _rnd(gen, R, H), f"{pre}.to_out_lora.up.weight": _rnd(gen, H, R)}  # fmt: skip
+    (tmp_path / "legacy").mkdir()
+    src = str(tmp_path / "legacy" / "pytorch_lora_weights.safetensors")
+    safetensors_torch.save_file(t, src)
+    assert lorafast.inspect(src).format.value == "diffusers_legacy"
+    res = convert(src, "peft", tmp_path / "peft")
+    keys = set(lorafast.read_header(os.path.join(res.out, "adapter_model.safetensors")).tensors)
+    assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.lora_B.weight" in keys
+    # The merge engine does not read attention-processor names, so the reference is the adapter diffusers' loader
+    # makes of them (`processor.to_q_lora.down` -> `to_q.lora_A`, `to_out_lora` -> `to_out.0`), written by hand.
+    ref = {k.replace(".processor", "").replace("to_out_lora", "to_out.0_lora").replace("_lora.down", ".lora_A")
+           .replace("_lora.up", ".lora_B"): v for k, v in t.items()}  # fmt: skip
+    assert set(ref) == keys
+    ref_path = _write(tmp_path / "ref", ref, _config(["to_q", "to_out.0"], lora_alpha=R))
+    assert_bit_identical(merged(_unet_base(), ref_path), merged(_unet_base(), res.out))
+
+
+# -- one server for a mixed fleet ------------------------------------------------------------------------------
+
+
+def test_converted_mixed_fleet_fits_one_sglang_server(tmp_path: Path) -> None:
+    from lorafast.compat import sglang
+
+    # expert modules only: SGLang wants q, k and v together, which has nothing to do with the layouts
+    shared = stacked_adapter(tmp_path / "shared", 10, shared_outer=True, attn=False)
+    stacked = stacked_adapter(tmp_path / "stacked", 11, shared_outer=False, attn=False)
+    with pytest.raises(RuntimeError, match="Mixed shared-outer LoRA formats"):
+        sglang.preflight([shared, stacked])
+    assert len(lorafast.plan_groups([shared, stacked]).groups) == 2
+    fixed = convert(shared, "stacked_3d", tmp_path / "shared-stacked").out
+    plan = sglang.preflight([fixed, stacked])
+    assert plan.experts_shared_outer is False
+    assert len(lorafast.plan_groups([fixed, stacked]).groups) == 1
+
+
+# -- bad input -------------------------------------------------------------------------------------------------
+
+
+def _left(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_layout_mismatch(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "shared", 12, shared_outer=True)
+    with pytest.raises(ConvertError) as info:
+        convert(src, "per_expert_2d", tmp_path / "out", source_layout="stacked_3d")
+    assert info.value.code == "layout_mismatch" and "shared_outer" in str(info.value)
+    with pytest.raises(ConvertError) as info:
+        convert(src, "shared_outer", tmp_path / "out")  # already there
+    assert info.value.code == "layout_mismatch"
+    dense = tmp_path / "dense"
+    gen = torch.Generator().manual_seed(0)
+    t: dict[str, torch.Tensor] = {}
+    _attn(t, gen, 0)
+    with pytest.raises(ConvertError) as info:
+        convert(_write(dense, t, _config(["q_proj"])), "stacked_3d", tmp_path / "out")
+    assert info.value.code == "layout_mismatch"
+    assert _left(tmp_path) == ["dense", "shared"]
+
+
+def test_mixed_layouts_inside_one_adapter(tmp_path: Path) -> None:
+    a = stacked_adapter(tmp_path / "a", 13, shared_outer=True)
+    tensors = safetensors_torch.load_file(os.path.join(a, "adapter_model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    tensors[f"{PEFT}.1.mlp.experts.gate_up_proj.lora_A.weight"] = _rnd(gen, E, R, H)  # layer 1 per-expert
+    src = _write(tmp_path / "mixed", tensors, _config(["q_proj", "gate_up_proj", "down_proj"]))
+    assert lorafast.inspect(src).moe_layout.value == "mixed"
+    with pytest.raises(ConvertError) as info:
+        convert(src, "stacked_3d", tmp_path / "out")
+    assert info.value.code == "mixed_layout"
+    assert _left(tmp_path) == ["a", "mixed"]
+
+
+def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "shared", 14, shared_outer=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConvertError) as info:
+        convert(src, "stacked_3d", out)
+    assert info.value.code == "exists" and (out / "keep.txt").read_text() == "mine"
+    res = convert(src, "stacked_3d", out, overwrite=True)
+    assert sorted(os.listdir(res.out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert _left(tmp_path) == ["out", "shared"]
+
+
+def test_truncated_source(tmp_path: Path) -> None:
+    src = stacked_adapter(tmp_path / "shared", 15, shared_outer=True)
+    weights = os.path.join(src, "adapter_model.safetensors")
+    adapter = lorafast.inspect(src)  # read before the file is cut: the header still promises every byte
+    os.truncate(weights, os.path.getsize(weights) - 100)
+    for given in (src, adapter):
+        with pytest.raises(ConvertError) as info:
+            convert(given, "stacked_3d", tmp_path / "out")
+        assert info.value.code == "truncated"
+    assert _left(tmp_path) == ["shared"]
+
+
+def test_error_codes_are_listed_and_pickle() -> None:
+    import pickle
+
+    err = ConvertError("x", "lossy", "/a")
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.code, again.path, str(again)) == ("lossy", "/a", "x")
+    assert isinstance(err, lorafast.LorafastError)
+    assert {"layout_mismatch", "mixed_layout", "lossy", "exists", "truncated"} <= set(CONVERT_ERROR_CODES)
+
+
+def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafast.cli import main
+
+    src = stacked_adapter(tmp_path / "shared", 16, shared_outer=True)
+    assert main(["convert", src, "--to", "stacked_3d", "--out", str(tmp_path / "out"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["from_layout"] == "shared_outer" and got["to_layout"] == "stacked_3d"
+    assert main(["convert", src, "--to", "stacked_3d", "--out", str(tmp_path / "out")]) == 1
+    assert "[exists]" in capsys.readouterr().err
