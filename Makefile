@@ -30,6 +30,10 @@ engines: $(BIN)/python ## fetch the pinned SGLang and vLLM wheels for the oracle
 	  n=$${w%%==*}; v=$${w##*==}; \
 	  ls $(ENGINE_CACHE)/$$n-$$v-*.whl >/dev/null 2>&1 || $(BIN)/pip download -q --no-deps "$$w" -d $(ENGINE_CACHE) || exit 1; \
 	done
+	@# SGLang's server args are msgspec structs and its utils import pybase64: the oracle's child needs both
+	@# (installed apart, never into the venv; tests/oracle/stubs.py puts the folder on the child's path).
+	@test -d $(ENGINE_CACHE)/sglang-deps/msgspec || $(BIN)/pip install -q --target $(ENGINE_CACHE)/sglang-deps \
+	  msgspec==0.23.0 pybase64==1.5.1
 
 .PHONY: build-release
 build-release: $(BIN)/python ## optimised build of the extension into the venv (fat LTO: slow to compile)
