@@ -231,6 +231,12 @@ mod imp {
 
 #[cfg(feature = "remote")]
 mod imp {
+    /// A PEFT folder with no weights: the local scan's words.
+    const NO_WEIGHTS_WHY: &str = crate::scan::MISSING_WEIGHTS_WHY;
+    /// The torch reader works on local files only (it needs random access to the zip's central directory).
+    const REMOTE_PICKLE_WHY: &str =
+        "adapter_model.bin is a torch pickle; remote stores are read for safetensors weights only";
+
     use std::collections::{BTreeMap, BTreeSet, HashMap};
     use std::io;
     use std::ops::Range;
@@ -1028,9 +1034,9 @@ mod imp {
                 Err(e) if guessed && e.code() == "not_found" => {
                     let pickle = self.loc(&join(&target.path.to_string_lossy(), "adapter_model.bin"))?;
                     let why = if pickle.store.inner.head(&pickle.key).await.is_ok() {
-                        "adapter_model.bin is a pickle and is not read; convert it to adapter_model.safetensors"
+                        REMOTE_PICKLE_WHY
                     } else {
-                        "adapter_config.json but no adapter_model.safetensors"
+                        NO_WEIGHTS_WHY
                     };
                     return Err(Error::adapter(target.path.clone(), "missing_weights", why));
                 }
@@ -1296,9 +1302,9 @@ mod imp {
                 });
             }
             let why = if self.files.contains("adapter_model.bin") {
-                "adapter_model.bin is a pickle and is not read; convert it to adapter_model.safetensors"
+                REMOTE_PICKLE_WHY
             } else {
-                "adapter_config.json but no adapter_model.safetensors"
+                NO_WEIGHTS_WHY
             };
             Err(Error::adapter(url, "missing_weights", why))
         }

@@ -292,13 +292,13 @@ fn peft_paths(dir: &Path, config: PathBuf) -> Target {
     }
 }
 
+/// Why a PEFT folder is `missing_weights`; remote scans say the same.
+pub(crate) const MISSING_WEIGHTS_WHY: &str =
+    "adapter_config.json but no adapter_model.safetensors, adapter_model.bin or adapter_model.pt";
+
 /// The error for a PEFT folder whose weights file is missing.
 fn missing_weights(dir: &Path) -> Error {
-    Error::adapter(
-        dir,
-        "missing_weights",
-        "adapter_config.json but no adapter_model.safetensors, adapter_model.bin or adapter_model.pt",
-    )
+    Error::adapter(dir, "missing_weights", MISSING_WEIGHTS_WHY)
 }
 
 /// The entries of one input path; its sub-folders are left for the walk.
@@ -625,12 +625,19 @@ fn load_header(
     } else {
         None
     };
-    let remember = !opts.keep_modules && !opts.fresh;
+    let remember = !opts.fresh;
     let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()));
-    let result = match key.as_ref().and_then(memo::get) {
-        Some((class, config_json)) => AdapterResult {
+    // A remembered classification shares its modules (an `Arc`); the metadata is the adapter's own.
+    let hit = key.as_ref().and_then(memo::get).and_then(|(class, config_json)| {
+        if !opts.keep_modules {
+            return Some((class, config_json, None));
+        }
+        leading_metadata(bytes).map(|metadata| (class, config_json, metadata))
+    });
+    let result = match hit {
+        Some((class, config_json, metadata)) => AdapterResult {
             config_json,
-            metadata: None,
+            metadata,
             header_size: n as u64,
             file_size,
             class,
@@ -662,6 +669,19 @@ fn load_header(
             kind: HeaderError::DuplicateTensor(name.clone()),
         }),
         None => Ok(result),
+    }
+}
+
+/// The `__metadata__` of a header that opens with it, as a full read keeps it (`Some(None)` when
+/// the header has none). None when it is elsewhere in the header: the caller then parses it whole.
+fn leading_metadata(bytes: &[u8]) -> Option<Option<Vec<(String, String)>>> {
+    match crate::header::split_leading_metadata(bytes) {
+        Some((metadata, _)) => Some(metadata.map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())),
+        // No key spells `__metadata__`, not even with escapes: the header has none.
+        None if memchr::memmem::find(bytes, b"__metadata__").is_none() && memchr::memmem::find(bytes, b"\\u").is_none() => {
+            Some(None)
+        }
+        None => None,
     }
 }
 

@@ -61,7 +61,11 @@ def long_kohya(path: str, modules: int = 300) -> None:
 
 
 def build_fleet(root: str, samples: int = 120) -> str:
-    """Writes a mixed fleet under `root` (good, broken, long headers, hidden) and returns `root`."""
+    """Writes a mixed fleet under `root` (good, broken, long headers, hidden) and returns `root`.
+
+    Every entry scans the same locally and remotely; torch `.bin` weights, which only local scans read, are
+    tested on their own (`test_remote_s3.py::test_pickle_weights_are_named_not_read`).
+    """
     write_samples(os.path.join(root, "samples"), samples, seed=3)
     write_corpus(os.path.join(root, "broken", "headers"))
     open(os.path.join(root, "broken", "headers", "empty.safetensors"), "wb").close()
@@ -69,7 +73,6 @@ def build_fleet(root: str, samples: int = 120) -> str:
     long_kohya(os.path.join(root, "long", "kohya.safetensors"))
     for name, files in {
         "no-weights": {"adapter_config.json": "{}"},
-        "pickle-only": {"adapter_config.json": "{}", "adapter_model.bin": "x"},
         "bad-config": {"adapter_config.json": "{not json", "adapter_model.safetensors": None},
         "list-config": {"adapter_config.json": "[1, 2]", "adapter_model.safetensors": None},
     }.items():

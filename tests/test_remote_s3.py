@@ -95,6 +95,27 @@ def test_inspect_urls_follow_the_local_rules(s3):
     assert h.value.code == "header_too_small"
 
 
+def test_pickle_weights_are_named_not_read(s3, tmp_path):
+    """Remote stores are read for safetensors only; a pickle-only PEFT folder says so (locally it is read)."""
+    server, _ = s3
+    folder = tmp_path / "pickle-only"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "adapter_model.bin").write_bytes(b"x")
+    server.upload("pickles", str(tmp_path))
+    remote = lorafast.scan("s3://pickles/", storage_options=server.storage_options)
+    assert remote.errors == [
+        (
+            "s3://pickles/pickle-only",
+            "missing_weights",
+            "adapter_model.bin is a torch pickle; remote stores are read for safetensors weights only",
+        )
+    ]
+    assert lorafast.scan(str(tmp_path)).errors == [
+        (str(folder / "adapter_model.bin"), "invalid_zip", "not a zip archive (torch.save's format)")
+    ]
+
+
 def test_content_hash_matches_local(s3):
     server, root = s3
     remote = lorafast.scan(f"{URL}/long", content_hash=True, storage_options=server.storage_options)
