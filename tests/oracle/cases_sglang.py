@@ -40,6 +40,12 @@ BASES: dict[str, dict[str, Any]] = {
                 "shared_expert_intermediate_size": SHARED_INTER, "num_experts_per_tok": 2, "n_shared_experts": 2,
                 "architectures": ["InklingForCausalLM"]},
 }  # fmt: skip
+BASES["deepseek_v3"] = {
+    "model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": INTER, "moe_intermediate_size": MOE_INTER,
+    "n_routed_experts": E, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": 12, "kv_lora_rank": 8,
+    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4, "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS, "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "num_experts_per_tok": 2,
+}  # fmt: skip
 for _n in (0, 1, 3):  # Inkling with other shared-expert counts (0: SGLang skips the normalization)
     BASES[f"inkling{_n}"] = {**BASES["inkling"], "n_shared_experts": _n}
 MOE_BASES = ("mixtral", "qwen2_moe", "qwen3_moe", "inkling", "inkling0", "inkling1", "inkling3")
@@ -285,6 +291,69 @@ def _inkling(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[str
     return made
 
 
+def _deepseek(rng: random.Random, out: Path, n: int) -> list[tuple[str, str]]:
+    """DeepSeek-V3 adapters: MLA projections (q_a/kv_a fused by SGLang), routed and shared experts."""
+    b = BASES["deepseek_v3"]
+    qk = b["qk_nope_head_dim"] + b["qk_rope_head_dim"]
+    dims = {"q_a_proj": (H, b["q_lora_rank"]), "kv_a_proj_with_mqa": (H, b["kv_lora_rank"] + b["qk_rope_head_dim"]),
+            "q_b_proj": (b["q_lora_rank"], HEADS * qk), "o_proj": (HEADS * b["v_head_dim"], H),
+            "kv_b_proj": (b["kv_lora_rank"], HEADS * (b["qk_nope_head_dim"] + b["v_head_dim"]))}  # fmt: skip
+    made = []
+    for i in range(n):
+        r = rng.choice((2, 4))
+        leaves = rng.choice((sorted(dims), ["q_a_proj", "q_b_proj"], ["kv_b_proj", "o_proj"], ["q_a_proj"]))
+        t: dict = {}
+        for layer in range(LAYERS):
+            for leaf in leaves:
+                _pair(t, f"{PRE}.{layer}.self_attn.{leaf}", r, *dims[leaf])
+        kind = rng.choice(("mla", "dense_mlp", "experts", "shared", "numbered_shared"))
+        targets = list(leaves)
+        if kind == "dense_mlp":
+            _pair(t, f"{PRE}.0.mlp.gate_proj", r, H, INTER)
+            _pair(t, f"{PRE}.0.mlp.down_proj", r, INTER, H)
+            targets += ["gate_proj", "down_proj"]
+        elif kind == "experts":
+            for e in range(rng.choice((E, E + 1))):
+                _pair(t, f"{PRE}.1.mlp.experts.{e}.gate_proj", r, H, MOE_INTER)
+                _pair(t, f"{PRE}.1.mlp.experts.{e}.down_proj", r, MOE_INTER, H)
+            targets += ["gate_proj", "down_proj"]
+        elif kind == "shared":
+            _pair(t, f"{PRE}.1.mlp.shared_experts.gate_proj", r, H, 2 * MOE_INTER)
+            _pair(t, f"{PRE}.1.mlp.shared_experts.up_proj", r, H, 2 * MOE_INTER)
+            _pair(t, f"{PRE}.1.mlp.shared_experts.down_proj", r, 2 * MOE_INTER, H)
+            targets += ["gate_proj", "up_proj", "down_proj"]
+        else:
+            _pair(t, f"{PRE}.1.mlp.shared_experts.0.gate_proj", r, H, MOE_INTER)
+            targets += ["gate_proj", "down_proj"]
+        made.append((f"deepseek_{kind}", write_adapter(out / f"deepseek-{i:02d}-{kind}", t, _config(r, targets))))
+    return made
+
+
+def _sharded(rng: random.Random, out: Path, n: int) -> list[tuple[str, str]]:
+    """Adapters split over two shards with a `model.safetensors.index.json`, as large checkpoints are."""
+    made = []
+    for i in range(n):
+        base = rng.choice(("llama", "qwen2_moe"))
+        leaves = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        r = rng.choice((2, 4))
+        t = _dense_tensors(rng, leaves, r, [0, 1], fused=False)
+        if base == "qwen2_moe":
+            t.update(_moe_tensors(base, r, [0, 1], layout=rng.choice(("2d", "3d", "outer"))))
+            leaves = leaves + ["gate_proj", "up_proj", "down_proj"]
+        names = sorted(t)
+        cut = rng.randint(1, len(names) - 1)
+        shards = {"model-00002-of-00002.safetensors": names[:cut], "model-00001-of-00002.safetensors": names[cut:]}
+        folder = out / f"sharded-{i:02d}"
+        folder.mkdir(parents=True)
+        for file, keys in shards.items():
+            write_safetensors(folder / file, {k: t[k] for k in keys})
+        index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        (folder / "adapter_config.json").write_text(json.dumps(_config(r, leaves)))
+        made.append((base, str(folder)))
+    return made
+
+
 # --- real PEFT output ------------------------------------------------------------------------------------------
 
 
@@ -336,6 +405,8 @@ def build(out: Path, seed: int = 11) -> dict[str, Any]:
         adapters += [(base, kind, path) for kind, path in _hand_made(rng, out / "hand", base, count)]
         if base.startswith("inkling"):
             adapters += [(base, kind, path) for kind, path in _inkling(rng, out / "inkling", base, 12)]
+    adapters += [("deepseek_v3", kind, path) for kind, path in _deepseek(rng, out / "deepseek", 30)]
+    adapters += [(base, "sharded", path) for base, path in _sharded(rng, out / "sharded", 12)]
     adapters += _peft_adapters(out / "peft", rng, 6)
     fixtures = ROOT / "tests" / "fixtures" / "real"
     for folder in sorted(fixtures.iterdir()):

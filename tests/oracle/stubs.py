@@ -284,6 +284,31 @@ def sglang_manager_shell(manager_cls, model, hf_config, *, max_loras_per_batch, 
     return mgr
 
 
+def _deepseek_layer(layer, config, layer_id, linear, mlp, experts, replicated_cls):
+    """SGLang's DeepseekV2/V3 decoder layer: fused q_a/kv_a (replicated), q_b/kv_b (column), o (row); MoE after
+    `first_k_dense_replace` with `mlp.shared_experts`."""
+    from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    kv_a = config.kv_lora_rank + config.qk_rope_head_dim
+    attn = layer.self_attn
+    attn.fused_qkv_a_proj_with_mqa = linear(replicated_cls, hidden, (config.q_lora_rank + kv_a,))
+    attn.q_b_proj = linear(ColumnParallelLinear, config.q_lora_rank, (heads * qk,))
+    attn.kv_b_proj = linear(ColumnParallelLinear, config.kv_lora_rank,
+                            (heads * (config.qk_nope_head_dim + config.v_head_dim),))  # fmt: skip
+    attn.o_proj = linear(RowParallelLinear, heads * config.v_head_dim, (hidden,))
+    if layer_id < (config.first_k_dense_replace or 0):
+        layer.mlp = mlp(config.intermediate_size)
+    else:
+        import torch
+
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = experts(config.moe_intermediate_size)
+        if config.n_shared_experts:
+            layer.mlp.shared_experts = mlp(config.moe_intermediate_size * config.n_shared_experts)
+
+
 def sglang_tiny_model(config):
     """Stub 6: the module tree of SGLang's model for `config`, built from shells of the real layer classes."""
     import types
@@ -321,6 +346,7 @@ def sglang_tiny_model(config):
                       moe_tp_rank=0, moe_tp_size=1, intermediate_size_per_partition=inter, weight=weight())  # fmt: skip
 
     n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    routed = getattr(config, "n_routed_experts", None)  # DeepSeek: MLA attention, first dense layers, shared experts
     model_type = config.model_type
     root = nn.Module()
     root.config = config
@@ -331,6 +357,10 @@ def sglang_tiny_model(config):
     for layer_id in range(config.num_hidden_layers):
         layer = nn.Module()
         layer.self_attn = nn.Module()
+        if routed:
+            _deepseek_layer(layer, config, layer_id, linear, mlp, experts, ReplicatedLinear)
+            layers.append(layer)
+            continue
         layer.self_attn.qkv_proj = linear(
             QKVParallelLinear, hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
             q_proj_shard_size=heads * head_dim, kv_proj_shard_size=kv_heads * head_dim, num_kv_head_replicas=1,
