@@ -2,7 +2,8 @@
 
 Writes N dense PEFT adapters (32 layers x 7 modules, four ranks; benches/bench_scan.py's "dense" set) and three
 header-only bases: a sharded Llama of the adapters' dimensions, a Qwen2 of other dimensions and a Llava-style
-wrapper whose language model is that Llama (`language_model.model.` in the checkpoint). Then times:
+wrapper whose language model is that Llama (`language_model.model.` in the checkpoint), plus a smaller set whose
+headers all differ (bench_scan.py's "unique"). Then times:
 
   lorafast.check(paths, bases=[3 base folders])   (bases read inside, once each; target: 10,000 x 3 < 2 s)
   the Python way: per (adapter, base) pair, PEFT `inject_adapter_in_model` on a meta-device model built from
@@ -115,6 +116,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=10_000)
     ap.add_argument("--baseline", type=int, default=30, help="adapters the PEFT way is timed on (x 3 bases)")
+    ap.add_argument("--unique", type=int, default=500, help="adapters of the every-header-different set")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
@@ -143,6 +145,14 @@ def main() -> int:
               f" verdicts agree on {agree}/{len(sub)}")  # fmt: skip
         print(f"lorafast.check is faster by {pairs / best / rate:,.0f}x; the PEFT way would take "
               f"{pairs / rate:,.0f} s for the whole fleet")  # fmt: skip
+        if args.unique:
+            # every header different (tensor order varies): each adapter is its own structure
+            upaths = make_dense(os.path.join(tmp, "unique"), args.unique, unique=True)
+            t, c = time.perf_counter(), time.process_time()
+            lorafast.check(upaths, bases)
+            took_u, cpu_u = time.perf_counter() - t, time.process_time() - c
+            print(f"unique headers: {args.unique} adapters x 3 bases in {took_u:.3f} s ({cpu_u:.3f} s of CPU), "
+                  f"{args.unique * 3 / took_u:,.0f} pairs/s")  # fmt: skip
         big = os.path.join(tmp, "big.safetensors")
         write_safetensors(
             big, {f"model.layers.{i // 10}.mlp.m{i % 10}.weight": ("BF16", (2, 2)) for i in range(100_000)}

@@ -18,7 +18,7 @@ import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _core
 from .errors import HeaderError, _CodedError
@@ -39,6 +39,9 @@ SINGLE_FILE_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 #: Top-level names of original-layout denoisers stored without a prefix (BFL Flux, Wan, HunyuanVideo releases).
 _BARE_DENOISER_KEYS = ("double_blocks.", "single_blocks.", "joint_blocks.", "blocks.", "input_blocks.")
+_ANY_SINGLE_FILE = tuple(p for p, _ in SINGLE_FILE_PREFIXES) + _BARE_DENOISER_KEYS
+_QUANT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0", "U8"})
+_QUANT_SUFFIXES = (".weight_packed", "_blocks", ".weight.absmax")
 #: Weight files tried, in order, in a model or component folder.
 _INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _FILE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
@@ -49,10 +52,10 @@ class BaseModelError(_CodedError):
     `missing_config`, `bad_config`, `no_weights`; `path` names the file."""
 
 
-@dataclass(frozen=True)
-class Weight:
+class Weight(NamedTuple):
     """One base weight. `shape` is the logical shape (what a LoRA factor must fit); for a quantized weight
-    `stored_shape` is what the file holds and `quantized` names the scheme."""
+    `stored_shape` is what the file holds and `quantized` names the scheme. A tuple: a base of 100,000 tensors
+    builds 100,000 of them."""
 
     dtype: str
     shape: tuple[int, ...] | None  # None: the logical shape is not in the header (bitsandbytes 4-bit)
@@ -381,8 +384,10 @@ def _weights_of(src: _Local | _Http, files: list[str]) -> tuple[dict[str, Weight
             raise HeaderError(msg, e.code, full) from None
         except FileNotFoundError:
             raise BaseModelError(f"missing weight file {full}", "missing_file", full) from None
-        for name, dtype, shape, _ in raw["tensors"]:
-            weights[name] = Weight(dtype, shape, full)
+        make = tuple.__new__
+        weights.update(
+            (name, make(Weight, (dtype, shape, full, None, None))) for name, dtype, shape, _ in raw["tensors"]
+        )
     return _mark_quantized(weights)
 
 
@@ -391,7 +396,11 @@ def _mark_quantized(weights: dict[str, Weight]) -> tuple[dict[str, Weight], str 
     (`weight_packed`, GPTQ/AWQ `qweight`) and MXFP4 blocks (`*_blocks` + `*_scales`, gpt-oss)."""
     scheme: str | None = None
     extra: dict[str, Weight] = {}
-    for name, w in weights.items():
+    # one cheap pass picks the few names worth a closer look
+    cands = [n for n, w in weights.items() if w.dtype in _QUANT_DTYPES or n.endswith(_QUANT_SUFFIXES)]
+    absmax = {n[: -len(".absmax")] for n in cands if n.endswith(".weight.absmax")}
+    for name in cands:
+        w = weights[name]
         if w.dtype.startswith("F8_"):
             weights[name] = Weight(w.dtype, w.shape, w.file, "fp8", w.shape)
             scheme = scheme or "fp8"
@@ -405,8 +414,10 @@ def _mark_quantized(weights: dict[str, Weight]) -> tuple[dict[str, Weight], str 
             e, rows, nb, bs = w.shape
             extra[name[: -len("_blocks")]] = Weight("MXFP4", (e, rows, nb * bs * 2), w.file, "mxfp4", w.shape)
             scheme = scheme or "mxfp4"
-        elif name.endswith(".weight") and name[:-7] + ".weight.absmax" in weights:
-            weights[name] = Weight(w.dtype, None, w.file, "bnb_4bit", w.shape)
+    for name in absmax:
+        packed = weights.get(name)
+        if packed is not None:
+            weights[name] = Weight(packed.dtype, None, packed.file, "bnb_4bit", packed.shape)
             scheme = scheme or "bnb_4bit"
     weights.update(extra)
     return weights, scheme
@@ -473,6 +484,8 @@ def _loaded_view(weights: Mapping[str, Weight], config: Mapping[str, Any] | None
 
 def _split_single_file(weights: dict[str, Weight], path: str) -> dict[str, BaseModel]:
     """Components of a single-file diffusion checkpoint, by key prefix; {} for anything else."""
+    if not any(n.startswith(_ANY_SINGLE_FILE) for n in weights):
+        return {}
     parts: dict[str, dict[str, Weight]] = {}
     for name, w in weights.items():
         for prefix, comp in SINGLE_FILE_PREFIXES:
