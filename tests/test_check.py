@@ -214,6 +214,8 @@ def test_quantized_weights_reported(tmp_path: Path) -> None:
         "model.layers.0.self_attn.k_proj.scales": ("F16", (1, 32)),
         "model.layers.0.mlp.experts.gate_up_proj_blocks": ("U8", (4, 256, 2, 16)),
         "model.layers.0.mlp.experts.gate_up_proj_scales": ("U8", (4, 256, 2)),
+        "model.layers.0.self_attn.v_proj.weight": ("U8", (512, 1)),  # bitsandbytes 4-bit: no shape in the header
+        "model.layers.0.self_attn.v_proj.weight.absmax": ("F32", (16,)),
     })  # fmt: skip
     (d / "config.json").write_text(json.dumps({"architectures": ["X"], "quantization_config": {
         "quant_method": "gptq", "bits": 4}}))  # fmt: skip
@@ -228,6 +230,12 @@ def test_quantized_weights_reported(tmp_path: Path) -> None:
     k = "base_model.model.model.layers.0.self_attn.k_proj"
     write_safetensors(lora, {f"{k}.lora_A.weight": ("BF16", (4, 64)), f"{k}.lora_B.weight": ("BF16", (32, 4))})
     assert next(iter(check(lora, base))).verdict == "ok"
+    assert w["model.layers.0.self_attn.v_proj.weight"].quantized == "bnb_4bit"
+    assert w["model.layers.0.self_attn.v_proj.weight"].shape is None
+    v = "base_model.model.model.layers.0.self_attn.v_proj"
+    write_safetensors(lora, {f"{v}.lora_A.weight": ("BF16", (4, 64)), f"{v}.lora_B.weight": ("BF16", (64, 4))})
+    r = next(iter(check(lora, base)))
+    assert r.verdict == "ok" and r.modules[0].status == "unverified" and "bnb_4bit" in (r.modules[0].hint or "")
 
 
 def test_bad_bases_name_the_file(zoo: dict[str, Path], tmp_path: Path) -> None:
