@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -75,11 +76,22 @@ def _inspect(adapter: Adapter | str | os.PathLike[str]) -> Adapter:
         raise ConvertError(f"cannot read adapter {path}: {exc}", "bad_source", path) from exc
 
 
-def _content_hash(path: str, box: list[str | BaseException]) -> None:
-    from lorafast.scanner import inspect
-
+def _content_hash(path: str, start: int, box: list[str | BaseException]) -> None:
+    """sha256 of the data section (bytes after the header), as `inspect(content_hash=True)` and kohya compute it.
+    Read with `pread` (a file truncated meanwhile gives an error, not SIGBUS); hashlib releases the GIL."""
     try:
-        box.append(inspect(path, content_hash=True).content_hash or "")
+        h = hashlib.sha256()
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            pos = start
+            while n := os.preadv(fd, [buf], pos):
+                h.update(view[:n])
+                pos += n
+        finally:
+            os.close(fd)
+        box.append(h.hexdigest())
     except BaseException as exc:  # reported by the writer, which is waiting for it
         box.append(exc)
 
@@ -119,7 +131,7 @@ def convert(
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
             tensors, config = _plan(ad, tf, found, to)
             box: list[str | BaseException] = []
-            hasher = threading.Thread(target=_content_hash, args=(src, box), daemon=True)
+            hasher = threading.Thread(target=_content_hash, args=(src, tf.data_start, box), daemon=True)
             hasher.start()
 
             def sha() -> str:
@@ -161,7 +173,7 @@ def _version() -> str:
 
 def _copy(tf: TensorFile, name: str, new: str | None = None) -> OutTensor:
     e = tf.entry(name)
-    return OutTensor(new or name, e.dtype, e.shape, lambda: iter([tf.view(name)]))
+    return OutTensor(new or name, e.dtype, e.shape, lambda: iter([tf.view(name)]), verbatim=(tf, name))
 
 
 def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTensor], dict[str, Any] | None]:

@@ -53,7 +53,7 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
         key = _peft_key(adapter.format, m.key)
         for src, dst in ((m.a_key, f"{key}.lora_A.weight"), (m.b_key, f"{key}.lora_B.weight")):
             e = tf.entry(src)
-            tensors.append(OutTensor(dst, e.dtype, e.shape, partial(_one, partial(tf.view, src))))
+            tensors.append(OutTensor(dst, e.dtype, e.shape, partial(_one, partial(tf.view, src)), verbatim=(tf, src)))
             used.add(src)
         rank = m.a_shape[0]
         alpha = m.alpha if m.alpha else None  # sd-scripts: 0 or no `.alpha` means alpha = rank

@@ -51,6 +51,7 @@ class Factor:
     shape: tuple[int, int]
     expert: Callable[[int], torch.Tensor]  # the 2-D matrix of expert e (a view; maybe not contiguous)
     whole: Callable[[], torch.Tensor] | None = None  # the 3-D [stored, d1, d2] stack, when one source tensor has it
+    source: tuple[TensorFile, str] | None = None  # the source tensor whose bytes are that stack, row-major
 
     def stacked(self) -> Iterator[torch.Tensor]:
         """The bytes of the full [E, d1, d2] stack, as a sequence of tensors."""
@@ -100,7 +101,7 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
     if len(e.shape) != 3 or e.shape[0] not in (1, experts):
         raise ConvertError(f"{key}: shape {list(e.shape)} is not a stack of {experts} experts", "bad_source", tf.path)
     return Factor(e.dtype, experts, e.shape[0], (e.shape[1], e.shape[2]),
-                  lambda i: tf.view(key)[i if e.shape[0] > 1 else 0], lambda: tf.view(key))  # fmt: skip
+                  lambda i: tf.view(key)[i if e.shape[0] > 1 else 0], lambda: tf.view(key), (tf, key))  # fmt: skip
 
 
 def _reshaped(tf: TensorFile, key: str, shape: tuple[int, ...], perm: tuple[int, ...] | None) -> torch.Tensor:
@@ -153,7 +154,7 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
             out, fin = b_e.shape[0], a_e.shape[1]
             a_stack = partial(_reshaped, tf, m.a_key, (e, r, fin), None)
             b_stack = partial(_reshaped, tf, m.b_key, (out, r, e), (2, 0, 1))
-            a = Factor(a_e.dtype, e, e, (r, fin), partial(_index, a_stack), a_stack)
+            a = Factor(a_e.dtype, e, e, (r, fin), partial(_index, a_stack), a_stack, (tf, m.a_key))  # expert-major
             b = Factor(b_e.dtype, e, e, (out, r), partial(_index, b_stack), b_stack)
         groups.append(Group(prefix, owner, leaf, a, b, m.rank or a.shape[0], _alpha(adapter, m, m.name), m.use_rslora))
         covered.update((m.a_key, m.b_key))
@@ -278,8 +279,13 @@ def write_stacked(groups: list[Group], shared_outer: bool, path: str) -> tuple[l
 
 def _stack_out(name: str, f: Factor, outer: bool) -> OutTensor:
     if outer:
-        return OutTensor(name, f.dtype, (1, *f.shape), lambda: iter([f.expert(0)]))
-    return OutTensor(name, f.dtype, _stack_shape(f), f.stacked)
+        return OutTensor(name, f.dtype, (1, *f.shape), lambda: iter([f.expert(0)]), verbatim=_verbatim(f, 1))
+    return OutTensor(name, f.dtype, _stack_shape(f), f.stacked, verbatim=_verbatim(f, f.experts))
+
+
+def _verbatim(f: Factor, stored: int) -> tuple[TensorFile, str] | None:
+    """The source tensor when the output is exactly its bytes (a stack kept as it is)."""
+    return f.source if f.source is not None and f.stored == stored else None
 
 
 def _require_identical(f: Factor, what: str, path: str) -> None:
@@ -329,7 +335,7 @@ def write_target_parameters(groups: list[Group], path: str, rename: Callable[[st
         key = f"{g.prefix}{owner}" + (".base_layer" if g.proj == "gate_up_proj" else "")
         e, (r, fin), (out, _) = g.experts, g.a.shape, g.b.shape
         a, b = g.a, g.b
-        tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, (r * e, fin), a.stacked))  # expert-major rows
+        tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, (r * e, fin), a.stacked, verbatim=_verbatim(a, e)))
 
         def b_cols(b: Factor = b) -> Iterator[torch.Tensor]:
             if b.whole is not None and b.stored == b.experts:

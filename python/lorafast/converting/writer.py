@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lorafast.converting.errors import ConvertError
-from lorafast.tensors import _ST_DTYPES
+from lorafast.tensors import _ST_DTYPES, TensorFile
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,8 @@ class OutTensor:
     dtype: str
     shape: tuple[int, ...]
     produce: Callable[[], Iterable[torch.Tensor]]
+    #: (file, tensor name) when the bytes are one source tensor unchanged: copied file to file by the kernel
+    verbatim: tuple[TensorFile, str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +76,10 @@ def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sh
         total = 0
         for t in tensors:
             written = 0
+            if t.verbatim is not None:
+                t.verbatim[0].copy_range_to(t.verbatim[1], fd)  # copy_file_range: no trip through user space
+                total += t.nbytes
+                continue
             for mv in _chunks(t):
                 _write_all(fd, mv)
                 written += len(mv)
