@@ -79,16 +79,22 @@ def peft_adapter(model: Any, out: Path, targets: list[str], r: int = 4, **kw: An
     return out
 
 
-def make_unet_pipeline(root: Path) -> Any:
-    """A diffusers folder: model_index.json, unet/ and text_encoder/ (each saved with save_pretrained)."""
+def tiny_unet(cross_attention_dim: int = 12) -> Any:
+    """A two-block UNet; another `cross_attention_dim` is the SD 1.5 (768) vs SDXL (2048) difference in small."""
     from diffusers import UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
 
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=12, attention_head_dim=2, norm_num_groups=4,
+        cross_attention_dim=cross_attention_dim, attention_head_dim=2, norm_num_groups=4,
     )  # fmt: skip
+
+
+def make_unet_pipeline(root: Path) -> Any:
+    """A diffusers folder: model_index.json, unet/ and text_encoder/ (each saved with save_pretrained)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    unet = tiny_unet()
     unet.save_pretrained(root / "unet", max_shard_size=SHARD)
     te = CLIPTextModel(CLIPTextConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=1,
                                       num_attention_heads=2, vocab_size=64, projection_dim=12))  # fmt: skip

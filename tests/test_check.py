@@ -177,6 +177,33 @@ def test_diffusers_pipelines(tmp_path: Path) -> None:
     assert r.verdict == "no_match" and "no transformer component" in (r.hint or "")
     assert got["l_unet", "flux"].verdict == "no_match"
 
+    # PEFT on a meta-device UNet of the pipeline's config agrees, for the right LoRA and for one made on a UNet
+    # of another cross-attention width
+    wide = cf.diffusers_lora(cf.tiny_unet(cross_attention_dim=24), tmp_path / "l_wide", "unet", ["to_k", "to_v"])
+    r = next(iter(check(wide, sd)))
+    assert r.verdict == "shape_mismatch" and {m.status for m in r.modules} == {"ok", "shape_mismatch"}
+    assert peft_unet_verdict(tmp_path / "sd" / "unet", wide) == "shape_mismatch"
+    assert peft_unet_verdict(tmp_path / "sd" / "unet", good) == "ok"
+
+
+def peft_unet_verdict(unet_dir: Path, lora: Path) -> str:
+    """PEFT's load of a diffusers-format UNet LoRA (its `unet.` keys) onto a meta-device UNet of that config."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet_dir))
+    sd = {k.removeprefix("unet."): v for k, v in load_file(lora).items()}
+    r = next(iter(sd.values())).shape[0]
+    inject_adapter_in_model(LoraConfig(r=r, target_modules=["to_q", "to_k", "to_v"]), unet, low_cpu_mem_usage=True)
+    try:
+        res = set_peft_model_state_dict(unet, sd, low_cpu_mem_usage=True)
+    except RuntimeError as e:
+        assert "size mismatch" in str(e)
+        return "shape_mismatch"
+    return "no_match" if any("lora_" in k for k in res.unexpected_keys) else "ok"
+
 
 def test_single_file_diffusion_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "sd15.safetensors"
