@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
@@ -94,7 +95,7 @@ def main() -> int:
 
     import lorafast
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
         for layout in ("shared_outer", "peft_target_parameters"):
             src = write_adapter(Path(tmp) / layout, args.layers, layout)

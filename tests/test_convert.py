@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -204,9 +205,44 @@ def test_numbered_to_stacked_and_back_is_exact(tmp_path: Path) -> None:
     gate_up = next(m for m in conv.modules if m.leaf == "gate_up_proj")
     assert gate_up.a_shape == (E, 2 * R, H) and gate_up.b_shape == (E, 2 * IM, 2 * R)  # fused as PEFT does
     assert gate_up.scale == pytest.approx(3.0)  # alpha and rank both doubled: alpha / r is unchanged
+    # numbered experts merge into transformers-5 fused weights the way PEFT fuses them, so the bits agree
+    assert_bit_identical(merged(fused_base(), src), merged(fused_base(), st.out))
     back = convert(st.out, "per_expert_2d", tmp_path / "back")
     assert lorafast.inspect(back.out).moe_layout.value == "per_expert_2d"
     assert_bit_identical(merged(numbered_base(), src), merged(numbered_base(), back.out))
+
+
+def test_transformers4_expert_names_to_transformers5_is_exact(tmp_path: Path) -> None:
+    src = numbered_adapter(tmp_path / "mixtral", 17, mixtral=True)
+    res = convert(src, "transformers5", tmp_path / "v5")
+    conv = lorafast.inspect(res.out)
+    assert conv.moe_layout.value == "peft_target_parameters" and not conv.problems
+    keys = set(lorafast.read_header(os.path.join(res.out, "adapter_model.safetensors")).tensors)
+    assert f"{PEFT}.1.mlp.experts.base_layer.lora_A.weight" in keys  # block_sparse_moe -> mlp, as transformers 5
+    assert not any("block_sparse_moe" in k for k in keys)
+    cfg = json.loads(Path(res.out, "adapter_config.json").read_text())
+    assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert (
+        cfg["rank_pattern"]["experts.gate_up_proj"] == 2 * R and cfg["alpha_pattern"]["experts.gate_up_proj"] == 6 * R
+    )
+    assert_bit_identical(merged(fused_base(), src), merged(fused_base(), res.out))
+
+
+def test_numbered_experts_merge_into_fused_weights(tmp_path: Path) -> None:
+    """The merge engine's side: a transformers-4 adapter into a transformers-5 model gives the transformers-4 result."""
+    src = numbered_adapter(tmp_path / "qwen", 18)
+    v4 = merged(numbered_base(), src)
+    v5 = merged(fused_base(), src)
+    for layer in range(LAYERS):
+        gu, down = (
+            v5[f"model.layers.{layer}.mlp.experts.gate_up_proj"],
+            v5[f"model.layers.{layer}.mlp.experts.down_proj"],
+        )
+        for e in range(E):
+            pre = f"model.layers.{layer}.mlp.experts.{e}"
+            torch.testing.assert_close(gu[e, :IM], v4[f"{pre}.gate_proj.weight"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(gu[e, IM:], v4[f"{pre}.up_proj.weight"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(down[e], v4[f"{pre}.down_proj.weight"], rtol=0, atol=1e-5)
 
 
 def test_stacked_to_numbered_splits_gate_up(tmp_path: Path) -> None:
@@ -387,3 +423,34 @@ def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert got["from_layout"] == "shared_outer" and got["to_layout"] == "stacked_3d"
     assert main(["convert", src, "--to", "stacked_3d", "--out", str(tmp_path / "out")]) == 1
     assert "[exists]" in capsys.readouterr().err
+
+
+def test_transformers4_adapter_merges_into_transformers5_mixtral_like_peft(tmp_path: Path) -> None:
+    """PEFT converts a transformers-4 Mixtral adapter (`block_sparse_moe.experts.N.w1/w3/w2`) on load into a
+    transformers-5 model (fused `mlp.experts.gate_up_proj` / `down_proj`); `lorafast.merge` gives its result."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=H, intermediate_size=IM, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                     num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).float().eval()
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert base["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * IM, H)
+    gen = torch.Generator().manual_seed(19)
+    t = {}
+    for layer in range(LAYERS):
+        for e in range(E):
+            for leaf, (fin, fout) in (("w1", (H, IM)), ("w3", (H, IM)), ("w2", (IM, H))):
+                key = f"{PEFT}.{layer}.block_sparse_moe.experts.{e}.{leaf}"
+                t[f"{key}.lora_A.weight"] = _rnd(gen, R, fin)
+                t[f"{key}.lora_B.weight"] = _rnd(gen, fout, R)
+    src = _write(tmp_path / "v4", t, _config(["w1", "w2", "w3"], task_type="CAUSAL_LM"))
+    with warnings.catch_warnings():  # PEFT warns that its own fused-rank patterns match no module here
+        warnings.simplefilter("ignore")
+        reference = peft.PeftModel.from_pretrained(model, src).merge_and_unload().state_dict()
+    ours = merged(base, src)
+    changed = [k for k in base if not torch.equal(base[k], reference[k])]
+    assert sorted(changed) == sorted(k for k in base if ".experts." in k)
+    for k in base:
+        torch.testing.assert_close(ours[k], reference[k], rtol=0, atol=1e-5)

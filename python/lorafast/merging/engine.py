@@ -25,7 +25,17 @@ from typing import TYPE_CHECKING, Any
 from lorafast.merging import claims, kernel
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import Source, normalize
-from lorafast.merging.targets import NameIndex, Target, WeightSpec, bias_factors, factors, preflight, stack_shape
+from lorafast.merging.targets import (
+    NameIndex,
+    Target,
+    Term,
+    WeightSpec,
+    bias_factors,
+    expert_slot_factors,
+    factors,
+    preflight,
+    stack_shape,
+)
 from lorafast.tensors import TensorFile, TensorReadError
 
 if TYPE_CHECKING:
@@ -392,7 +402,20 @@ def build_segments(
         Rs.clear()
         labels.clear()
 
+    slots: list[tuple[Term, torch.Tensor, torch.Tensor]] = []  # numbered experts of one adapter, one fused weight
+
+    def flush_slots() -> None:
+        if slots:
+            L, R = expert_slot_factors([t for t, _, _ in slots], [x for _, x, _ in slots], [y for _, _, y in slots],
+                                       stack)  # fmt: skip
+            Ls.append(L)
+            Rs.append(R)
+            labels.append(slots[0][0].label + (f" (+{len(slots) - 1} experts)" if len(slots) > 1 else ""))
+            slots.clear()
+
     for term in target.terms:
+        if slots and (term.form != "expert_slot" or term.source is not slots[0][0].source):
+            flush_slots()
         mod = term.module
         try:
             tf = files.get(mod.weight_file)
@@ -421,6 +444,9 @@ def build_segments(
                 module=mod.name,
                 adapter=term.source.nickname,
             )
+        if term.form == "expert_slot":
+            slots.append((term, a, b))
+            continue
         L, R = factors(term, a, b, stack)
         if m is None:
             Ls.append(L)
@@ -436,6 +462,7 @@ def build_segments(
             )
         flush()
         segs.append(kernel.Segment("dora", L.contiguous(), R.contiguous(), m, term.label))
+    flush_slots()
     flush()
     return segs
 

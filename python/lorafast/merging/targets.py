@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from lorafast.adapter import LoraModule
+from lorafast.adapter import _SGLANG_W_RENAMES, LoraModule
+from lorafast.base import _EXPERT
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import Source, peft_pattern_value
 
@@ -82,6 +83,7 @@ class Term:
     coef: float  # strength × scale
     rank: int
     experts: int = 1
+    slot: tuple[int, int, int] | None = None  # form "expert_slot": (expert, part, parts) inside a fused weight
 
     @property
     def label(self) -> str:
@@ -338,6 +340,10 @@ def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, in
         weight = index.find(m.name, ".weight")
         if weight is None and m.kind == "stacked_3d":
             weight = index.find(m.name, "")  # a fused expert parameter (`experts.gate_up_proj`)
+        if weight is None and m.kind == "expert_2d":
+            fused = _fused_expert(m, index)
+            if fused is not None:
+                return fused
     except _Ambiguous as amb:
         raise _Problem("ambiguous_module", f"several weights match: {amb.names[:4]}") from None
     if weight is None:
@@ -356,6 +362,42 @@ def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, in
     if form is None:
         raise _Problem("shape_mismatch", f"weight {weight!r}: {why}")
     return weight, form, m.rank or 0, experts
+
+
+def expert_slot(m: LoraModule) -> tuple[str, str, int, int, int] | None:
+    """A numbered expert module (`experts.3.w1`) as (experts path, fused leaf, expert, part, parts): transformers 5
+    fuses gate (w1) and up (w3) into `gate_up_proj` (gate rows first) and stacks down (w2) into `down_proj`."""
+    hit = _EXPERT.match(m.name + ".weight")
+    if hit is None:
+        return None
+    leaf = _SGLANG_W_RENAMES.get(hit.group(3), hit.group(3))
+    part = {"gate_proj": 0, "up_proj": 1}.get(leaf)
+    fused = "down_proj" if part is None else "gate_up_proj"
+    return hit.group(1), fused, int(hit.group(2)), part or 0, 1 if part is None else 2
+
+
+def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] | None:
+    """(weight, "expert_slot", rank, experts) for a numbered expert module whose model keeps its experts fused."""
+    slot = expert_slot(m)
+    if slot is None:
+        return None
+    owner, fused, e, part, parts = slot
+    a, b = m.a_shape or (), m.b_shape or ()
+    for path in dict.fromkeys((owner, owner.replace(".block_sparse_moe.", ".mlp."))):  # Mixtral's v5 rename
+        weight = index.find(f"{path}.{fused}", "")
+        if weight is None:
+            continue
+        spec = index.specs[weight]
+        if len(spec.shape) != 3 or len(a) != 2 or len(b) != 2:
+            raise _Problem("shape_mismatch", f"weight {weight!r} {list(spec.shape)} is not a fused expert stack")
+        if e >= spec.shape[0] or (spec.shape[1], spec.shape[2]) != (parts * b[0], a[1]) or a[0] != b[1]:
+            raise _Problem("shape_mismatch", f"lora_A {list(a)} / lora_B {list(b)} of expert {e} do not fit fused "
+                           f"weight {weight!r} {list(spec.shape)}")  # fmt: skip
+        bad = _check_weight(spec)
+        if bad:
+            raise _Problem(bad[0], f"weight {weight!r}: {bad[1]}")
+        return weight, "expert_slot", a[0], spec.shape[0]
+    return None
 
 
 def _tp_module(src: Source, m: LoraModule, weight: str, rank: int) -> LoraModule:
@@ -437,7 +479,8 @@ def preflight(
                         fail("unsupported", m, src, f"DoRA is merged only into plain linear/conv weights, not {form}")
                         break
                     form = "dora"
-                add(comp, weight, spec, Term(src, m, form, coef, rank, experts))
+                slot = expert_slot(m)[2:] if form == "expert_slot" else None  # type: ignore[index]
+                add(comp, weight, spec, Term(src, m, form, coef, rank, experts, slot))
                 if m.bias_key is not None:
                     bias = weight.removesuffix(".weight") + ".bias"
                     out_dim = stack_shape(spec.shape)[2 if form == "AtBt" else 1]
@@ -527,9 +570,32 @@ def factors(term: Term, a: torch.Tensor, b: torch.Tensor, stack: tuple[int, int,
             L, R = b3.permute(2, 0, 1), a3  # (E, out, r), (E, r, in)
         else:
             L, R = a3.transpose(1, 2), b3.permute(2, 1, 0)  # (E, in, r), (E, r, out)
+    elif form == "expert_slot":
+        return expert_slot_factors([term], [a], [b], stack)
     else:
         raise AssertionError(form)
     return L * term.coef, R
+
+
+def expert_slot_factors(terms: list[Term], a: list[Any], b: list[Any], stack: tuple[int, int, int]) -> tuple[Any, Any]:
+    """Numbered experts of one adapter on one fused weight as one stacked term, laid out as PEFT's transformers-5
+    conversion lays them: per expert, A of gate and up concatenated along r, B block-diagonal (`(E, 2·out, 2r)`).
+    So the merged bits equal those of the adapter converted to fused names (`lorafast.convert`)."""
+    import torch
+
+    parts = terms[0].slot[2] if terms[0].slot else 1
+    r = a[0].shape[0]
+    out = stack[1] // parts
+    L = torch.zeros((stack[0], stack[1], parts * r), dtype=b[0].dtype, device=b[0].device)
+    R = torch.zeros((stack[0], parts * r, stack[2]), dtype=a[0].dtype, device=a[0].device)
+    coefs = {t.coef for t in terms}
+    for t, at, bt in zip(terms, a, b, strict=True):
+        assert t.slot is not None
+        e, part, _ = t.slot
+        block = bt if len(coefs) == 1 else bt * t.coef
+        L[e, part * out : (part + 1) * out, part * r : (part + 1) * r] = block
+        R[e, part * r : (part + 1) * r] = at
+    return (L * coefs.pop() if len(coefs) == 1 else L), R
 
 
 def bias_factors(term: Term, bias: torch.Tensor) -> tuple[Any, Any]:
