@@ -129,13 +129,13 @@ def load_to_buffer(uid: str, weights: LoadedWeights, r: Any, pool: Pool, modules
             is_shared = "shared_experts." in name
             if is_shared and shape is not None and len(shape) == 3:
                 target = f"{target}_shared_moe"
-                side = temp_a if "lora_A" in name else temp_b
+                dest = temp_a if "lora_A" in name else temp_b
                 if expert:
                     if temp_a[target] is None:  # KeyError without a shared-expert MoE buffer, as in SGLang
                         temp_a[target], temp_b[target] = {}, {}
-                    side[target][int(expert.group(1))] = shape
+                    dest[target][int(expert.group(1))] = shape
                 else:
-                    side[target] = shape
+                    dest[target] = shape
             elif is_shared and expert:
                 raise ValueError(f"Cannot load LoRA weight {name!r}: layer {layer_id} has no matching target for "
                                  "indexed shared-expert weights.")  # fmt: skip
@@ -182,7 +182,7 @@ def load_to_buffer(uid: str, weights: LoadedWeights, r: Any, pool: Pool, modules
             elif target == "lm_head" and lm_head_wrapped and "lm_head" in name and (is_a or is_b):
                 if is_a:
                     _load(_view(pool.lm_head_a[target], 0, (None, r), (None, None)), shape)
-                else:
+                elif shape is not None:
                     rows = shape[0]
                     _load(_view(pool.lm_head_b[target], 0, (None, rows), (None, r)), shape)
             elif target == "lm_head" and "lm_head" in name and (is_a or is_b):

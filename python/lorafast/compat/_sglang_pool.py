@@ -35,7 +35,10 @@ class Cfg:
         self.__dict__.update(data)
         # transformers' default for configs written without it (a partial dict passed by a caller)
         if "num_key_value_heads" not in data and "num_attention_heads" in data:
-            self.num_key_value_heads = data["num_attention_heads"]
+            self.__dict__["num_key_value_heads"] = data["num_attention_heads"]
+
+    def __getattr__(self, name: str) -> Any:  # only reached for a missing key: AttributeError, as on a config
+        raise AttributeError(f"'Cfg' object has no attribute '{name}'")
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""adapter_config.json as SGLang's LoRAConfig reads it, and the weights it holds after normalization.
+
+One module per SGLang stage; `lorafast.compat.sglang` re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lorafast.compat import _versions
+from lorafast.compat._common import Collector
+from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._sglang_weights import NO_CONFIG, LoadedWeights, load_adapter_weights
+
+logger = logging.getLogger("lorafast.compat.sglang")
+
+
+_NUMBERED_EXPERT = re.compile(r"(?:shared_)?experts\.\d+\.")
+
+
+_EXPERT_ID = re.compile(r"experts\.(\d+)\.")
+
+
+_SHARED_OUTER_SLOTS = (("gate_up_proj_moe", "A"), ("down_proj_moe", "B"))
+
+
+@dataclass(frozen=True)
+class _LoraConfig:
+    hf_config: Mapping[str, Any]
+    target_modules: Any
+    r: Any
+    lora_alpha: Any
+    use_dora: bool
+    lora_added_tokens_size: int
+
+
+def _lora_config(view: AdapterView, base_vocab_size: int | None = None, col: Collector | None = None) -> _LoraConfig:
+    """`LoRAConfig(path)`: a missing required key raises a plain KeyError, in SGLang's order."""
+    error = view.config_error()
+    if error is not None:
+        raise error
+    hf = view.config
+    assert hf is not None
+    target_modules = hf["target_modules"]
+    r = hf["r"]
+    lora_alpha = hf["lora_alpha"]
+    added = 0
+    if view.added_tokens_error is not None:
+        message = f"Failed to parse added_tokens.json: {view.added_tokens_error}"
+        logger.warning(message)
+        if col is not None:
+            col.warn("sglang_added_tokens_json", message, stage="load", adapter_id=view.lora_id,
+                     adapter_name=view.name)  # fmt: skip
+    elif view.added_tokens:
+        # Ids below the base vocabulary are "fake" added tokens and dropped.
+        added = sum(1 for v in view.added_tokens.values() if base_vocab_size is None or v >= base_vocab_size)
+    return _LoraConfig(hf, target_modules, r, lora_alpha, bool(hf.get("use_dora", False)), added)
+
+
+def _text_config(base_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """`base_hf_config.get_text_config()` for multimodal configs."""
+    if base_config is None:
+        return None
+    for key in ("text_config", "language_config", "llm_config"):
+        sub = base_config.get(key)
+        if isinstance(sub, Mapping):
+            return sub
+    return base_config
+
+
+def predict_loaded_weights(
+    adapter: Any, *, base_config: Mapping[str, Any] | None = None, engine_version: str | None = None
+) -> LoadedWeights:
+    """The per-layer `{name: shape}` dicts SGLang holds after `initialize_weights()` for one adapter.
+
+    Fused gate/up (`[E, r, H]` + `[E, r, H]` -> `[E, 2r, H]`), `.w1/.w3/.w2` renames, q/k/v fusion and the
+    repeat of an already fused lora_A are all applied, with SGLang's errors.
+    """
+    _versions.resolve("sglang", engine_version)
+    (view,) = resolve_adapters([adapter]) if not isinstance(adapter, AdapterView) else (adapter,)
+    shared = _load_weights(view, base_config=_text_config(base_config))
+    # A private copy: the normalized dicts are cached and shared between adapters of the same structure.
+    return LoadedWeights(
+        shared.lora_id, {i: dict(w) for i, w in shared.layers.items()}, dict(shared.embedding),
+        dict(shared.added_tokens),
+    )  # fmt: skip
+
+
+def _load_weights(
+    view: AdapterView,
+    *,
+    config: _LoraConfig | None = None,
+    base_config: Mapping[str, Any] | None = None,
+    lora_added_tokens_size: int = 0,
+) -> LoadedWeights:
+    if config is None and view.config is not None and view.config_file:
+        target_modules = view.config.get("target_modules", NO_CONFIG)
+        rank = view.config.get("r")
+    elif config is not None:
+        target_modules, rank = config.target_modules, config.r
+    else:
+        target_modules, rank = NO_CONFIG, None
+    return load_adapter_weights(
+        view, target_modules=target_modules, rank=rank if isinstance(rank, int) else None,
+        base_config=base_config, lora_added_tokens_size=lora_added_tokens_size,
+    )  # fmt: skip
+
+
+def _memo(memo: dict[Any, Any] | None, key: Any, compute: Any) -> Any:
+    """Per-preflight reuse of a result for adapters that share one normalized structure (same dict objects)."""
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
