@@ -293,6 +293,10 @@ def test_validate_new_adapter_messages(tmp_path: Path) -> None:
     )
     # Ids below the base vocabulary are "fake" added tokens.
     assert sg.validate_new_adapter(LoraRef("tok-lora", added), base_vocab_size=1000) == []
+    # can_support sees the same filtered count: from base_vocab_size, or from a plan's base_config.
+    pool = sg.MemoryPool(max_lora_rank=8, target_modules=frozenset({"qkv_proj"}))
+    assert not sg.can_support(pool, [added])
+    assert sg.can_support(pool, [added], base_vocab_size=1000)
 
     first = view(attn(), "same")
     with pytest.raises(ValueError) as info:

@@ -39,10 +39,19 @@ def _can_support_one(pool: Any, config: _LoraConfig) -> bool:
     return "all" in normalized or normalized.issubset(set(pool.target_modules))
 
 
-def can_support(memory_pool: Any, adapters: Any, *, engine_version: str | None = None) -> bool:
-    """`LoRAMemoryPool.can_support`: every adapter fits the pool's rank, added tokens and target modules."""
+def can_support(
+    memory_pool: Any, adapters: Any, *, base_vocab_size: int | None = None, engine_version: str | None = None
+) -> bool:
+    """`LoRAMemoryPool.can_support`: every adapter fits the pool's rank, added tokens and target modules.
+
+    SGLang's configs drop "fake" added tokens (ids below the base vocabulary) before this check: the vocabulary
+    size comes from `base_vocab_size`, else from the pool's `base_config` (an `SGLangPlan` has one).
+    """
     _versions.resolve("sglang", engine_version)
-    return all(_can_support_one(memory_pool, _lora_config(v)) for v in resolve_adapters(adapters))
+    if base_vocab_size is None:
+        base = getattr(memory_pool, "base_config", None)
+        base_vocab_size = base.get("vocab_size") if base else None
+    return all(_can_support_one(memory_pool, _lora_config(v, base_vocab_size)) for v in resolve_adapters(adapters))
 
 
 def _refs(loaded: Any) -> list[Any]:
