@@ -454,3 +454,39 @@ def test_transformers4_adapter_merges_into_transformers5_mixtral_like_peft(tmp_p
     assert sorted(changed) == sorted(k for k in base if ".experts." in k)
     for k in base:
         torch.testing.assert_close(ours[k], reference[k], rtol=0, atol=1e-5)
+
+
+# -- the way out, as `lorafast preflight sglang` prints it -------------------------------------------------------
+
+
+def test_preflight_groups_consequential_problems() -> None:
+    from lorafast.compat._way_out import grouped_lines
+
+    dim = {"code": "sglang_expert_dim", "type": "ValueError", "fatal": True, "adapter_name": "b",
+           "message": "experts_shared_outer_loras is enabled but gate_up_proj_moe lora_A has expert_dim=4 (expected 1)."}  # fmt: skip
+    mixed = {"code": "sglang_mixed_shared_outer", "type": "RuntimeError", "fatal": True, "message": "Mixed ..."}
+    lines = grouped_lines([mixed, *[dim] * 48, {**dim, "adapter_name": "c"}])
+    assert lines == [
+        "error [-] RuntimeError: Mixed ...",
+        f"error [b] ValueError: {dim['message']} (48 times; --json lists each)",
+        f"error [c] ValueError: {dim['message']}",
+    ]
+
+
+def test_preflight_prints_the_way_out_and_it_works(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    from lorafast.cli import main
+
+    shared = stacked_adapter(tmp_path / "shared", 20, shared_outer=True, attn=False)
+    stacked = stacked_adapter(tmp_path / "stacked", 21, shared_outer=False, attn=False)
+    assert main(["preflight", "sglang", f"a={shared}", stacked]) == 1
+    out = capsys.readouterr().out
+    assert "Mixed shared-outer LoRA formats" in out
+    way = out[out.index("way out:") :].splitlines()
+    assert f"split the set across 2 servers:  lorafast groups {shared} {stacked}" in way[1]
+    commands = [shlex.split(line.strip()) for line in way[3:]]
+    assert [c[:2] for c in commands] == [["lorafast", "convert"], ["lorafast", "preflight"]]
+    for argv in commands:  # the printed commands, run as printed
+        assert main(argv[1:]) == 0
+    assert "ok" in capsys.readouterr().out

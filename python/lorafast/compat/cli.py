@@ -56,11 +56,15 @@ def _cmd(args: argparse.Namespace) -> int:
                 "suggested_max_lora_rank"):  # fmt: skip
         if key in report:
             sys.stdout.write(f"{key}: {report[key]}\n")
-    for p in report["problems"]:
-        level = "error" if p["fatal"] else "warning"
-        who = p.get("adapter_name") or p.get("adapter") or "-"
-        sys.stdout.write(f"{level} [{who}] {p['type'] or p['code']}: {p['message']}\n")
+    from lorafast.compat._way_out import grouped_lines, way_out
+
+    for line in grouped_lines(report["problems"]):  # consequential problems once, with a count
+        sys.stdout.write(line + "\n")
     sys.stdout.write("ok\n" if ok else "the engine would refuse this set\n")
+    if not ok and args.engine == "sglang":
+        given = [(a.get("name") or a["path"], a["path"]) for a in report.get("adapters", [])]
+        for line in way_out(given, report["problems"]):
+            sys.stdout.write(line + "\n")
     return 0 if ok else 1
 
 
