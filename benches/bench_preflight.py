@@ -1,18 +1,26 @@
 """SGLang start-up checks for 1,000 MoE adapters: lorafast's header-only preflight vs loading everything.
 
-Generates N MoE PEFT adapters (default 1,000; BF16, 4 layers, 8 experts, hidden 512, expert intermediate 256,
-rank 8, plus attention LoRA): half per-expert numbered 2D (`experts.N.gate_proj/up_proj/down_proj`, 208 tensors
+Generates N MoE PEFT adapters (default 1,000; BF16, 4 layers, 8 experts, hidden 64, expert intermediate 32,
+rank 8, plus attention LoRA; tiny tensors, which favours the loaders, not lorafast): half per-expert numbered 2D (`experts.N.gate_proj/up_proj/down_proj`, 208 tensors
 each), half stacked 3D (`experts.gate_up_proj` [E, r, H], 32 tensors each). Then times, on a warm page cache:
 
   lorafast   `lorafast.compat.sglang.preflight(paths, base_config=...)`: every check of an SGLang start-up
              (config, validation, target modules, max rank, shared-outer detection, buffer shapes, first-use
              checks), reading headers only; also timed from a `lorafast.scan` report (Adapter objects);
-  reference  what SGLang does: read every tensor of every adapter to CPU (safetensors, in `safe_open().keys()`
-             order), route by layer, normalize (q/k/v and gate/up `torch.cat`, fused lora_A `repeat`), then run
-             the shared-outer detection on the loaded tensors.
+  engine     SGLang's own start-up load path, from the released wheel (default 0.5.23, unpacked in
+             `.cache/engines/` by `make engines`): `LoRAManager.init_state`, which loads every adapter with
+             `LoRAAdapter.initialize_weights` (every tensor read to CPU and normalized), infers target modules and
+             max rank, detects the shared-outer mode and builds the memory pool on CPU. It runs in a child
+             interpreter with the oracle's stubs (tests/oracle/sglang_load_bench_runner.py, which reuses
+             tests/oracle/sglang_runner.py); only `init_state` is timed, not the interpreter or the engine import;
+  reference  a plain re-implementation of that load: read every tensor of every adapter to CPU (safetensors, in
+             `safe_open().keys()` order), route by layer, normalize (q/k/v and gate/up `torch.cat`, fused lora_A
+             `repeat`), then run the shared-outer detection on the loaded tensors.
 
-Both must reach the same decision (target modules, max rank, shared-outer mode). Prints the times and the ratio.
-Usage: python benches/bench_preflight.py [--n 1000] [--hidden 512] [--keep DIR]
+All must reach the same decision (target modules, max rank, shared-outer mode; with the engine also the memory
+pool's buffer shapes). Prints the times and the ratios (issue 11 asks for preflight at least 20x faster than the
+engine's own load path). `--no-engine` skips the engine run.
+Usage: python benches/bench_preflight.py [--n 1000] [--hidden 64] [--engine-version 0.5.23] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ import lorafast
 import lorafast._core
 from lorafast.compat import sglang as sg
 from lorafast.testing import write_safetensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "oracle"))
 
 LAYERS, EXPERTS, RANK = 4, 8, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -141,10 +153,21 @@ def reference(paths: list[str], num_layers: int) -> tuple[set[str], int, bool]:
     return targets, rank, bool(shared)
 
 
+def engine_load(paths: list[str], hidden: int, version: str) -> tuple[float, dict[str, Any]]:
+    """SGLang's own `LoRAManager.init_state` on `paths` (child interpreter); its seconds and decision."""
+    from oracle import engines
+
+    base = {"model_type": "qwen3_moe", **base_config(hidden)}
+    out = engines.run("sglang_load_bench_runner", "sglang", version, {"base": base, "paths": paths}, timeout=3600)
+    return min(out["seconds"]), out["startup"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1000)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--engine-version", default="0.5.23", help="SGLang release whose load path is timed")
+    parser.add_argument("--no-engine", action="store_true", help="skip SGLang's own load path")
     parser.add_argument("--keep", help="write the adapters here and keep them")
     parser.add_argument("--no-scan", action="store_true", help="skip the lorafast.scan + preflight(report) timing")
     args = parser.parse_args()
@@ -163,11 +186,13 @@ def main() -> int:
         fast = fast_paths = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            plan_from_paths = sg.preflight(paths, base_config=cfg, collect=True)
+            plan_from_paths = sg.preflight(paths, base_config=cfg, collect=True, engine_version=args.engine_version)
             fast_paths = min(fast_paths, time.perf_counter() - t0)
             if not args.no_scan:
                 t0 = time.perf_counter()
-                plan = sg.preflight(list(lorafast.scan(paths)), base_config=cfg, collect=True)
+                plan = sg.preflight(
+                    list(lorafast.scan(paths)), base_config=cfg, collect=True, engine_version=args.engine_version
+                )
                 fast = min(fast, time.perf_counter() - t0)
         if args.no_scan:
             plan = plan_from_paths
@@ -175,21 +200,44 @@ def main() -> int:
         t0 = time.perf_counter()
         ref = reference(paths, LAYERS)
         slow = time.perf_counter() - t0
+        if not args.no_engine:
+            engine, engine_startup = engine_load(paths, args.hidden, args.engine_version)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
     mine = (set(plan.target_modules), plan.max_lora_rank, plan.experts_shared_outer)
     same = mine == ref and plan.errors == [] and plan_from_paths.target_modules == plan.target_modules
+    if not args.no_engine:
+        from sglang_lorafast import _buffers
+
+        engine_decision = {k: engine_startup.get(k) for k in ("target_modules", "max_lora_rank", "shared_outer")}
+        engine_decision["buffers"] = engine_startup.get("buffers")
+        mine_decision = {"target_modules": sorted(mine[0]), "max_lora_rank": mine[1], "shared_outer": mine[2],
+                         "buffers": _buffers(plan_from_paths)}  # fmt: skip
+        engine_same = engine_decision == mine_decision
+        if not engine_same:
+            print(f"engine decision differs: {engine_decision} != {mine_decision}")
+        same = same and engine_same
+        print(f"SGLang {args.engine_version} agrees (target modules, max rank, shared-outer, buffers): {engine_same}")
     print(f"decision: target_modules={sorted(mine[0])} max_lora_rank={mine[1]} shared_outer={mine[2]} "
           f"buffers={(plan.buffer_bytes or 0) / 2**20:.1f} MiB  (reference agrees: {same})")  # fmt: skip
     print(f"lorafast preflight(paths)          {fast_paths:8.3f} s  {fast_paths / args.n * 1e6:9.0f} us/adapter")
     if not args.no_scan:
         print(f"lorafast scan + preflight(report)  {fast:8.3f} s  {fast / args.n * 1e6:9.0f} us/adapter")
     print(f"load-everything reference          {slow:8.3f} s  {slow / args.n * 1e6:9.0f} us/adapter")
+    if not args.no_engine:
+        print(f"SGLang {args.engine_version} LoRAManager.init_state  {engine:8.3f} s  "
+              f"{engine / args.n * 1e6:9.0f} us/adapter")  # fmt: skip
     print(f"ratio reference / preflight(paths):         {slow / fast_paths:8.1f}x")
     if not args.no_scan:
         print(f"ratio reference / scan + preflight(report): {slow / fast:8.1f}x")
+    if not args.no_engine:
+        print(
+            f"ratio SGLang {args.engine_version} load / preflight(paths): {engine / fast_paths:8.1f}x (target: >= 20x)"
+        )
+        if not args.no_scan:
+            print(f"ratio SGLang {args.engine_version} load / scan + preflight(report): {engine / fast:8.1f}x")
     return 0 if same else 1
 
 

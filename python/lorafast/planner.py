@@ -1,13 +1,17 @@
 """Merge-mode planning: what `set_lora` would merge, keep dynamic, skip, unmerge or re-merge.
 
-`plan(requests)` replays the decisions of SGLang's diffusion `LoRAPipeline.set_lora` (reference: sglang-lora.md
-§12, pipeline.py @ 013aa626) without touching a weight:
+`plan(requests, engine_version=...)` replays the decisions of SGLang's diffusion `LoRAPipeline.set_lora` of that
+release without touching a weight. SGLang's rules, names and texts live in `lorafast.compat.diffusion`; this
+module imports them. tests/test_oracle_plan.py runs the released `set_lora` (0.5.23) on the same calls:
 
 1. the merge mode is resolved (`merge_mode`, else `merge_weights`, else the server's `--lora-merge-mode`);
 2. the parallel lists are normalized and the targets validated, with SGLang's exact error texts;
 3. adapters are loaded or reloaded (a new or changed path, or a changed `lora_alpha`, sets `adapter_updated`);
 4. per target, in first-seen order: the first module decides merge vs dynamic, several adapters on a dynamic
    target raise SGLang's exact `ValueError`, the "config matches" rule may skip, and every module is re-applied.
+   From 0.5.23: quantized layers stay dynamic under "auto" (and refuse "merge"), and "auto" keeps a lone adapter
+   unmerged where merging would round away more than half of its update, which needs weight values
+   (`base_weights=`; without them the component is reported as undecided).
 
 On top of SGLang it computes each adapter's effective scale per module (strength × alpha/r, or alpha/√r with
 rsLoRA, honouring per-module alphas, rank_pattern and alpha_pattern), plans adapters that are not plain
@@ -31,6 +35,9 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from lorafast.adapter import peft_pattern_key
+from lorafast.compat import _versions
+from lorafast.compat import diffusion as _diffusion
+from lorafast.compat.diffusion import LORA_MERGE_MODES, PIPELINE_MODULES, VALID_TARGETS
 
 if TYPE_CHECKING:
     import argparse
@@ -60,23 +67,12 @@ __all__ = [
     "should_merge",
 ]
 
-#: SGLang `server_args.LORA_MERGE_MODES`; printed as a tuple in the invalid-mode error.
-LORA_MERGE_MODES = ("auto", "merge", "dynamic")
-#: SGLang `LoRAPipeline.VALID_TARGETS` (a list, printed as one in the invalid-target error).
-VALID_TARGETS = ["all", "transformer", "transformer_2", "critic"]
-#: Pipeline components a target resolves to, in the order `_get_target_lora_layers("all")` lists them.
-PIPELINE_MODULES = ("transformer", "transformer_2", "critic")
-
-DYNAMIC_MULTI_ADAPTER_ERROR = (
-    "Dynamic LoRA currently supports only one adapter per target. Use merge_mode='merge' for multiple adapters."
-)
-CONFIG_MATCHES_MESSAGE = "LoRA configuration matches exactly, skipping"
-_MISSING_MODULE_MESSAGES = {
-    "transformer_2": "transformer_2 does not exist in this pipeline",
-    "critic": "critic (fake_score_transformer) does not exist in this pipeline",
-}
-_AUTO_SHARDED = "Using dynamic LoRA for {} because FSDP-sharded weights would require a full-gather merge."
-_MERGE_SHARDED = "Merging LoRA for {} with FSDP-sharded weights may require full-gather and can OOM."
+# SGLang's rules, names and texts have one home, compat.diffusion (proven against the released set_lora):
+# `LORA_MERGE_MODES` (a tuple in the invalid-mode error), `VALID_TARGETS` (a list in the invalid-target error),
+# `PIPELINE_MODULES` (the order `_get_target_lora_layers("all")` lists components), and the messages.
+DYNAMIC_MULTI_ADAPTER_ERROR = _diffusion.MSG_DYNAMIC_ONE_ADAPTER
+CONFIG_MATCHES_MESSAGE = _diffusion.MSG_CONFIG_MATCHES
+_MISSING_MODULE_MESSAGES = _diffusion.MSG_MISSING_MODULE
 
 # Why each non-additive family cannot be summed with other deltas as plain LoRA.
 _NON_ADDITIVE_WHY = {
@@ -139,16 +135,18 @@ class LoraRequest:
     alpha: float | None = None  # SGLang `lora_alpha`: overrides the adapter-level alpha
 
 
-def resolve_merge_mode(merge_weights: bool | None, merge_mode: str | None, server_merge_mode: str = "auto") -> str:
-    """SGLang `_resolve_lora_merge_mode`: explicit mode, else merge_weights, else the server's mode."""
-    if merge_mode is None:
-        if merge_weights is not None:
-            merge_mode = "merge" if merge_weights else "dynamic"
-        else:
-            merge_mode = server_merge_mode
-    if merge_mode not in LORA_MERGE_MODES:
-        raise ValueError(f"Invalid LoRA merge mode: {merge_mode}. Valid modes: {LORA_MERGE_MODES}")
-    return merge_mode
+def resolve_merge_mode(
+    merge_weights: bool | None,
+    merge_mode: str | None,
+    server_merge_mode: str = "auto",
+    *,
+    engine_version: str | None = None,
+) -> str:
+    """SGLang `_resolve_lora_merge_mode` (`compat.diffusion.resolve_lora_merge_mode`): explicit mode, else
+    merge_weights, else the server's mode."""
+    return _diffusion.resolve_lora_merge_mode(
+        merge_mode, merge_weights, server_merge_mode, engine_version=engine_version
+    )
 
 
 def normalize_lora_params(
@@ -157,46 +155,45 @@ def normalize_lora_params(
     strength: float | Sequence[float] = 1.0,
     target: str | Sequence[str] = "all",
     lora_alpha: float | None | list[float | None] = None,
+    *,
+    engine_version: str | None = None,
 ) -> tuple[list[str], list[str | None], list[float], list[str], list[float | None]]:
-    """SGLang `_normalize_lora_params` + target validation, with the same broadcasting and error texts.
+    """SGLang `_normalize_lora_params` + target validation (`compat.diffusion.normalize_lora_params` and
+    `check_targets`), with the same broadcasting and error texts.
 
     Quirks kept on purpose: `lora_path` and `lora_alpha` count as lists only when they are `list`s (a tuple is
     one value), while `strength` and `target` broadcast only from a scalar.
     """
     nicknames = [lora_nickname] if isinstance(lora_nickname, str) else list(lora_nickname)
-    n = len(nicknames)
-    paths = list(lora_path) if isinstance(lora_path, list) else [lora_path]
-    if len(paths) != n:
-        raise ValueError(
-            f"Length mismatch: lora_nickname has {n} items, but lora_path has {len(paths)} items. "
-            "Provide one path per nickname."
-        )
-    strengths = [float(strength)] * n if isinstance(strength, (int, float)) else [float(s) for s in strength]
-    if len(strengths) != n:
-        raise ValueError(f"Length mismatch: lora_nickname has {n} items, but strength has {len(strengths)} items")
-    targets = [target] * n if isinstance(target, str) else list(target)
-    if len(targets) != n:
-        raise ValueError(f"Length mismatch: lora_nickname has {n} items, but target has {len(targets)} items")
-    alphas = list(lora_alpha) if isinstance(lora_alpha, list) else [lora_alpha] * n
-    if len(alphas) != n:
-        raise ValueError(f"Length mismatch: lora_nickname has {n} items, but lora_alpha has {len(alphas)} items")
-    if any(a is not None and a <= 0 for a in alphas):
-        raise ValueError("lora_alpha values must be positive integers or null")
-    invalid = [t for t in targets if t not in VALID_TARGETS]
-    if invalid:
-        raise ValueError(f"Invalid target(s): {invalid}. Valid targets: {VALID_TARGETS}")
-    return nicknames, paths, strengths, targets, alphas
+    targets_in = target if isinstance(target, str) else list(target)
+    strength_in = strength if isinstance(strength, (int, float)) else list(strength)
+    normalize: Any = _diffusion.normalize_lora_params  # takes float alphas too: SGLang only compares them to 0
+    nicks, paths, strengths, targets, alphas = normalize(
+        nicknames, lora_path, strength_in, targets_in, lora_alpha, engine_version=engine_version
+    )
+    _diffusion.check_targets(targets, engine_version=engine_version)
+    return list(nicks), list(paths), strengths, list(targets), list(alphas)
 
 
-def should_merge(module: str, sharded: bool, merge_mode: str) -> tuple[bool, str | None, str | None]:
-    """SGLang `_should_merge_lora_for_layers`: (merge?, info reason, warning). `sharded` = DTensor weights."""
+def should_merge(
+    module: str, sharded: bool, merge_mode: str, quantized: bool = False, *, engine_version: str | None = None
+) -> tuple[bool, str | None, str | None]:
+    """SGLang `_should_merge_lora_for_layers` (`compat.diffusion.should_merge_lora`): (merge?, info reason,
+    warning). `sharded` = DTensor weights; `quantized` = layers whose weights cannot take a merged delta (0.5.23;
+    "merge" on them raises SGLang's `ValueError`)."""
+    merge = _diffusion.should_merge_lora(
+        merge_mode, fsdp_sharded=sharded, quantized=quantized, module_name=module, engine_version=engine_version
+    )
+    log = _diffusion.merge_log(
+        merge_mode, fsdp_sharded=sharded, quantized=quantized, module_name=module, engine_version=engine_version
+    )
     if merge_mode == "dynamic":
         return False, "merge_mode='dynamic' never merges", None
     if merge_mode == "auto":
-        if sharded:
-            return False, _AUTO_SHARDED.format(module), None
-        return True, "merge_mode='auto' merges weights that are not sharded", None
-    return True, "merge_mode='merge' always merges", _MERGE_SHARDED.format(module) if sharded else None
+        if log is not None:
+            return False, log, None
+        return True, "merge_mode='auto' merges weights that are neither sharded nor quantized", None
+    return merge, "merge_mode='merge' always merges", log
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -399,6 +396,12 @@ class TargetPlan:
     reasons: tuple[str, ...]
     warnings: tuple[str, ...] = ()
     resolved: bool = False  # True when resolve=True turned an engine failure into a merge
+    #: module -> the auto-merge rounding loss (0.5.23) where it was evaluated: the share of the update, by norm,
+    #: that merging would round away (None: nothing to measure, so it merges)
+    rounding_loss: Mapping[str, float | None] = field(default_factory=dict)
+    #: modules whose merge SGLang decides from weight values the planner was not given (the rounding-loss rule):
+    #: planned as merges, which is what SGLang does when merging loses at most half of the update
+    undecided: tuple[str, ...] = ()
 
     @property
     def nicknames(self) -> tuple[str, ...]:
@@ -421,6 +424,8 @@ class TargetPlan:
             "reasons": list(self.reasons),
             "warnings": list(self.warnings),
             "resolved": self.resolved,
+            "rounding_loss": dict(self.rounding_loss),
+            "undecided": list(self.undecided),
         }
 
 
@@ -441,7 +446,16 @@ class Plan:
     tolerance: float = 0.0
     #: path -> error for adapters that could not be inspected (planned with unknown scales)
     unreadable: Mapping[str, str] = field(default_factory=dict)
+    #: the SGLang version whose set_lora rules the plan follows
+    engine_version: str = ""
+    quantized: bool | Mapping[str, bool] = False
     _adapter_cache: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def undecided(self) -> list[tuple[str, str]]:
+        """(target, module) pairs whose merge-or-dynamic choice needs weight values the planner was not given."""
+        return [(t.target, m) for t in self.targets for m in t.undecided]
 
     def __iter__(self) -> Iterator[TargetPlan]:
         return iter(self.targets)
@@ -466,6 +480,10 @@ class Plan:
         kwargs.setdefault("resolve", self.resolve)
         kwargs.setdefault("tolerance", self.tolerance)
         kwargs.setdefault("adapters", dict(self._adapter_cache))
+        kwargs.setdefault("engine_version", self.engine_version or None)
+        kwargs.setdefault("quantized", self.quantized)
+        for key, value in self._options.items():
+            kwargs.setdefault(key, value)
         return plan(requests, current=self.next_state, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -495,6 +513,9 @@ class Plan:
             "resolve": self.resolve,
             "tolerance": self.tolerance,
             "unreadable": dict(self.unreadable),
+            "engine_version": self.engine_version,
+            "quantized": self.quantized if isinstance(self.quantized, bool) else dict(self.quantized),
+            "undecided": [list(u) for u in self.undecided],
             "current": self.current.to_dict(),
             "next_state": self.next_state.to_dict(),
         }
@@ -514,6 +535,7 @@ class Plan:
         lines = [
             f"lorafast plan: {n} adapter{'s' if n != 1 else ''} on {len(self.targets)} "
             f"target{'s' if len(self.targets) != 1 else ''}; merge_mode={self.merge_mode}; {sharded_text}"
+            + (f"; SGLang {self.engine_version}" if self.engine_version else "")
             + ("; resolve=True" if self.resolve else "")
         ]
         if self.loads:
@@ -542,6 +564,8 @@ class Plan:
             lines.append("  why:")
             lines.extend(f"    - {r}" for r in t.reasons)
             lines.extend(f"  warning: {w}" for w in t.warnings)
+            if t.undecided:
+                lines.append(f"  undecided: {', '.join(t.undecided)} (needs weight values; planned as merge)")
         other = [w for w in self.warnings if not any(w in t.warnings for t in self.targets)]
         lines.extend(f"warning: {w}" for w in other)
         lines.append("next state: " + "; ".join(f"{m}: {self.next_state.describe(m)}" for m in self.next_state.modules))
@@ -563,6 +587,11 @@ def plan(
     tolerance: float = 0.0,
     adapters: Mapping[str, Adapter] | Iterable[Adapter] | None = None,
     modules: Sequence[str] | None = None,
+    engine_version: str | None = None,
+    quantized: bool | Mapping[str, bool] = False,
+    base_weights: Mapping[str, Any] | None = None,
+    rounding_loss: Mapping[str, float | None] | None = None,
+    cache_merged: bool = False,
 ) -> Plan:
     """Plan one `set_lora` call.
 
@@ -574,6 +603,20 @@ def plan(
     `adapters` supplies already-inspected adapters keyed by nickname or path; others are read with
     `lorafast.inspect` when it is available. `modules` overrides the pipeline components of `current`.
 
+    `engine_version` ("0.5.23"; default: the installed SGLang, else the newest supported) picks the `set_lora`
+    rules, which live in `lorafast.compat.diffusion`. From 0.5.23 on:
+    - `quantized` (a bool or a per-module mapping) marks components whose LoRA layers hold quantized weights
+      that cannot take a merged delta: "auto" keeps them dynamic, "merge" raises SGLang's `ValueError`;
+    - "auto" keeps a lone adapter unmerged on a component when merging it would round away more than half of
+      its update (by norm). That needs values: with `base_weights` ({component: {layer: tensor}} or
+      {component: safetensors file}, layer names as the adapter's after SGLang's format conversion) the loss
+      is computed as SGLang computes it (`compat.diffusion.merge_rounding_loss`, torch); `rounding_loss`
+      ({component: loss}) gives measured values. Without either the component is planned as a merge and
+      listed in `TargetPlan.undecided` / `Plan.undecided`, with a warning;
+    - `cache_merged=True` (SGLang's start-up adapter) notes the file-backed merge cache; it changes how a
+      merge is done, not whether.
+    Versions before 0.5.23 are planned without these three rules.
+
     Raises SGLang's exact `ValueError`s (invalid mode, list lengths, alpha, targets, unknown adapter, several
     adapters on a dynamic target unless `resolve=True`), and `PlanError` for non-additive adapters on a dynamic
     target (unless `resolve=True`).
@@ -581,12 +624,18 @@ def plan(
     state = current if current is not None else PipelineState()
     if modules is not None:
         state = replace(state, modules=tuple(modules))
+    version = ".".join(str(p) for p in _versions.resolve("sglang", engine_version))
     params, merge_mode, merge_weights = _request_params(requests, merge_mode, merge_weights)
-    mode = resolve_merge_mode(merge_weights, merge_mode, state.server_merge_mode)
-    nicknames, paths, strengths, targets, alphas = normalize_lora_params(*params)
-    return _Planner(state, mode, weights_sharded, resolve, tolerance, adapters).run(
-        nicknames, paths, strengths, targets, alphas
-    )
+    mode = resolve_merge_mode(merge_weights, merge_mode, state.server_merge_mode, engine_version=version)
+    nicknames, paths, strengths, targets, alphas = normalize_lora_params(*params, engine_version=version)
+    planner = _Planner(state, mode, weights_sharded, resolve, tolerance, adapters)
+    planner.engine_version = version
+    planner.rules = _diffusion.has_merge_rules(version)
+    planner.quantized = quantized
+    planner.base_weights = dict(base_weights or {})
+    planner.given_loss = dict(rounding_loss or {})
+    planner.cache_merged = cache_merged
+    return planner.run(nicknames, paths, strengths, targets, alphas)
 
 
 def plan_set_lora(
@@ -706,6 +755,44 @@ def _config_alpha(adapter: Adapter | None) -> float | None:
     return int(a) if float(a).is_integer() else a
 
 
+def _measure_rounding_loss(base: Any, path: str, strength: float, adapter_alpha: float | None) -> float | None:
+    """SGLang 0.5.23's rounding loss of one adapter on one component, from the adapter's values.
+
+    The adapter is read as SGLang's diffusion loader reads it (`compat.diffusion.load_lora_adapter`); layer `X`
+    takes `X.lora_A`/`X.lora_B` (names without `diffusion_model.` and `.weight`, as `load_lora_adapter` strips
+    them), with `_apply_lora_to_layers`' alpha: the layer's `.alpha` tensor (as an int), else the adapter's
+    alpha, else the rank. `base` maps layer names to base weights, or is a safetensors file of them.
+    """
+    loaded = _diffusion.load_lora_adapter(path)
+    tensors: dict[str, Any] = {}
+    for name, t in loaded.tensors.items():
+        tensors[name.replace("diffusion_model.", "").replace(".weight", "")] = t
+    if isinstance(base, (str, os.PathLike)):
+        from safetensors.torch import load_file
+
+        base = load_file(os.fspath(base))
+    layers = []
+    for name, weight in base.items():
+        layer = name[: -len(".weight")] if name.endswith(".weight") else name
+        a, b = tensors.get(layer + ".lora_A"), tensors.get(layer + ".lora_B")
+        if a is None or b is None:
+            continue
+        rank = int(a.shape[-2])
+        alpha_t = tensors.get(layer + ".alpha")
+        if alpha_t is not None:
+            value = alpha_t.value if alpha_t.value is not None else _diffusion._real(alpha_t).item()
+            alpha: float | None = int(value)
+        elif adapter_alpha is not None:
+            alpha = adapter_alpha
+        else:
+            alpha = rank
+        a_values, b_values = _diffusion._real(a), _diffusion._real(b)
+        if a_values is None or b_values is None:
+            raise ValueError(f"the values of {layer}'s LoRA weights are not readable after conversion")
+        layers.append((weight, [(a_values, b_values, strength, rank, alpha)]))
+    return _diffusion.merge_rounding_loss(layers)
+
+
 class _Planner:
     """Replays one `set_lora` call over a copy of the pipeline state."""
 
@@ -731,6 +818,59 @@ class _Planner:
                 self.cache[a.path] = a
                 self.cache.setdefault(a.name, a)
         self.read_errors: dict[str, str] = {}
+        self.engine_version = ""
+        self.rules = True
+        self.quantized: bool | Mapping[str, bool] = False
+        self.base_weights: dict[str, Any] = {}
+        self.given_loss: dict[str, float | None] = {}
+        self.cache_merged = False
+        # SGLang's `auto_merge_rounding_loss`: (module, paths, strengths, alphas) -> loss, or why it is unknown
+        self.losses: dict[tuple, tuple[bool, float | None, str]] = {}
+
+    def is_quantized(self, module: str) -> bool:
+        if isinstance(self.quantized, Mapping):
+            return bool(self.quantized.get(module, False))
+        return bool(self.quantized)
+
+    def merge_decision(self, module: str) -> tuple[bool, str | None, str | None]:
+        return should_merge(
+            module, self.sharded(module), self.mode, self.is_quantized(module), engine_version=self.engine_version
+        )
+
+    def rounding_loss(
+        self, module: str, nickname: str, path: str | None, strength: float, alpha: float | None
+    ) -> tuple[bool, float | None, str]:
+        """`_auto_merge_rounds_away`'s measurement for one adapter on one component: (known?, loss, why not)."""
+        key = (module, path, strength, alpha)
+        if key in self.losses:
+            return self.losses[key]
+        if module in self.given_loss:
+            out: tuple[bool, float | None, str] = (True, self.given_loss[module], "")
+        elif module not in self.base_weights:
+            out = (False, None, f"no base weights for {module}")
+        elif path is None:
+            out = (False, None, f"no path for {nickname}")
+        else:
+            try:
+                out = (True, _measure_rounding_loss(self.base_weights[module], path, strength, alpha), "")
+            except Exception as e:  # unreadable file, no torch, ...: the rule stays undecided, with why
+                out = (False, None, f"{type(e).__name__}: {e}")
+        self.losses[key] = out
+        return out
+
+    def config_alpha(self, nickname: str, path: str) -> float | None:
+        """The alpha SGLang's diffusion `load_lora_adapter` keeps when no `lora_alpha` is asked for:
+        `get_peft_lora_alpha(load_peft_config(file))` (compat.diffusion: `adapter_config.json` next to the file,
+        completed from its metadata), whose `ValueError`s are SGLang's. A path that is not a local file or
+        folder (a Hub id SGLang would download) falls back to the inspected adapter's config."""
+        try:
+            weight = _diffusion._weight_file(path) if os.path.exists(path) else None
+        except (OSError, ValueError):
+            weight = None
+        if weight is not None and os.path.isfile(weight):
+            config = _diffusion.load_peft_config(weight, engine_version=self.engine_version or None)
+            return _diffusion.get_peft_lora_alpha(config, engine_version=self.engine_version or None)
+        return _config_alpha(self.adapter(nickname, path))
 
     def sharded(self, module: str) -> bool:
         if isinstance(self.weights_sharded, Mapping):
@@ -788,7 +928,7 @@ class _Planner:
                 raise ValueError(f"Adapter {nickname} not found in the pipeline. Please provide lora_path to load it.")
             if path is not None and loaded_paths.get(nickname) != path:
                 previous = loaded_paths.get(nickname)
-                new_alpha = alpha if alpha is not None else _config_alpha(self.adapter(nickname, path))
+                new_alpha = alpha if alpha is not None else self.config_alpha(nickname, path)
                 loads.append(
                     LoadEvent(
                         nickname,
@@ -856,17 +996,23 @@ class _Planner:
             t_warnings: list[str] = []
             resolved = False
             first = t_modules[0]
-            first_merge, why, warn = should_merge(first, self.sharded(first), self.mode)
+            first_merge, why, warn = self.merge_decision(first)
             reasons.append(why or "")
             if warn:
                 t_warnings.append(warn)
             if not first_merge and len(tgt_nicks) > 1:
-                if not self.resolve:
+                cannot_merge = self.rules and self.is_quantized(first)
+                if not self.resolve or cannot_merge:
                     err = ValueError(DYNAMIC_MULTI_ADAPTER_ERROR)
                     _add_note(
                         err,
                         f"lorafast: target {target!r} resolves to dynamic LoRA on {first} with {len(tgt_nicks)} "
-                        "adapters; plan(..., resolve=True) plans it as a merge, or pass merge_mode='merge'.",
+                        "adapters; "
+                        + (
+                            "its quantized weights cannot take a merged delta, so only one adapter can go there."
+                            if cannot_merge
+                            else "plan(..., resolve=True) plans it as a merge, or pass merge_mode='merge'."
+                        ),
                     )
                     raise err
                 first_merge, resolved = True, True
@@ -877,11 +1023,11 @@ class _Planner:
 
             module_merge: dict[str, bool] = {first: first_merge}
             for m in t_modules[1:]:
-                m_merge, m_why, m_warn = should_merge(m, self.sharded(m), self.mode)
+                m_merge, m_why, m_warn = self.merge_decision(m)
                 if m_warn:
                     t_warnings.append(m_warn)
                 if not m_merge and len(tgt_nicks) > 1:
-                    if self.resolve:
+                    if self.resolve and not (self.rules and self.is_quantized(m)):
                         m_merge, resolved = True, True
                         reasons.append(
                             f"resolved: {m} would be dynamic ({m_why}) with {len(tgt_nicks)} adapters, and dynamic "
@@ -921,11 +1067,51 @@ class _Planner:
                 applied, merged, first, tgt_nicks, tgt_strengths, first_merge, adapter_updated, updated_names
             )
             module_actions: dict[str, Action] = {}
+            losses: dict[str, float | None] = {}
+            undecided: list[str] = []
             if skip:
                 reasons.append(CONFIG_MATCHES_MESSAGE + (f" ({skip_why})" if skip_why else ""))
                 module_actions = {m: Action.SKIP for m in t_modules}
             else:
                 reasons.append(skip_why)
+                if self.rules and self.mode == "auto" and len(tgt_nicks) == 1:
+                    # 0.5.23 `_auto_merge_rounds_away`, per component that would merge, after the skip rule
+                    for m in t_modules:
+                        if not module_merge[m]:
+                            continue
+                        known, loss, why_not = self.rounding_loss(
+                            m, tgt_nicks[0], tgt_paths[0], tgt_strengths[0], loaded_alphas.get(tgt_nicks[0])
+                        )
+                        if not known:
+                            undecided.append(m)
+                            t_warnings.append(
+                                f"{m}: merge_mode='auto' keeps {tgt_nicks[0]} unmerged when merging it would round "
+                                f"away more than {_diffusion.AUTO_MERGE_MAX_ROUNDING_LOSS:.0%} of its update; "
+                                f"that needs the base weights' values ({why_not}): planned as a merge, undecided. "
+                                "Pass base_weights= or rounding_loss=, or merge_mode='merge' or 'dynamic'"
+                            )
+                            continue
+                        losses[m] = loss
+                        if _diffusion.auto_merge_rounds_away(loss):
+                            module_merge[m] = False
+                            reasons.append(
+                                _diffusion.MSG_STAYS_UNMERGED.format(
+                                    paths=str(tgt_paths[0]), module=m, percent=100 * (loss or 0.0)
+                                )
+                            )
+                        else:
+                            reasons.append(
+                                f"{m}: merging rounds away "
+                                + ("nothing measurable" if loss is None else f"{100 * loss:.0f}% of the update")
+                                + f" (at most {_diffusion.AUTO_MERGE_MAX_ROUNDING_LOSS:.0%}): merged"
+                            )
+                if self.rules and self.cache_merged and any(module_merge.values()):
+                    reasons.append(
+                        "cache_merged: SGLang writes the merged weights to its file-backed merge cache (or adopts "
+                        "a complete one of the same base, adapters and strengths) when the weights are on CPU, "
+                        "the process is one rank and SGLANG_DIFFUSION_DISABLE_LORA_MERGE_CACHE is unset; the "
+                        "decision is the same"
+                    )
                 for m in t_modules:
                     action, why = self.module_action(
                         applied, merged, m, tgt_nicks, tgt_strengths, module_merge[m], adapter_updated
@@ -945,6 +1131,7 @@ class _Planner:
                     merged[m] = module_merge[m]
                     touched[m] = target
 
+            first_merge = module_merge[first]
             steps = self.steps(planned, first_merge, t_warnings if not skip else [])
             for w in t_warnings:
                 logger.info("%s", w)
@@ -962,6 +1149,8 @@ class _Planner:
                     reasons=tuple(r for r in reasons if r),
                     warnings=tuple(t_warnings),
                     resolved=resolved,
+                    rounding_loss=losses,
+                    undecided=tuple(undecided),
                 )
             )
 
@@ -995,7 +1184,10 @@ class _Planner:
             resolve=self.resolve,
             tolerance=self.tolerance,
             unreadable=dict(self.read_errors),
+            engine_version=self.engine_version,
+            quantized=self.quantized,
             _adapter_cache={k: v for k, v in self.cache.items() if v is not None},
+            _options={"base_weights": self.base_weights, "cache_merged": self.cache_merged},
         )
 
     def config_matches(
@@ -1182,6 +1374,15 @@ def _parse_alpha(spec: str) -> tuple[str, float]:
     return nickname, float(value)
 
 
+def _parse_base_weights(spec: str) -> tuple[str, str]:
+    module, sep, path = spec.partition("=")
+    if not sep or module not in PIPELINE_MODULES or not path:
+        raise ValueError(
+            f"bad --base-weights {spec!r}: expected MODULE=FILE.safetensors, MODULE one of {PIPELINE_MODULES}"
+        )
+    return module, path
+
+
 def _sharded_arg(value: list[str] | None) -> bool | dict[str, bool]:
     """`--sharded` alone: every module; `--sharded transformer_2`: only those; absent: none."""
     if value is None:
@@ -1208,6 +1409,9 @@ def _run_cli(args: argparse.Namespace) -> int:
             resolve=args.resolve,
             tolerance=args.tolerance,
             modules=args.modules,
+            engine_version=args.engine_version,
+            quantized=_sharded_arg(args.quantized),
+            base_weights=dict(_parse_base_weights(s) for s in args.base_weights or []),
         )
         if p.unreadable and not args.allow_unreadable:  # a plan for files that are not there would mislead
             path, error = next(iter(p.unreadable.items()))
@@ -1252,6 +1456,24 @@ def register_cli(subparsers: Any) -> None:
         choices=PIPELINE_MODULES,
         metavar="MODULE",
         help="weights are FSDP-sharded (DTensor): all modules, or only those named",
+    )
+    p.add_argument(
+        "--quantized",
+        nargs="*",
+        choices=PIPELINE_MODULES,
+        metavar="MODULE",
+        help="weights are quantized and cannot take a merged delta (SGLang 0.5.23): all modules, or those named",
+    )
+    p.add_argument(
+        "--base-weights",
+        action="append",
+        metavar="MODULE=FILE",
+        help="a component's base weights (safetensors), for SGLang 0.5.23's auto-merge rounding-loss rule",
+    )
+    p.add_argument(
+        "--engine-version",
+        metavar="VERSION",
+        help="the SGLang version whose set_lora rules to follow (default: the installed one, else the newest)",
     )
     p.add_argument("--resolve", action="store_true", help="plan targets SGLang would reject as merges")
     p.add_argument("--tolerance", type=float, default=0.0, help="float tolerance for the skip rule (default: exact)")

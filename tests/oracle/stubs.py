@@ -410,6 +410,20 @@ def sglang_tiny_model(config):
 #    weights). `_should_merge_lora_for_layers` is the real method, wrapped to record each decision. `dist` is a
 #    one-process group (rank 0), and `layerwise_offload` a module whose `finish_offload_writeback` has nothing to
 #    write back.
+# 4. For planning (tests/oracle/sglang_plan_runner.py), `set_lora` runs to the end over several calls, with the
+#    real `_check_lora_config_matches`, `_auto_merge_rounds_away` (0.5.23's rounding-loss rule, with the module
+#    function `merge_rounding_loss` and `AUTO_MERGE_MAX_ROUNDING_LOSS`), `_apply_lora_to_layers`,
+#    `_reactivate_cached_dynamic_lora_layers` and `_merge_cache_for` (`SGLANG_DIFFUSION_PLAN_METHODS`). The LoRA
+#    layers are instances of a class compiled the same way from layers/lora/linear.py's `BaseLayerWithLoRA`
+#    (`SGLANG_DIFFUSION_LAYER_METHODS`: `set_lora_weights`, `merge_rounding_norms`, `can_merge_base_weight`, ...)
+#    over a plain base layer holding a CPU weight (an int8 weight is a quantized one: `can_merge_base_weight` is
+#    False for it). Stubbed there: `merge_lora_weights`/`unmerge_lora_weights` only set `merged` (the merge
+#    arithmetic is not a planning decision and is proven by lorafast.merge's own tests); `load_lora_adapter` reads
+#    the file with the engine's own `load_file`, `load_peft_config`, `normalize_lora_state_dict` and
+#    `get_peft_lora_alpha`, strips names as it does, and maps them one to one (the model's name mapping needs a
+#    DiT's arch config; a hub download needs the network); `_needs_lora_weight_update_context` is False (it only
+#    decides whether layerwise offload is paused); `layerwise_offload._refresh_packed_from_manager` does nothing
+#    (no offload manager). `get_local_torch_device` is the CPU.
 
 SGLANG_DIFFUSION_METHODS = (
     "VALID_TARGETS",
@@ -434,14 +448,86 @@ def install_sglang_diffusion(root: str) -> None:
         sys.modules[name] = module
 
 
-def sglang_diffusion_pipeline_class(root: str) -> type:
-    """A class holding `SGLANG_DIFFUSION_METHODS`, compiled unmodified from the wheel's pipeline.py."""
+SGLANG_DIFFUSION_PLAN_METHODS = (
+    *SGLANG_DIFFUSION_METHODS,
+    "_check_lora_config_matches",
+    "_auto_merge_rounds_away",
+    "_apply_lora_to_layers",
+    "_reactivate_cached_dynamic_lora_layers",
+    "_merge_cache_for",
+    "merge_rounding_loss",
+    "AUTO_MERGE_MAX_ROUNDING_LOSS",
+)
+SGLANG_DIFFUSION_LAYER_METHODS = (
+    "weight",
+    "can_merge_base_weight",
+    "slice_lora_a_weights",
+    "slice_lora_b_weights",
+    "set_lora_weights",
+    "clear_lora_weights",
+    "_active_lora_list",
+    "_materialized_weight_src",
+    "merge_rounding_norms",
+)
+
+
+def compile_members(path: str, class_name: str, names, namespace: dict, new_name: str | None = None) -> type:
+    """A class of the members `names` of `class_name` in the file `path`, compiled unmodified from its source
+    text (found by name with `ast`) into `namespace`. A name that is a module-level function or assignment of
+    the file is compiled into `namespace` too. Fails when a name is missing."""
     import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+
+    def name_of(node) -> str | None:
+        if isinstance(node, ast.Assign):
+            return next((t.id for t in node.targets if isinstance(t, ast.Name)), None)
+        return getattr(node, "name", None) or getattr(getattr(node, "target", None), "id", None)
+
+    members = [n for n in cls.body if name_of(n) in names]
+    module_level = [n for n in tree.body if name_of(n) in names and not isinstance(n, ast.ClassDef)]
+    missing = set(names) - {name_of(n) for n in members + module_level}
+    if missing:
+        raise RuntimeError(f"{class_name} in {path} lacks {sorted(missing)}")
+    body = ast.Module([*module_level, ast.ClassDef(new_name or class_name, [], [], members, [])], [])
+    ast.fix_missing_locations(body)
+    exec(compile(body, path, "exec"), namespace)
+    return namespace[new_name or class_name]
+
+
+def sglang_diffusion_layer_class(root: str) -> type:
+    """`SGLANG_DIFFUSION_LAYER_METHODS` of `BaseLayerWithLoRA`, compiled unmodified from the wheel's linear.py."""
+    import os
+
+    import torch
+
+    namespace: dict = {
+        "torch": torch,
+        "LoRAWeightEntry": tuple,
+        "LinearBase": type("LinearBase", (), {}),  # the base layers here are plain objects, not LinearBase
+        "UnquantizedLinearMethod": type("UnquantizedLinearMethod", (), {}),
+        "get_local_torch_device": lambda: torch.device("cpu"),
+    }
+    path = os.path.join(root, "sglang", "multimodal_gen", "runtime", "layers", "lora", "linear.py")
+    return compile_members(path, "BaseLayerWithLoRA", SGLANG_DIFFUSION_LAYER_METHODS, namespace)
+
+
+def sglang_diffusion_pipeline_class(root: str, methods=SGLANG_DIFFUSION_METHODS) -> type:
+    """A class holding `methods` (default `SGLANG_DIFFUSION_METHODS`), compiled unmodified from the wheel's
+    pipeline.py; module-level names among them are compiled into the class's globals."""
+    import ast
+    import collections
+    import contextlib
     import logging
     import os
     import sys
     import types
+    import typing
+    from collections.abc import Hashable
 
+    import torch
     from torch.distributed.tensor import DTensor
 
     base = os.path.join(root, "sglang", "multimodal_gen", "runtime")
@@ -449,11 +535,18 @@ def sglang_diffusion_pipeline_class(root: str) -> type:
         "logger": logging.getLogger("sglang_diffusion_oracle"),
         "DTensor": DTensor,
         "BaseLayerWithLoRA": type("BaseLayerWithLoRA", (), {}),
-        "dist": types.SimpleNamespace(get_rank=lambda: 0),
+        "LoraMergeCache": type("LoraMergeCache", (), {}),  # only named in annotations when caching is off
+        "dist": types.SimpleNamespace(get_rank=lambda: 0, is_initialized=lambda: False),
+        "torch": torch,
+        "nullcontext": contextlib.nullcontext,
+        "defaultdict": collections.defaultdict,
+        "Hashable": Hashable,
+        "Any": typing.Any,
     }
     offload = "sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload"
     sys.modules[offload] = types.ModuleType(offload)
     sys.modules[offload].finish_offload_writeback = lambda: None
+    sys.modules[offload]._refresh_packed_from_manager = lambda layer: None  # stub 4: no offload manager
     args_file = os.path.join(base, "server_args", "server_args.py")
     with open(args_file, encoding="utf-8") as f:
         args_source = f.read()
@@ -461,19 +554,4 @@ def sglang_diffusion_pipeline_class(root: str) -> type:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LORA_MERGE_MODES" for t in node.targets):
             exec(compile(ast.Module([node], []), args_file, "exec"), namespace)
     pipeline_file = os.path.join(base, "pipelines_core", "lora", "pipeline.py")
-    with open(pipeline_file, encoding="utf-8") as f:
-        source = f.read()
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "LoRAPipeline")
-    wanted = []
-    for node in cls.body:
-        name = getattr(node, "name", None) or getattr(getattr(node, "target", None), "id", None)
-        if name in SGLANG_DIFFUSION_METHODS:
-            wanted.append(node)
-    found = {getattr(n, "name", None) or n.target.id for n in wanted}
-    missing = set(SGLANG_DIFFUSION_METHODS) - found
-    if missing:
-        raise RuntimeError(f"LoRAPipeline in {pipeline_file} lacks {sorted(missing)}")
-    body = ast.Module([ast.ClassDef("LoRAPipeline", [], [], wanted, [])], [])
-    ast.fix_missing_locations(body)
-    exec(compile(body, pipeline_file, "exec"), namespace)
-    return namespace["LoRAPipeline"]
+    return compile_members(pipeline_file, "LoRAPipeline", methods, namespace)

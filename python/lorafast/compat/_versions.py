@@ -7,6 +7,7 @@ supports. The per-version rule differences live next to the rules themselves; th
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 # Released versions whose code the oracle tests (tests/oracle) run; newest last.
@@ -39,6 +40,14 @@ def resolve(engine: str, engine_version: str | None = None) -> tuple[int, ...]:
         if not isinstance(engine_version, str):
             raise TypeError(f"engine_version must be a string such as '0.5.23', not {type(engine_version).__name__}")
         return parse(engine_version)
+    return _default(engine)
+
+
+@functools.cache
+def _default(engine: str) -> tuple[int, ...]:
+    """The installed engine's version, else the newest supported one. Looked up once per process: a metadata
+    search stats every entry of sys.path, and rules ask for the version per tensor (a 1,000-adapter preflight
+    spent half its time here)."""
     try:
         return parse(metadata.version(engine))
     except (metadata.PackageNotFoundError, ValueError):

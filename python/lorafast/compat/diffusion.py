@@ -69,6 +69,27 @@ MSG_QUANTIZED_MERGE = (
     "LoRA merge mode is unavailable for {module} because its quantized weights cannot be updated in place; "
     "use merge mode 'dynamic'"
 )
+# `set_lora`'s log lines (texts as SGLang logs them; the planner quotes them as reasons).
+MSG_AUTO_FSDP = "Using dynamic LoRA for {module} because FSDP-sharded weights would require a full-gather merge."
+MSG_AUTO_QUANTIZED = "Using dynamic LoRA for {module} because its quantized weights cannot be merged in place."
+MSG_MERGE_FSDP = "Merging LoRA for {module} with FSDP-sharded weights may require full-gather and can OOM."
+MSG_CONFIG_MATCHES = "LoRA configuration matches exactly, skipping"
+MSG_MISSING_MODULE = {
+    "transformer_2": "transformer_2 does not exist in this pipeline",
+    "critic": "critic (fake_score_transformer) does not exist in this pipeline",
+}
+MSG_STAYS_UNMERGED = (
+    "LoRA {paths} stays unmerged on {module}: merging it into the base weights would round away {percent:.0f}% of "
+    "its update. Pass --lora-merge-mode merge to merge anyway."
+)
+#: Components a target resolves to, in the order `_get_target_lora_layers("all")` lists them.
+PIPELINE_MODULES = ("transformer", "transformer_2", "critic")
+#: merge_mode "auto" keeps a lone adapter unmerged when merging would round away more than this share of its
+#: update, by norm (`AUTO_MERGE_MAX_ROUNDING_LOSS`, 0.5.23).
+AUTO_MERGE_MAX_ROUNDING_LOSS = 0.5
+# The release whose `set_lora` gained the quantized-layer rule, the auto-merge rounding-loss rule and the merge
+# cache (issue 11). Earlier versions are answered without them; only 0.5.23 is proven by the oracle.
+_MERGE_RULES_SINCE = (0, 5, 23)
 
 
 class LoRAFormat(str, Enum):
@@ -527,8 +548,8 @@ def _convert_ai_toolkit(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
                     continue
                 fused = original.pop(key)
                 projs = ("to_q", "to_k", "to_v") if attn == "img_attn" else ("add_q_proj", "add_k_proj", "add_v_proj")
-                parts = [fused] * 3 if ab == "lora_A" else _chunk3(fused)
-                for proj, part in zip(projs, parts, strict=True):
+                pieces = [fused] * 3 if ab == "lora_A" else _chunk3(fused)
+                for proj, part in zip(projs, pieces, strict=True):
                     out[f"{prefix}.{proj}.{ab}.weight"] = part
         for src, dst in (("img_attn.proj", "attn.to_out.0"), ("txt_attn.proj", "attn.to_add_out")):
             for ab in ("lora_A", "lora_B"):
@@ -709,7 +730,7 @@ def _apply_peft_config(state: dict[str, Tensor], cfg: Mapping[str, Any]) -> dict
             continue
         key = f"{base}.alpha"
         existing = normalized.get(key)
-        if existing is not None and (math.prod(existing.shape) != 1 or int(existing.value) != alpha):
+        if existing is not None and (math.prod(existing.shape) != 1 or int(existing.value) != alpha):  # type: ignore[arg-type]
             raise ValueError(f"PEFT alpha_pattern conflicts with tensor {key!r}")
         normalized[key] = Tensor((), alpha)
     use_rslora = cfg.get("use_rslora", False)
@@ -838,6 +859,12 @@ def resolve_lora_merge_mode(
     return merge_mode
 
 
+def has_merge_rules(engine_version: str | None = None) -> bool:
+    """Whether `set_lora` of this SGLang version has the quantized-layer rule, the auto-merge rounding-loss
+    rule and the merge cache (0.5.23 and later)."""
+    return _version(engine_version) >= _MERGE_RULES_SINCE
+
+
 def should_merge_lora(
     merge_mode: str,
     *,
@@ -848,8 +875,10 @@ def should_merge_lora(
 ) -> bool:
     """`_should_merge_lora_for_layers`. "dynamic" never merges; "auto" merges unless a layer's weights are
     FSDP-sharded or quantized so that they cannot take a merged delta; "merge" on such quantized layers is an
-    error (FSDP only warns)."""
-    _version(engine_version)
+    error (FSDP only warns). Before 0.5.23 quantized layers are not looked at. `merge_log` gives the line SGLang
+    logs with the decision."""
+    if not has_merge_rules(engine_version):
+        quantized = False
     if merge_mode == "dynamic":
         return False
     if merge_mode == "auto":
@@ -857,6 +886,75 @@ def should_merge_lora(
     if quantized:
         raise ValueError(MSG_QUANTIZED_MERGE.format(module=module_name))
     return True
+
+
+def merge_log(
+    merge_mode: str,
+    *,
+    fsdp_sharded: bool = False,
+    quantized: bool = False,
+    module_name: str = "transformer",
+    engine_version: str | None = None,
+) -> str | None:
+    """The line `_should_merge_lora_for_layers` logs for this decision (info for "auto", a warning for "merge"
+    on FSDP-sharded weights), or None. A "merge" on quantized layers raises instead: see `should_merge_lora`."""
+    if not has_merge_rules(engine_version):
+        quantized = False
+    if merge_mode == "auto":
+        if fsdp_sharded:
+            return MSG_AUTO_FSDP.format(module=module_name)
+        if quantized:
+            return MSG_AUTO_QUANTIZED.format(module=module_name)
+    elif merge_mode == "merge" and fsdp_sharded and not quantized:
+        return MSG_MERGE_FSDP.format(module=module_name)
+    return None
+
+
+def merge_rounding_loss(layers: Any, max_rows: int = 1024) -> float | None:
+    """`merge_rounding_loss` over `BaseLayerWithLoRA.merge_rounding_norms` (0.5.23), computed the same way.
+
+    `layers` yields `(weight, entries)` per LoRA layer of a component: the base weight (a torch tensor) and the
+    adapters attached unmerged there, as `(lora_A, lora_B, strength, rank, alpha)`. Per layer, on an even
+    sample of at most `max_rows` rows, in float32: the update `Σ strength·(alpha/rank if alpha != rank)·B·A`, and
+    what rounding `W + update` to the weight's dtype loses. A layer whose weight is float32 or not floating, or
+    whose A or B is not 2-D, counts for nothing. Returns `sqrt(Σ lost² / Σ update²)`, or None when there is
+    nothing to measure. Needs torch."""
+    import torch
+
+    lost = total = 0.0
+    for weight, entries in layers:
+        if not entries:
+            continue
+        src = torch.as_tensor(weight)
+        if not src.is_floating_point() or src.dtype == torch.float32:
+            continue
+        w2 = src.reshape(-1, src.shape[-1])
+        rows = torch.linspace(0, w2.shape[0] - 1, min(max_rows, w2.shape[0])).round().long().unique()
+        base = w2[rows].to(torch.float32)
+        delta = torch.zeros_like(base)
+        flat = True
+        for lora_a, lora_b, strength, rank, alpha in entries:
+            a = torch.as_tensor(lora_a).to(torch.float32)
+            b = torch.as_tensor(lora_b).to(torch.float32)
+            if a.dim() > 2 or b.dim() > 2:
+                flat = False
+                break
+            scale = strength
+            if alpha is not None and rank is not None and alpha != rank:
+                scale *= alpha / rank
+            delta += scale * (b[rows] @ a)
+        if not flat:
+            continue
+        exact = base + delta
+        err = exact.to(src.dtype).to(torch.float32) - exact
+        lost += float(err.square().sum())
+        total += float(delta.square().sum())
+    return (lost / total) ** 0.5 if total > 0 else None
+
+
+def auto_merge_rounds_away(loss: float | None) -> bool:
+    """`_auto_merge_rounds_away`'s verdict on a measured loss: keep the adapter unmerged above the threshold."""
+    return loss is not None and loss > AUTO_MERGE_MAX_ROUNDING_LOSS
 
 
 def check_adapters_per_target(
