@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ def peft_verdict(base_dir: Path, adapter_dir: Path) -> str:
         model = getattr(transformers, config.architectures[0])(config)
     lcfg = LoraConfig.from_pretrained(adapter_dir)
     try:
-        inject_adapter_in_model(lcfg, model, low_cpu_mem_usage=True)
+        with warnings.catch_warnings():  # PEFT warns about target_parameters it cannot find; what loads decides
+            warnings.simplefilter("ignore", RuntimeWarning)
+            inject_adapter_in_model(lcfg, model, low_cpu_mem_usage=True)
     except ValueError as e:
         if "not found" in str(e) or "match" in str(e):
             return "no_match"
