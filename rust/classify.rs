@@ -195,7 +195,8 @@ pub struct Classification {
     pub variants: Vec<Variant>,
     pub full_weight_tensors: Vec<String>,
     pub problems: Vec<Problem>,
-    pub modules: Vec<ModuleInfo>,
+    /// Shared: a remembered classification (`memo`) hands the same modules to every adapter it matches.
+    pub modules: std::sync::Arc<Vec<ModuleInfo>>,
     /// A tensor name that appears twice, found while grouping a header read with
     /// `parse_header_unchecked_names` (the scan then reports it as a `duplicate_tensor` header
     /// error; nothing else here is meaningful). Always None for a fully checked header.
@@ -336,7 +337,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         variants: Vec::new(),
         full_weight_tensors: Vec::new(),
         problems: Vec::new(),
-        modules: Vec::new(),
+        modules: std::sync::Arc::default(),
         duplicate_tensor: None,
     };
     for w in &header.warnings {
@@ -561,7 +562,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             if let Some(m) = g.mid {
                 extra.push(tensors[m as usize].name.to_string());
             }
-            out.modules.push(ModuleInfo {
+            std::sync::Arc::make_mut(&mut out.modules).push(ModuleInfo {
                 key: g.key.to_owned(),
                 name: name.into_owned(),
                 leaf: leaf.to_owned(),
@@ -640,7 +641,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             }
         }
     }
-    for m in &mut out.modules {
+    for m in std::sync::Arc::make_mut(&mut out.modules).iter_mut() {
         if m.kind == ModuleKind::Expert2d {
             m.num_experts = Some(out.num_experts);
         }

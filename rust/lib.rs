@@ -12,6 +12,7 @@ pub mod names;
 pub mod open;
 pub mod remote;
 pub mod scan;
+pub mod store;
 pub mod torch;
 pub mod torch_pickle;
 pub mod torch_zip;

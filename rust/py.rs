@@ -9,7 +9,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
 use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
@@ -197,7 +197,8 @@ fn module_dict<'py>(
     Ok(d)
 }
 
-fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, PyDict>> {
+/// An adapter's dict; without `with_modules` it has no `modules` key (a summary record).
+fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> PyResult<Bound<'py, PyDict>> {
     let c = &r.class;
     let weight_file = r.target.weights.as_os_str().into_pyobject(py)?;
     let d = PyDict::new(py);
@@ -231,14 +232,18 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
         .collect();
     d.set_item("problems", problems)?;
     d.set_item("content_hash", &r.content_hash)?;
-    d.set_item(
-        "metadata",
-        r.metadata
-            .as_ref()
-            .map(|m| m.iter().cloned().collect::<std::collections::HashMap<_, _>>()),
-    )?;
+    // In file order, so a report's JSON is the same text each time.
+    let metadata = r
+        .metadata
+        .as_ref()
+        .map(|m| pyo3::types::IntoPyDict::into_py_dict(m.iter().map(|(k, v)| (k, v)), py))
+        .transpose()?;
+    d.set_item("metadata", metadata)?;
     d.set_item("header_size", r.header_size)?;
     d.set_item("file_size", r.file_size)?;
+    if !with_modules {
+        return Ok(d);
+    }
     let weight_file = weight_file.cast_into::<PyString>()?;
     let modules: Vec<Bound<'py, PyDict>> = c
         .modules
@@ -249,7 +254,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Bound<'py, 
     Ok(d)
 }
 
-/// Load options from the Python keywords: `keep_modules` for inspect, not for bulk scans.
+/// Load options from the Python keywords.
 fn load_options(mode: &str, content_hash: bool, keep_modules: bool) -> PyResult<ScanOptions> {
     Ok(ScanOptions {
         mode: parse_mode(mode)?,
@@ -309,7 +314,7 @@ fn inspect<'py>(
             core_scan::locate(&path).and_then(|t| core_scan::load(t, opts))
         }
     })?;
-    adapter_dict(py, &result)
+    adapter_dict(py, &result, true)
 }
 
 /// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
@@ -343,7 +348,7 @@ fn inspect_many<'py>(
     let items: Vec<Bound<'py, PyAny>> = results
         .iter()
         .map(|r| match r {
-            Ok(a) => adapter_dict(py, a).map(Bound::into_any),
+            Ok(a) => adapter_dict(py, a, true).map(Bound::into_any),
             Err(e) => Ok(to_pyerr(py, e).into_value(py).into_bound(py).into_any()),
         })
         .collect::<PyResult<_>>()?;
@@ -453,10 +458,182 @@ impl ScanResult {
     /// The summary record of row `i` (no per-module detail), or None for a failed row.
     fn record<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Option<Bound<'py, PyDict>>> {
         match self.rows.get(i) {
-            Some(Ok(a)) => adapter_dict(py, a).map(Some),
+            Some(Ok(a)) => adapter_dict(py, a, false).map(Some),
             Some(Err(_)) => Ok(None),
             None => Err(pyo3::exceptions::PyIndexError::new_err(i)),
         }
+    }
+
+    /// Full adapter dicts (modules included) of the successful rows in `start..stop`, built from
+    /// what the scan kept: no file is read.
+    fn adapters<'py>(&self, py: Python<'py>, start: usize, stop: usize) -> PyResult<Bound<'py, PyList>> {
+        let stop = stop.min(self.rows.len());
+        let items = self.rows[start.min(stop)..stop]
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|a| adapter_dict(py, a, true))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// Summary records (no modules) of the successful rows in `start..stop`.
+    fn records<'py>(&self, py: Python<'py>, start: usize, stop: usize) -> PyResult<Bound<'py, PyList>> {
+        let stop = stop.min(self.rows.len());
+        let items = self.rows[start.min(stop)..stop]
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|a| adapter_dict(py, a, false))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// The adapter table's columns, one row per adapter: numpy arrays; `(values, valid)` pairs for
+    /// nullable numbers; `(codes, dictionary)` pairs for repeated strings (code -1: null); lists of
+    /// `str` for unique strings.
+    fn table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let n = self.rows.len();
+        let mut peft_type = Interner::default();
+        let mut base_model = Interner::default();
+        let mut error_code = Interner::default();
+        let mut weight_file: Vec<Option<&OsStr>> = Vec::with_capacity(n);
+        let mut config_path: Vec<Option<&OsStr>> = Vec::with_capacity(n);
+        let mut content_hash: Vec<Option<&str>> = Vec::with_capacity(n);
+        let mut error_message: Vec<Option<String>> = Vec::with_capacity(n);
+        let mut header_size = Nullable::<u64>::with_capacity(n);
+        let mut file_size = Nullable::<u64>::with_capacity(n);
+        for row in &self.rows {
+            match row {
+                Ok(a) => {
+                    peft_type.push(a.class.peft_type.as_deref());
+                    base_model.push(a.class.base_model.as_deref());
+                    error_code.push(None);
+                    weight_file.push(Some(a.target.weights.as_os_str()));
+                    config_path.push(a.target.config.as_ref().map(|p| p.as_os_str()));
+                    content_hash.push(a.content_hash.as_deref());
+                    error_message.push(None);
+                    header_size.push(Some(a.header_size));
+                    file_size.push(Some(a.file_size));
+                }
+                Err(e) => {
+                    peft_type.push(None);
+                    base_model.push(None);
+                    error_code.push(Some(e.code()));
+                    weight_file.push(None);
+                    config_path.push(None);
+                    content_hash.push(None);
+                    error_message.push(Some(e.detail()));
+                    header_size.push(None);
+                    file_size.push(None);
+                }
+            }
+        }
+        let d = PyDict::new(py);
+        d.set_item("peft_type", peft_type.into_py(py)?)?;
+        d.set_item("base_model_name_or_path", base_model.into_py(py)?)?;
+        d.set_item("weight_file", weight_file)?;
+        d.set_item("config_path", config_path)?;
+        d.set_item("header_size", header_size.into_py(py)?)?;
+        d.set_item("file_size", file_size.into_py(py)?)?;
+        d.set_item("content_hash", content_hash)?;
+        d.set_item("error_code", error_code.into_py(py)?)?;
+        d.set_item("error_message", error_message)?;
+        Ok(d)
+    }
+
+    /// The module table's columns, one row per module of every successful adapter, `row` naming
+    /// the adapter's row; encoded as in `table`.
+    fn module_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let n: usize = self
+            .rows
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|a| a.class.modules.len())
+            .sum();
+        let mut row = Vec::with_capacity(n);
+        let (mut name, mut key, mut leaf, mut kind, mut dtype) = Default::default();
+        let (mut a_key, mut b_key): (Interner, Interner) = Default::default();
+        let mut layer = Nullable::<u32>::with_capacity(n);
+        let mut expert = Nullable::<u32>::with_capacity(n);
+        let mut num_experts = Nullable::<u64>::with_capacity(n);
+        let mut rank = Nullable::<u64>::with_capacity(n);
+        let mut in_features = Nullable::<u64>::with_capacity(n);
+        let mut out_features = Nullable::<u64>::with_capacity(n);
+        let mut alpha = Nullable::<f64>::with_capacity(n);
+        let mut config_rank = Nullable::<u64>::with_capacity(n);
+        let mut use_rslora = Vec::with_capacity(n);
+        for (i, r) in self.rows.iter().enumerate() {
+            let Ok(a) = r else { continue };
+            for m in a.class.modules.iter() {
+                row.push(i as u32);
+                Interner::push(&mut name, Some(&m.name));
+                Interner::push(&mut key, Some(&m.key));
+                Interner::push(&mut leaf, Some(&m.leaf));
+                Interner::push(&mut kind, Some(m.kind.name()));
+                Interner::push(&mut dtype, m.dtype.map(Dtype::name));
+                a_key.push(m.a_key.as_deref());
+                b_key.push(m.b_key.as_deref());
+                layer.push(m.layer);
+                expert.push(m.expert);
+                num_experts.push(m.num_experts);
+                rank.push(m.rank);
+                in_features.push(m.in_features);
+                out_features.push(m.out_features);
+                alpha.push(m.alpha);
+                config_rank.push(m.config_rank);
+                use_rslora.push(m.use_rslora);
+            }
+        }
+        let d = PyDict::new(py);
+        d.set_item("row", row.into_pyarray(py))?;
+        d.set_item("name", Interner::into_py(name, py)?)?;
+        d.set_item("key", Interner::into_py(key, py)?)?;
+        d.set_item("leaf", Interner::into_py(leaf, py)?)?;
+        d.set_item("kind", Interner::into_py(kind, py)?)?;
+        d.set_item("layer", layer.into_py(py)?)?;
+        d.set_item("expert", expert.into_py(py)?)?;
+        d.set_item("num_experts", num_experts.into_py(py)?)?;
+        d.set_item("rank", rank.into_py(py)?)?;
+        d.set_item("in_features", in_features.into_py(py)?)?;
+        d.set_item("out_features", out_features.into_py(py)?)?;
+        d.set_item("dtype", Interner::into_py(dtype, py)?)?;
+        d.set_item("alpha", alpha.into_py(py)?)?;
+        d.set_item("config_rank", config_rank.into_py(py)?)?;
+        d.set_item("use_rslora", use_rslora.into_pyarray(py))?;
+        d.set_item("a_key", a_key.into_py(py)?)?;
+        d.set_item("b_key", b_key.into_py(py)?)?;
+        Ok(d)
+    }
+
+    /// Every row encoded for the index (`rust/store.rs`): (row bytes, {class id: class bytes}), each
+    /// distinct classification encoded once.
+    fn encode<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyBytes>>, Bound<'py, PyDict>)> {
+        let (rows, classes) = py.detach(|| {
+            let mut ids: rustc_hash::FxHashMap<*const Vec<ModuleInfo>, String> = Default::default();
+            let mut classes: Vec<(String, Vec<u8>)> = Vec::new();
+            let rows: Vec<Vec<u8>> = self
+                .rows
+                .iter()
+                .map(|r| {
+                    let id = r.as_ref().ok().map(|a| {
+                        ids.entry(std::sync::Arc::as_ptr(&a.class.modules))
+                            .or_insert_with(|| {
+                                let body = crate::store::encode_class(&a.class);
+                                let id = crate::store::class_id(&body);
+                                classes.push((id.clone(), body));
+                                id
+                            })
+                            .clone()
+                    });
+                    crate::store::encode_row(r, id.as_deref())
+                })
+                .collect();
+            (rows, classes)
+        });
+        let d = PyDict::new(py);
+        for (id, body) in classes {
+            d.set_item(id, PyBytes::new(py, &body))?;
+        }
+        Ok((rows.iter().map(|r| PyBytes::new(py, r)).collect(), d))
     }
 
     /// Target-module leaves of every successful row: (unique names, per-row lists of indices).
@@ -482,6 +659,72 @@ impl ScanResult {
             })
             .collect();
         (names, rows)
+    }
+}
+
+/// A string column as dictionary codes: each distinct string once, a code per row (-1: null).
+#[derive(Default)]
+struct Interner {
+    codes: Vec<i32>,
+    names: Vec<String>,
+    index: rustc_hash::FxHashMap<String, i32>,
+}
+
+impl Interner {
+    fn push(&mut self, s: Option<&str>) {
+        let code = match s {
+            None => -1,
+            Some(s) => match self.index.get(s) {
+                Some(&c) => c,
+                None => {
+                    let c = self.names.len() as i32;
+                    self.names.push(s.to_owned());
+                    self.index.insert(s.to_owned(), c);
+                    c
+                }
+            },
+        };
+        self.codes.push(code);
+    }
+
+    fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(
+            py,
+            [
+                self.codes.into_pyarray(py).into_any(),
+                PyList::new(py, self.names)?.into_any(),
+            ],
+        )
+    }
+}
+
+/// A nullable number column: values (0 where null) and a validity mask.
+struct Nullable<T> {
+    values: Vec<T>,
+    valid: Vec<bool>,
+}
+
+impl<T: numpy::Element + Default + Copy> Nullable<T> {
+    fn with_capacity(n: usize) -> Self {
+        Nullable {
+            values: Vec::with_capacity(n),
+            valid: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, v: Option<T>) {
+        self.values.push(v.unwrap_or_default());
+        self.valid.push(v.is_some());
+    }
+
+    fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(
+            py,
+            [
+                self.values.into_pyarray(py).into_any(),
+                self.valid.into_pyarray(py).into_any(),
+            ],
+        )
     }
 }
 
@@ -529,7 +772,9 @@ fn scan(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = load_options(mode, content_hash, false)?;
+    // Rows keep their modules and metadata (shared between adapters whose headers repeat, see
+    // `memo`), so iterating a report and its module table never read a file again.
+    let opts = load_options(mode, content_hash, true)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = detach_contained(py, Path::new(""), || {
         if any_url(&paths) {
@@ -540,6 +785,38 @@ fn scan(
         }
         Ok(core_scan::scan_paths(&paths, recursive, opts, threads, progress))
     })?;
+    Ok(ScanResult { rows })
+}
+
+/// A scan result from rows that `ScanResult.encode` wrote, with the classifications they name; each
+/// classification is decoded once and its modules shared by its rows.
+#[pyfunction]
+fn assemble(py: Python<'_>, rows: Vec<Bound<'_, PyBytes>>, classes: &Bound<'_, PyDict>) -> PyResult<ScanResult> {
+    let rows: Vec<Vec<u8>> = rows.iter().map(|b| b.as_bytes().to_vec()).collect();
+    let mut bodies: rustc_hash::FxHashMap<String, Vec<u8>> = Default::default();
+    for (k, v) in classes.iter() {
+        bodies.insert(k.extract()?, v.cast_into::<PyBytes>()?.as_bytes().to_vec());
+    }
+    let rows = py
+        .detach(|| {
+            let mut decoded: rustc_hash::FxHashMap<String, crate::classify::Classification> = Default::default();
+            rows.iter()
+                .map(|r| {
+                    crate::store::decode_row(r, |id| {
+                        if let Some(c) = decoded.get(id) {
+                            return Ok(c.clone());
+                        }
+                        let body = bodies
+                            .get(id)
+                            .ok_or_else(|| format!("stored row: no classification {id}"))?;
+                        let c = crate::store::decode_class(body)?;
+                        decoded.insert(id.to_owned(), c.clone());
+                        Ok(c)
+                    })
+                })
+                .collect::<Result<Vec<_>, String>>()
+        })
+        .map_err(PyValueError::new_err)?;
     Ok(ScanResult { rows })
 }
 
@@ -614,7 +891,7 @@ fn scan_targets(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = load_options(mode, content_hash, false)?;
+    let opts = load_options(mode, content_hash, true)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = detach_contained(py, Path::new(""), || {
         let found = items
@@ -731,8 +1008,8 @@ fn _debug_panic_on(path: Option<PathBuf>) {
 mod _core {
     #[pymodule_export]
     use super::{
-        _debug_panic_on, discover, discover_targets, inspect, inspect_many, map_file, read_header, read_torch_header,
-        scan, scan_targets, MappedFile, ScanResult,
+        _debug_panic_on, assemble, discover, discover_targets, inspect, inspect_many, map_file, read_header,
+        read_torch_header, scan, scan_targets, MappedFile, ScanResult,
     };
 
     #[pymodule_init]

@@ -678,7 +678,9 @@ fn leading_metadata(bytes: &[u8]) -> Option<Option<Vec<(String, String)>>> {
     match crate::header::split_leading_metadata(bytes) {
         Some((metadata, _)) => Some(metadata.map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())),
         // No key spells `__metadata__`, not even with escapes: the header has none.
-        None if memchr::memmem::find(bytes, b"__metadata__").is_none() && memchr::memmem::find(bytes, b"\\u").is_none() => {
+        None if memchr::memmem::find(bytes, b"__metadata__").is_none()
+            && memchr::memmem::find(bytes, b"\\u").is_none() =>
+        {
             Some(None)
         }
         None => None,

@@ -28,6 +28,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "inspect": ("scanner", "inspect"),
     "inspect_many": ("scanner", "inspect_many"),
     "scan": ("scanner", "scan"),
+    "Index": ("index", "Index"),
     "plan": ("planner", "plan"),
     "LoraRequest": ("planner", "LoraRequest"),
     "Plan": ("planner", "Plan"),
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from .families import fingerprint, identify
     from .groups import plan_groups
     from .header import Header, TensorInfo, read_header, read_torch_header
+    from .index import Index
     from .merging import MergeHandle, merge
     from .planner import LoraRequest, Plan, plan
     from .scanner import ScanReport, inspect, inspect_many, scan
@@ -93,6 +95,7 @@ __all__ = [
     "AdapterFormat",
     "Header",
     "HeaderError",
+    "Index",
     "InternalError",
     "LoraModule",
     "LoraRequest",

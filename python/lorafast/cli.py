@@ -33,15 +33,26 @@ def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
-    from .scanner import scan
+    from .scanner import ScanReport, scan
 
     progress = False if args.quiet else None
     storage = dict(args.storage_option) or None
-    report = scan(args.paths, recursive=not args.no_recursive, threads=args.threads, progress=progress,
-                  content_hash=args.hash, storage_options=storage, timeout=args.timeout, backend=args.backend,
-                  ray_address=args.ray_address)  # fmt: skip
+    report: ScanReport
+    if args.index:
+        from .index import Index
+
+        with Index(args.index) as index:
+            report = index.scan(args.paths, recursive=not args.no_recursive, threads=args.threads,
+                                progress=progress, content_hash=args.hash)  # fmt: skip
+        changes = f"{len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed"
+        print(f"index {args.index}: {changes}, {report.reads} read", file=sys.stderr)
+    else:
+        report = scan(args.paths, recursive=not args.no_recursive, threads=args.threads, progress=progress,
+                      content_hash=args.hash, storage_options=storage, timeout=args.timeout, backend=args.backend,
+                      ray_address=args.ray_address)  # fmt: skip
     if args.json:
-        sys.stdout.write(report.to_json(indent=2, records=not args.summary_only) + "\n")
+        report.to_json(sys.stdout, indent=2, records=not args.summary_only)
+        sys.stdout.write("\n")
         return 1 if report.errors else 0
     s = report.summary()
     print(f"{s['adapters']} adapters: {s['ok']} clean, {s['with_problems']} with problems, {s['failed']} failed")
@@ -181,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recursive", action="store_true", help="do not descend into sub-folders")
     p.add_argument("--hash", action="store_true", help="add the sha256 of each data section (reads all data)")
     p.add_argument("--summary-only", action="store_true", help="with --json: leave out per-adapter records")
+    p.add_argument("--index", metavar="FLEET.db", help="keep a persistent index there; read only what changed")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ray: scan shards in Ray tasks")
     p.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS or a local one)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,

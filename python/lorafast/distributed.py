@@ -49,8 +49,33 @@ def _scan_shard(
         "errors": result.errors(),
         "columns": result.columns(),
         "records": [result.record(i) for i in range(len(result))],
+        "adapters": result.adapters(0, len(result)),
         "target_modules": result.target_modules(),
+        "table": result.table(),
+        "module_table": result.module_table(),
     }
+
+
+def _concat_column(parts: list[Any], row_offsets: list[int] | None = None) -> Any:
+    """Concatenates one column of `_core.ScanResult.table()`/`module_table()` from several shards: arrays,
+    lists, `(values, valid)` pairs, or `(codes, names)` pairs (codes remapped to one dictionary)."""
+    import numpy as np
+
+    first = parts[0]
+    if isinstance(first, list):
+        return [v for p in parts for v in p]
+    if not isinstance(first, tuple):
+        if row_offsets is not None:
+            return np.concatenate([p + off for p, off in zip(parts, row_offsets, strict=True)]).astype(first.dtype)
+        return np.concatenate(parts)
+    if isinstance(first[1], list):
+        index: dict[str, int] = {}
+        codes = []
+        for p_codes, names in parts:
+            remap = np.array([index.setdefault(n, len(index)) for n in names] + [-1], dtype=np.int32)
+            codes.append(remap[p_codes])  # code -1 picks the trailing -1
+        return (np.concatenate(codes).astype(np.int32), list(index))
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
 class MergedResult:
@@ -62,6 +87,8 @@ class MergedResult:
         self._paths: list[str] = []
         self._errors: list[tuple[int, str, str, str]] = []
         self._records: list[dict[str, Any] | None] = []
+        self._adapters: list[dict[str, Any]] = []
+        self._row_of_adapter: list[int] = []
         self._names: list[str] = []
         self._rows: list[list[int]] = []
         index: dict[str, int] = {}
@@ -70,12 +97,20 @@ class MergedResult:
             self._paths.extend(part["paths"])
             self._errors.extend((row + offset, path, code, msg) for row, path, code, msg in part["errors"])
             self._records.extend(part["records"])
+            self._adapters.extend(part["adapters"])
+            self._row_of_adapter.extend(i + offset for i, r in enumerate(part["records"]) if r is not None)
             names, rows = part["target_modules"]
             remap = [index.setdefault(name, len(index)) for name in names]
             self._rows.extend([remap[i] for i in row] for row in rows)
         self._names = list(index)
         keys = list(parts[0]["columns"]) if parts else []
         self._columns: dict[str, np.ndarray] = {k: np.concatenate([p["columns"][k] for p in parts]) for k in keys}
+        self._table = {k: _concat_column([p["table"][k] for p in parts]) for k in (parts[0]["table"] if parts else [])}
+        offsets = list(np.cumsum([0] + [len(p["paths"]) for p in parts[:-1]]))
+        self._module_table = {
+            k: _concat_column([p["module_table"][k] for p in parts], offsets if k == "row" else None)
+            for k in (parts[0]["module_table"] if parts else [])
+        }
         if "path_index" in self._columns:
             self._columns["path_index"] = np.arange(len(self._paths), dtype=self._columns["path_index"].dtype)
 
@@ -97,6 +132,27 @@ class MergedResult:
 
     def target_modules(self) -> tuple[list[str], list[list[int]]]:
         return list(self._names), [list(r) for r in self._rows]
+
+    def _successful(self, start: int, stop: int) -> list[int]:
+        import bisect
+
+        lo = bisect.bisect_left(self._row_of_adapter, start)
+        hi = bisect.bisect_left(self._row_of_adapter, stop)
+        return list(range(lo, hi))
+
+    def adapters(self, start: int, stop: int) -> list[dict[str, Any]]:
+        import copy
+
+        return [copy.deepcopy(self._adapters[i]) for i in self._successful(start, stop)]
+
+    def records(self, start: int, stop: int) -> list[dict[str, Any]]:
+        return [dict(self._records[self._row_of_adapter[i]] or {}) for i in self._successful(start, stop)]
+
+    def table(self) -> dict[str, Any]:
+        return dict(self._table)
+
+    def module_table(self) -> dict[str, Any]:
+        return dict(self._module_table)
 
 
 def _ray(address: str | None) -> Any:

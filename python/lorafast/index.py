@@ -1,0 +1,245 @@
+"""`lorafast.Index`: a persistent scan index in SQLite, so a rescan reads only the adapters that changed.
+
+Each adapter row is stored with the signature of its files: `(size, mtime_ns, inode, device)` of the weights
+file and of `adapter_config.json`, and the options it was read with. A rescan walks the paths once (the same
+discovery as `scan`), `stat`s each adapter's files, reads only those whose signature differs or that are new,
+and drops the rows of adapters that are gone. The report it returns equals a full `scan` of the same paths:
+unchanged rows come back as the scan stored them (`rust/store.rs`).
+
+The database is in WAL mode and each batch of updates is one transaction, so a process killed mid-update
+leaves the index as of its last committed batch (every row still matches the signature stored with it), and
+readers are never blocked by a writer. Classifications are stored once per distinct content (adapters trained
+from one recipe share theirs).
+
+Local paths only: the object-store listing lorafast's discovery uses does not hand back ETags or
+last-modified times, so URLs are refused (scan them with `lorafast.scan`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+from . import _core
+from .scanner import PathLike, ScanReport, _check_threads, _want_progress
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS adapters (
+    path BLOB PRIMARY KEY,      -- the adapter's path, as the file system's bytes
+    signature TEXT NOT NULL,    -- stat of its files and the read options (JSON)
+    row BLOB NOT NULL,          -- the scan row (rust/store.rs)
+    class TEXT                  -- id of its classification in `classes` (NULL for a failed row)
+);
+CREATE INDEX IF NOT EXISTS adapters_class ON adapters (class);
+CREATE TABLE IF NOT EXISTS classes (id TEXT PRIMARY KEY, body BLOB NOT NULL);
+"""
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _stat(path: str | None) -> list[int] | None:
+    if path is None:
+        return None
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+class IndexScanReport(ScanReport):
+    """A `ScanReport` (equal to a full scan's) that also says what changed since the index last saw the paths:
+    `added`, `changed` and `removed` adapter paths, and `reads`, the number of adapters read from disk."""
+
+    added: list[str]
+    changed: list[str]
+    removed: list[str]
+    reads: int
+
+
+class Index:
+    """A persistent scan index at `path` (an SQLite file, created when missing). `scan(paths)` returns the
+    report a full `lorafast.scan` would, reading only what changed since the last `scan` of those paths."""
+
+    #: Rows written per transaction.
+    batch_size = 1000
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = os.fspath(path)
+        self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        found = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if found is None:
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        elif found[0] != str(SCHEMA_VERSION):
+            raise ValueError(f"{self.path}: index schema {found[0]}, this lorafast writes {SCHEMA_VERSION}")
+        #: Test hook: called inside each batch's transaction, after its writes and before its commit.
+        self._on_batch: Callable[[int], None] | None = None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Index:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM adapters").fetchone()[0])
+
+    def paths(self) -> list[str]:
+        """The adapter paths the index holds, sorted."""
+        return sorted(os.fsdecode(p) for (p,) in self._db.execute("SELECT path FROM adapters"))
+
+    def scan(
+        self,
+        paths: PathLike | Iterable[PathLike],
+        *,
+        recursive: bool = True,
+        threads: int | None = None,
+        progress: bool | None = None,
+        content_hash: bool = False,
+        mode: Literal["pread", "mmap"] = "pread",
+    ) -> IndexScanReport:
+        """`lorafast.scan(paths, ...)` through the index: the same report, with only new and changed adapters
+        read. Paths are made absolute, so the index means the same files from any working directory."""
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        plist = [os.fsdecode(p) for p in paths]
+        if any(_is_url(p) for p in plist):
+            raise ValueError("Index scans local paths only (the store listing gives no ETag or last-modified)")
+        plist = [os.path.abspath(p) for p in plist]
+        threads = _check_threads(threads)
+        options = {"content_hash": content_hash, "v": SCHEMA_VERSION}
+
+        # The walk: the same discovery a scan does.
+        items = _core.discover_targets(plist, recursive, threads, None, None, None)
+        stored: dict[bytes, tuple[str, bytes, str | None]] = {}
+        for p, sig, row, cls in self._db.execute("SELECT path, signature, row, class FROM adapters"):
+            stored[bytes(p)] = (sig, bytes(row), cls)
+
+        slots: list[tuple[str, Any]] = []  # ("row", bytes) | ("read", index into `to_read`) | ("error", bytes)
+        to_read: list[tuple[str, str | None, str | None, str | None, str | None]] = []
+        signatures: list[str] = []
+        seen: set[bytes] = set()
+        added: list[str] = []
+        changed: list[str] = []
+        for item in items:
+            path, weights, config, code, message = item
+            key = os.fsencode(path)
+            if code is not None or weights is None:
+                # Failed discoveries are part of the walk: the same row every time, nothing to read.
+                slots.append(("item", item))
+                continue
+            seen.add(key)
+            try:
+                signature = json.dumps([weights, _stat(weights), config, _stat(config), options])
+            except OSError:
+                signature = ""  # gone or unreadable since the walk: read it, and the read says why
+            old = stored.get(key)
+            if old is not None and signature and old[0] == signature:
+                slots.append(("row", old))
+                continue
+            (changed if old is not None else added).append(path)
+            slots.append(("read", len(to_read)))
+            to_read.append(item)
+            signatures.append(signature)
+
+        show = _want_progress(progress, len(to_read))
+        fresh_rows: list[bytes] = []
+        fresh_classes: dict[str, bytes] = {}
+        if to_read:
+            result = _core.scan_targets(to_read, threads, mode, content_hash, show, None, None, None)
+            fresh_rows, fresh_classes = result.encode()
+        # Failed discoveries go through the same encoding as scanned rows.
+        failed = [s[1] for s in slots if s[0] == "item"]
+        failed_rows = (
+            _core.scan_targets(failed, threads, mode, False, False, None, None, None).encode()[0] if failed else []
+        )
+
+        removed = sorted(
+            os.fsdecode(p) for p in stored if p not in seen and any(_under(os.fsdecode(p), root) for root in plist)
+        )
+        self._write(
+            [
+                (os.fsencode(item[0]), sig, fresh_rows[i])
+                for i, (item, sig) in enumerate(zip(to_read, signatures, strict=True))
+            ],
+            fresh_classes,
+            [os.fsencode(p) for p in removed],
+        )
+
+        rows: list[bytes] = []
+        classes: dict[str, bytes] = dict(fresh_classes)
+        need: set[str] = set()
+        failed_iter = iter(failed_rows)
+        for kind, value in slots:
+            if kind == "row":
+                rows.append(value[1])
+                if value[2] is not None and value[2] not in classes:
+                    need.add(value[2])
+            elif kind == "read":
+                rows.append(fresh_rows[value])
+            else:
+                rows.append(next(failed_iter))
+        classes.update(self._classes(need))
+        report = IndexScanReport(_core.assemble(rows, classes))
+        report.added, report.changed, report.removed, report.reads = added, changed, removed, len(to_read)
+        return report
+
+    def _classes(self, ids: set[str]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        pending = list(ids)
+        for start in range(0, len(pending), 500):
+            chunk = pending[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for cid, body in self._db.execute(f"SELECT id, body FROM classes WHERE id IN ({marks})", chunk):
+                out[cid] = bytes(body)
+        missing = ids - out.keys()
+        if missing:
+            raise RuntimeError(f"{self.path}: index lost classifications {sorted(missing)[:3]}")
+        return out
+
+    def _write(
+        self, upserts: list[tuple[bytes, str, bytes]], classes: Mapping[str, bytes], removed: list[bytes]
+    ) -> None:
+        """Upserts and deletions, `batch_size` rows per transaction. A row and the classification it names are
+        written in the same transaction, so every committed state is consistent."""
+        ops: list[tuple[str, Any]] = [("put", u) for u in upserts] + [("del", p) for p in removed]
+        for number, start in enumerate(range(0, len(ops), self.batch_size)):
+            batch = ops[start : start + self.batch_size]
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for op, value in batch:
+                    if op == "del":
+                        db.execute("DELETE FROM adapters WHERE path = ?", (value,))
+                        continue
+                    key, signature, row = value
+                    cls = json.loads(row).get("class")
+                    if cls is not None:
+                        db.execute("INSERT OR IGNORE INTO classes VALUES (?, ?)", (cls, classes[cls]))
+                    db.execute("INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?)", (key, signature, row, cls))
+                if self._on_batch is not None:
+                    self._on_batch(number)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        if ops:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)")
+            db.execute("COMMIT")
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

@@ -1,0 +1,244 @@
+"""A scan report's tables for Arrow, pandas, polars and Parquet, built from the Rust columns.
+
+Two tables: `adapters` (one row per adapter, failed ones included; `row` is the report's row) and
+`modules` (one row per module of every adapter that was read; `row` names its adapter). Repeated strings
+(formats, module names, keys, dtypes) come from the core dictionary-encoded, as codes and their distinct
+values, so no Python object is made per row for them. pyarrow, pandas and polars are optional: each export
+imports its library when called (`pip install lorafast[arrow]`, `[pandas]`, `[polars]`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .scanner import ScanReport
+
+Table = Literal["adapters", "modules"]
+
+#: A column before conversion: ("num", values) | ("nullable", values, valid) | ("dict", codes, names)
+#: | ("str", list of str or None). Dictionary code -1 and valid False are nulls.
+Column = tuple[Any, ...]
+
+STATUS_NAMES = ("ok", "problems", "error")
+
+
+def adapter_columns(report: ScanReport) -> dict[str, Column]:
+    from .scanner import FLAGS, FORMATS, MOE_LAYOUTS
+
+    cols = report.columns()
+    extra = report._result.table()
+    out: dict[str, Column] = {
+        "row": ("num", cols["path_index"]),
+        "path": ("str", report.paths),
+        "status": ("dict", cols["status"].astype(np.int32), list(STATUS_NAMES)),
+        "format": ("dict", cols["format"].astype(np.int32), list(FORMATS)),
+        "peft_type": ("dict", *extra["peft_type"]),
+        "base_model_name_or_path": ("dict", *extra["base_model_name_or_path"]),
+        "rank": ("num", cols["rank"]),
+        "num_tensors": ("num", cols["num_tensors"]),
+        "moe_layout": ("dict", cols["moe_layout"].astype(np.int32), list(MOE_LAYOUTS)),
+        "num_experts": ("num", cols["num_experts"]),
+        "num_layers": ("num", cols["num_layers"]),
+        "flags": ("num", cols["flags"]),
+    }
+    for bit, name in enumerate(FLAGS):
+        out[f"flag_{name}"] = ("num", ((cols["flags"] >> bit) & 1).astype(bool))
+    out.update(
+        {
+            "num_problems": ("num", cols["num_problems"]),
+            "weight_file": ("str", extra["weight_file"]),
+            "config_path": ("str", extra["config_path"]),
+            "header_size": ("nullable", *extra["header_size"]),
+            "file_size": ("nullable", *extra["file_size"]),
+            "content_hash": ("str", extra["content_hash"]),
+            "error_code": ("dict", *extra["error_code"]),
+            "error_message": ("str", extra["error_message"]),
+        }
+    )
+    return out
+
+
+def module_columns(report: ScanReport) -> dict[str, Column]:
+    raw = report._result.module_table()
+    out: dict[str, Column] = {}
+    for name, value in raw.items():
+        if name == "row" or name == "use_rslora":
+            out[name] = ("num", value)
+        elif isinstance(value[1], list):
+            out[name] = ("dict", *value)
+        else:
+            out[name] = ("nullable", *value)
+        if name == "alpha":
+            out["scale"] = ("num", _scale(raw))
+    return out
+
+
+def _scale(raw: dict[str, Any]) -> np.ndarray:
+    """`LoraModule.scale` for every module: alpha / r (alpha / sqrt(r) with rsLoRA), 1.0 when alpha is unknown."""
+    alpha, alpha_ok = raw["alpha"]
+    rank, rank_ok = raw["rank"]
+    rank_f = rank.astype(np.float64)
+    known = alpha_ok & rank_ok & (rank > 0)
+    denom = np.where(raw["use_rslora"], np.sqrt(rank_f), rank_f)
+    out = np.ones(len(alpha), dtype=np.float64)
+    np.divide(alpha, denom, out=out, where=known)
+    return out
+
+
+def _columns(report: ScanReport, table: Table) -> dict[str, Column]:
+    if table == "adapters":
+        return adapter_columns(report)
+    if table == "modules":
+        return module_columns(report)
+    raise ValueError(f"table must be 'adapters' or 'modules', not {table!r}")
+
+
+def _utf8(values: list[str | None]) -> list[str | None]:
+    """Paths that are not UTF-8 (surrogate-escaped by `os.fsdecode`) with their odd bytes as `\\xNN`, since
+    Arrow strings must be UTF-8."""
+    out: list[str | None] = []
+    for v in values:
+        if v is not None:
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                v = v.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        out.append(v)
+    return out
+
+
+def to_arrow(report: ScanReport, table: Table = "adapters") -> Any:
+    import pyarrow as pa
+
+    arrays = {}
+    for name, col in _columns(report, table).items():
+        kind = col[0]
+        if kind == "num":
+            arrays[name] = pa.array(col[1])
+        elif kind == "nullable":
+            arrays[name] = pa.array(col[1], mask=~col[2])
+        elif kind == "dict":
+            codes = col[1]
+            indices = pa.array(codes, mask=codes < 0)
+            arrays[name] = pa.DictionaryArray.from_arrays(indices, pa.array(_utf8(col[2]), pa.string()))
+        else:
+            try:
+                arrays[name] = pa.array(col[1], pa.string())
+            except UnicodeEncodeError:
+                arrays[name] = pa.array(_utf8(col[1]), pa.string())
+    return pa.table(arrays)
+
+
+def to_pandas(report: ScanReport, table: Table = "adapters") -> Any:
+    import pandas as pd
+
+    data: dict[str, Any] = {}
+    for name, col in _columns(report, table).items():
+        kind = col[0]
+        if kind == "num":
+            data[name] = col[1]
+        elif kind == "nullable":
+            values, valid = col[1], col[2]
+            if values.dtype.kind == "f":
+                data[name] = pd.arrays.FloatingArray(values, ~valid)
+            else:
+                data[name] = pd.arrays.IntegerArray(values, ~valid)
+        elif kind == "dict":
+            data[name] = pd.Categorical.from_codes(col[1], categories=pd.Index(col[2], dtype=object))
+        else:
+            data[name] = pd.array(col[1], dtype=object)
+    return pd.DataFrame(data)
+
+
+def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
+    import polars as pl
+
+    series = []
+    for name, col in _columns(report, table).items():
+        kind = col[0]
+        if kind == "num":
+            series.append(pl.Series(name, col[1]))
+        elif kind == "nullable":
+            s = pl.Series(name, col[1])
+            series.append(pl.select(pl.when(pl.Series(col[2])).then(s).otherwise(None).alias(name)).to_series())
+        elif kind == "dict":
+            codes = pl.Series(col[1]).cast(pl.Int64)
+            values = pl.Series(name, col[2], dtype=pl.String)
+            valid = codes >= 0
+            picked = values.gather(codes.clip(lower_bound=0)) if len(values) else pl.Series(name, [None] * len(codes))
+            s = pl.select(pl.when(valid).then(picked).otherwise(None).alias(name)).to_series()
+            series.append(s.cast(pl.Categorical))
+        else:
+            series.append(pl.Series(name, _utf8(col[1]), dtype=pl.String))
+    return pl.DataFrame(series)
+
+
+def to_parquet(report: ScanReport, path: str, modules_path: str | None = None) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(to_arrow(report, "adapters"), path)
+    if modules_path is not None:
+        pq.write_table(to_arrow(report, "modules"), modules_path)
+
+
+#: Records per batch that cross from Rust and are written at once.
+JSON_BATCH = 1024
+
+
+def _records(report: ScanReport) -> Iterator[list[dict[str, Any]]]:
+    n = len(report)
+    for start in range(0, n, JSON_BATCH):
+        batch = report._result.records(start, start + JSON_BATCH)
+        for rec in batch:
+            rec.pop("config_json", None)
+        if batch:
+            yield batch
+
+
+def write_json(report: ScanReport, write: Callable[[str], Any], indent: int | str | None, records: bool) -> None:
+    """Writes exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)`, the adapters a batch at a
+    time, so the whole text is never held."""
+    errors = [{"path": p, "code": c, "message": m} for p, c, m in report.errors]
+    if indent is None:
+        write('{"summary": ' + json.dumps(report.summary()) + ', "errors": ' + json.dumps(errors))
+        if records:
+            write(', "adapters": [')
+            first = True
+            for batch in _records(report):
+                text = json.dumps(batch)[1:-1]
+                write(text if first else ", " + text)
+                first = False
+            write("]")
+        write("}")
+        return
+    step = " " * indent if isinstance(indent, int) else indent
+
+    def nested(value: Any, level: int) -> str:
+        return json.dumps(value, indent=indent).replace("\n", "\n" + step * level)
+
+    write("{\n" + step + '"summary": ' + nested(report.summary(), 1))
+    write(",\n" + step + '"errors": ' + nested(errors, 1))
+    if records:
+        write(",\n" + step + '"adapters": [')
+        first = True
+        for batch in _records(report):
+            parts = [step * 2 + nested(rec, 2) for rec in batch]
+            write(("\n" if first else ",\n") + ",\n".join(parts))
+            first = False
+        write("]" if first else "\n" + step + "]")
+    write("\n}")
+
+
+def json_text(report: ScanReport, indent: int | str | None, records: bool) -> str:
+    parts: list[str] = []
+    write_json(report, parts.append, indent, records)
+    return "".join(parts)
+
+
+def json_to(report: ScanReport, fp: IO[str], indent: int | str | None, records: bool) -> None:
+    write_json(report, fp.write, indent, records)

@@ -1,0 +1,366 @@
+//! Scan rows as bytes and back, for the persistent index (`lorafast.Index`): a row keeps its own
+//! fields (paths, config text, metadata, sizes) and names its classification by the sha256 of that
+//! classification's encoding, so the adapters of one recipe store their modules once. Decoding gives
+//! the `AdapterResult` (or error) the scan had: a report assembled from stored rows equals a full scan.
+//!
+//! The encoding is JSON (serde_json). Paths are strings when they are UTF-8, else arrays of bytes.
+
+use std::ffi::OsString;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, MoeLayout, Problem, PROBLEM_CODES};
+use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
+use crate::header::Dtype;
+use crate::names::Variant;
+use crate::scan::{AdapterResult, Target};
+
+/// Bumped when the encoding changes: rows of another version are read again.
+pub const VERSION: u32 = 1;
+
+const VARIANTS: [Variant; 7] = [
+    Variant::Loha,
+    Variant::Lokr,
+    Variant::Oft,
+    Variant::Boft,
+    Variant::Ia3,
+    Variant::Glora,
+    Variant::Diff,
+];
+
+const FORMATS: [Format; 8] = [
+    Format::Peft,
+    Format::Diffusers,
+    Format::DiffusersLegacy,
+    Format::Kohya,
+    Format::Lycoris,
+    Format::Xlabs,
+    Format::AiToolkit,
+    Format::Unknown,
+];
+
+const LAYOUTS: [MoeLayout; 6] = [
+    MoeLayout::Dense,
+    MoeLayout::PerExpert2d,
+    MoeLayout::Stacked3d,
+    MoeLayout::SharedOuter,
+    MoeLayout::PeftTargetParameters,
+    MoeLayout::Mixed,
+];
+
+fn kinds() -> impl Iterator<Item = ModuleKind> {
+    [
+        ModuleKind::Linear,
+        ModuleKind::Conv,
+        ModuleKind::Embedding,
+        ModuleKind::Expert2d,
+        ModuleKind::Stacked3d,
+        ModuleKind::TargetParameters,
+        ModuleKind::Incomplete,
+    ]
+    .into_iter()
+    .chain(VARIANTS.into_iter().map(ModuleKind::Variant))
+}
+
+fn bad(what: &str) -> String {
+    format!("stored row: bad {what}")
+}
+
+fn path_value(p: &Path) -> Value {
+    match p.to_str() {
+        Some(s) => Value::from(s),
+        None => Value::from(p.as_os_str().as_bytes().to_vec()),
+    }
+}
+
+fn value_path(v: &Value) -> Result<PathBuf, String> {
+    match v {
+        Value::String(s) => Ok(PathBuf::from(s)),
+        Value::Array(a) => {
+            let bytes = a
+                .iter()
+                .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
+                .collect::<Option<Vec<u8>>>()
+                .ok_or_else(|| bad("path"))?;
+            Ok(PathBuf::from(OsString::from_vec(bytes)))
+        }
+        _ => Err(bad("path")),
+    }
+}
+
+/// A `&'static str` code from the known lists (codes are static in the core).
+fn static_str(code: &str, lists: &[&[&'static str]]) -> &'static str {
+    lists
+        .iter()
+        .flat_map(|l| l.iter())
+        .find(|k| **k == code)
+        .copied()
+        .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
+}
+
+/// The encoding of a classification (the part adapters of one recipe share).
+pub fn encode_class(c: &Classification) -> Vec<u8> {
+    let modules: Vec<Value> = c
+        .modules
+        .iter()
+        .map(|m| {
+            json!([
+                m.key,
+                m.name,
+                m.leaf,
+                m.kind.name(),
+                m.layer,
+                m.expert,
+                m.num_experts,
+                m.rank,
+                m.in_features,
+                m.out_features,
+                m.dtype.map(Dtype::name),
+                m.a_key,
+                m.b_key,
+                m.a_shape,
+                m.b_shape,
+                m.alpha.map(f64::to_bits),
+                m.alpha_key,
+                m.bias_key,
+                m.magnitude_key,
+                m.extra_keys,
+                m.config_rank,
+                m.use_rslora,
+            ])
+        })
+        .collect();
+    let v = json!({
+        "format": c.format.name(),
+        "peft_type": c.peft_type,
+        "num_tensors": c.num_tensors,
+        "dtypes": c.dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
+        "layers": c.layers,
+        "base_model": c.base_model,
+        "target_modules": c.target_modules,
+        "rank": c.rank,
+        "moe_layout": c.moe_layout.name(),
+        "num_experts": c.num_experts,
+        "flags": c.flags,
+        "variants": c.variants.iter().map(|v| v.name()).collect::<Vec<_>>(),
+        "full_weight_tensors": c.full_weight_tensors,
+        "problems": c.problems.iter().map(|p| json!([p.code, p.message, p.tensor])).collect::<Vec<_>>(),
+        "modules": modules,
+    });
+    serde_json::to_vec(&v).unwrap_or_default()
+}
+
+/// The id of an encoded classification: its sha256, hex.
+pub fn class_id(encoded: &[u8]) -> String {
+    Sha256::digest(encoded).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The encoding of one row; `class` is the id of its classification (None for a failed row).
+pub fn encode_row(row: &Result<AdapterResult, Error>, class: Option<&str>) -> Vec<u8> {
+    let v = match row {
+        Ok(a) => json!({
+            "v": VERSION,
+            "path": path_value(&a.target.path),
+            "weights": path_value(&a.target.weights),
+            "config": a.target.config.as_deref().map(path_value),
+            "config_json": a.config_json,
+            "metadata": a.metadata,
+            "header_size": a.header_size,
+            "file_size": a.file_size,
+            "content_hash": a.content_hash,
+            "class": class,
+        }),
+        Err(e) => json!({
+            "v": VERSION,
+            "error": [path_value(e.path()), e.code(), e.detail()],
+        }),
+    };
+    serde_json::to_vec(&v).unwrap_or_default()
+}
+
+fn get<'a>(v: &'a Value, key: &str) -> &'a Value {
+    v.get(key).unwrap_or(&Value::Null)
+}
+
+fn opt_str(v: &Value) -> Result<Option<String>, String> {
+    match v {
+        Value::Null => Ok(None),
+        Value::String(s) => Ok(Some(s.clone())),
+        _ => Err(bad("string")),
+    }
+}
+
+fn string(v: &Value) -> Result<String, String> {
+    opt_str(v)?.ok_or_else(|| bad("string"))
+}
+
+fn opt_u64(v: &Value) -> Result<Option<u64>, String> {
+    match v {
+        Value::Null => Ok(None),
+        v => v.as_u64().map(Some).ok_or_else(|| bad("number")),
+    }
+}
+
+fn u64_of(v: &Value) -> Result<u64, String> {
+    opt_u64(v)?.ok_or_else(|| bad("number"))
+}
+
+fn opt_u32(v: &Value) -> Result<Option<u32>, String> {
+    opt_u64(v)?
+        .map(|n| u32::try_from(n).map_err(|_| bad("number")))
+        .transpose()
+}
+
+fn array(v: &Value) -> Result<&Vec<Value>, String> {
+    v.as_array().ok_or_else(|| bad("list"))
+}
+
+fn strings(v: &Value) -> Result<Vec<String>, String> {
+    array(v)?.iter().map(string).collect()
+}
+
+fn opt_shape(v: &Value) -> Result<Option<Vec<u64>>, String> {
+    match v {
+        Value::Null => Ok(None),
+        v => array(v)?.iter().map(u64_of).collect::<Result<_, _>>().map(Some),
+    }
+}
+
+fn by_name<T: Copy>(items: impl IntoIterator<Item = T>, name: fn(T) -> &'static str, v: &Value) -> Result<T, String> {
+    let s = v.as_str().ok_or_else(|| bad("name"))?;
+    items.into_iter().find(|t| name(*t) == s).ok_or_else(|| bad(s))
+}
+
+/// Decodes a classification written by `encode_class`.
+pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| bad(&e.to_string()))?;
+    let dtype =
+        |v: &Value| -> Result<Dtype, String> { v.as_str().and_then(Dtype::from_name).ok_or_else(|| bad("dtype")) };
+    let mut modules = Vec::new();
+    for m in array(get(&v, "modules"))? {
+        let f = array(m)?;
+        if f.len() != 22 {
+            return Err(bad("module"));
+        }
+        modules.push(ModuleInfo {
+            key: string(&f[0])?,
+            name: string(&f[1])?,
+            leaf: string(&f[2])?,
+            kind: by_name(kinds(), ModuleKind::name, &f[3])?,
+            layer: opt_u32(&f[4])?,
+            expert: opt_u32(&f[5])?,
+            num_experts: opt_u64(&f[6])?,
+            rank: opt_u64(&f[7])?,
+            in_features: opt_u64(&f[8])?,
+            out_features: opt_u64(&f[9])?,
+            dtype: match &f[10] {
+                Value::Null => None,
+                d => Some(dtype(d)?),
+            },
+            a_key: opt_str(&f[11])?,
+            b_key: opt_str(&f[12])?,
+            a_shape: opt_shape(&f[13])?,
+            b_shape: opt_shape(&f[14])?,
+            alpha: opt_u64(&f[15])?.map(f64::from_bits),
+            alpha_key: opt_str(&f[16])?,
+            bias_key: opt_str(&f[17])?,
+            magnitude_key: opt_str(&f[18])?,
+            extra_keys: strings(&f[19])?,
+            config_rank: opt_u64(&f[20])?,
+            use_rslora: f[21].as_bool().ok_or_else(|| bad("bool"))?,
+        });
+    }
+    let problems = array(get(&v, "problems"))?
+        .iter()
+        .map(|p| {
+            let f = array(p)?;
+            if f.len() != 3 {
+                return Err(bad("problem"));
+            }
+            Ok(Problem {
+                code: static_str(&string(&f[0])?, &[PROBLEM_CODES, &["too_many_problems"]]),
+                message: string(&f[1])?,
+                tensor: opt_str(&f[2])?,
+            })
+        })
+        .collect::<Result<_, String>>()?;
+    Ok(Classification {
+        format: by_name(FORMATS, Format::name, get(&v, "format"))?,
+        peft_type: opt_str(get(&v, "peft_type"))?,
+        num_tensors: opt_u32(get(&v, "num_tensors"))?.ok_or_else(|| bad("num_tensors"))?,
+        dtypes: array(get(&v, "dtypes"))?.iter().map(dtype).collect::<Result<_, _>>()?,
+        layers: array(get(&v, "layers"))?
+            .iter()
+            .map(|l| opt_u32(l)?.ok_or_else(|| bad("layer")))
+            .collect::<Result<_, _>>()?,
+        base_model: opt_str(get(&v, "base_model"))?,
+        target_modules: strings(get(&v, "target_modules"))?,
+        rank: u64_of(get(&v, "rank"))?,
+        moe_layout: by_name(LAYOUTS, MoeLayout::name, get(&v, "moe_layout"))?,
+        num_experts: u64_of(get(&v, "num_experts"))?,
+        flags: opt_u32(get(&v, "flags"))?.ok_or_else(|| bad("flags"))?,
+        variants: array(get(&v, "variants"))?
+            .iter()
+            .map(|x| by_name(VARIANTS, Variant::name, x))
+            .collect::<Result<_, _>>()?,
+        full_weight_tensors: strings(get(&v, "full_weight_tensors"))?,
+        problems,
+        modules: Arc::new(modules),
+        duplicate_tensor: None,
+    })
+}
+
+/// Decodes a row written by `encode_row`; `class` gives the classification its id names.
+pub fn decode_row(
+    bytes: &[u8],
+    class: impl FnOnce(&str) -> Result<Classification, String>,
+) -> Result<Result<AdapterResult, Error>, String> {
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| bad(&e.to_string()))?;
+    if get(&v, "v").as_u64() != Some(u64::from(VERSION)) {
+        return Err(bad("version"));
+    }
+    if let Some(e) = v.get("error") {
+        let f = array(e)?;
+        if f.len() != 3 {
+            return Err(bad("error"));
+        }
+        let code = static_str(
+            &string(&f[1])?,
+            &[HEADER_ERROR_CODES, ADAPTER_ERROR_CODES, crate::torch::TORCH_ERROR_CODES],
+        );
+        return Ok(Err(Error::adapter(value_path(&f[0])?, code, string(&f[2])?)));
+    }
+    let metadata = match get(&v, "metadata") {
+        Value::Null => None,
+        m => Some(
+            array(m)?
+                .iter()
+                .map(|kv| match kv.as_array().map(Vec::as_slice) {
+                    Some([k, v]) => Ok((string(k)?, string(v)?)),
+                    _ => Err(bad("metadata")),
+                })
+                .collect::<Result<Vec<_>, String>>()?,
+        ),
+    };
+    let config = match get(&v, "config") {
+        Value::Null => None,
+        c => Some(value_path(c)?),
+    };
+    Ok(Ok(AdapterResult {
+        target: Target {
+            path: value_path(get(&v, "path"))?,
+            weights: value_path(get(&v, "weights"))?,
+            config,
+        },
+        config_json: opt_str(get(&v, "config_json"))?,
+        metadata,
+        header_size: u64_of(get(&v, "header_size"))?,
+        file_size: u64_of(get(&v, "file_size"))?,
+        class: class(get(&v, "class").as_str().ok_or_else(|| bad("class"))?)?,
+        content_hash: opt_str(get(&v, "content_hash"))?,
+    }))
+}

@@ -1,0 +1,223 @@
+"""`lorafast.Index` (issue 16, part 4): a persistent SQLite index whose `scan` reads only what changed and
+returns the report a full scan gives; it survives a writer killed mid-update and serves concurrent readers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import lorafast
+import numpy as np
+import pytest
+from lorafast import _core
+from lorafast.sample import write_samples
+from test_scan import peft
+
+
+def same_report(got: lorafast.ScanReport, want: lorafast.ScanReport) -> None:
+    assert got.paths == want.paths
+    assert got.errors == want.errors
+    gc, wc = got.columns(), want.columns()
+    assert gc.keys() == wc.keys()
+    for k in wc:
+        assert np.array_equal(gc[k], wc[k]), k
+    assert got.to_json() == want.to_json()
+    assert [dataclasses.astuple(a) for a in got] == [dataclasses.astuple(a) for a in want]
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    root = tmp_path / "fleet"
+    write_samples(str(root), 60)
+    (root / "broken.safetensors").write_bytes(b"\x01\x00")  # a failed row is indexed too
+    os.makedirs(root / "no-weights")
+    (root / "no-weights" / "adapter_config.json").write_text("{}")  # a failed discovery
+    return root
+
+
+def test_first_scan_equals_a_full_scan_and_a_rescan_reads_nothing(tmp_path, fleet):
+    db = tmp_path / "fleet.db"
+    first = lorafast.Index(db).scan([fleet])
+    same_report(first, lorafast.scan([fleet]))
+    assert first.reads == len(first.added) == len(first) - 1  # all but the failed discovery
+    assert first.changed == first.removed == []
+    again = lorafast.Index(db).scan(fleet)
+    same_report(again, lorafast.scan([fleet]))
+    assert (again.added, again.changed, again.removed, again.reads) == ([], [], [], 0)
+
+
+def test_unchanged_rescan_reads_no_header(tmp_path, fleet):
+    """Proof without timing: overwrite every header with garbage, keeping size, mtime and inode. A full scan
+    now fails every file; the index rescan, which must not read them, still gives the indexed rows. And the core's
+    panic hook on one adapter is never reached."""
+    db = tmp_path / "fleet.db"
+    want = lorafast.Index(db).scan([fleet])
+    touched = 0
+    for dirpath, _, files in os.walk(fleet):
+        for name in files:
+            if not name.endswith(".safetensors") or name == "broken.safetensors":
+                continue
+            p = os.path.join(dirpath, name)
+            st = os.stat(p)
+            with open(p, "r+b") as f:
+                f.write(b"\xff" * 8)  # an impossible header length
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+            touched += 1
+    assert touched > 40
+    assert len(lorafast.scan([fleet]).errors) > touched  # a real read sees the garbage
+    _core._debug_panic_on(want.ok_paths[0])
+    try:
+        got = lorafast.Index(db).scan([fleet])
+    finally:
+        _core._debug_panic_on(None)
+    assert got.reads == 0
+    same_report(got, want)
+
+
+def test_add_change_delete_rename(tmp_path):
+    root = tmp_path / "fleet"
+    for i in range(5):
+        peft(root / f"a{i}", r=4)
+    db = tmp_path / "fleet.db"
+    lorafast.Index(db).scan([root])
+
+    peft(root / "new", r=8)  # add
+    peft(root / "a1", r=16)  # change: new tensors and config
+    shutil.rmtree(root / "a2")  # delete
+    os.rename(root / "a3", root / "renamed")  # rename
+    (root / "a4" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 32}))  # config only
+    report = lorafast.Index(db).scan([root])
+    same_report(report, lorafast.scan([root]))
+    assert sorted(report.added) == [str(root / "new"), str(root / "renamed")]
+    assert sorted(report.changed) == [str(root / "a1"), str(root / "a4")]
+    assert report.removed == [str(root / "a2"), str(root / "a3")]
+    assert report.reads == 4
+    by_path = {a.path: a for a in report}
+    assert by_path[str(root / "a1")].rank == 16 and by_path[str(root / "a4")].r == 32
+    assert lorafast.Index(db).paths() == sorted(
+        str(p) for p in (root / n for n in ("a0", "a1", "a4", "new", "renamed"))
+    )
+    assert lorafast.Index(db).scan([root]).reads == 0
+
+
+def test_scans_of_other_roots_keep_each_others_rows(tmp_path):
+    for i in range(3):
+        peft(tmp_path / "x" / f"a{i}", r=4)
+        peft(tmp_path / "y" / f"b{i}", r=8)
+    index = lorafast.Index(tmp_path / "i.db")
+    index.scan([tmp_path / "x"])
+    assert index.scan([tmp_path / "y"]).removed == []
+    assert len(index) == 6
+    assert index.scan([tmp_path / "x", tmp_path / "y"]).reads == 0
+
+
+def test_options_are_part_of_the_signature(tmp_path):
+    peft(tmp_path / "f" / "a", r=4)
+    index = lorafast.Index(tmp_path / "i.db")
+    index.scan([tmp_path / "f"])
+    hashed = index.scan([tmp_path / "f"], content_hash=True)
+    assert hashed.reads == 1
+    same_report(hashed, lorafast.scan([tmp_path / "f"], content_hash=True))
+
+
+def test_relative_paths_and_urls(tmp_path, monkeypatch):
+    peft(tmp_path / "f" / "a", r=4)
+    monkeypatch.chdir(tmp_path)
+    index = lorafast.Index("i.db")
+    assert index.scan("f").paths == [str(tmp_path / "f" / "a")]
+    with pytest.raises(ValueError, match="local paths only"):
+        index.scan(["s3://bucket/prefix/"])
+
+
+CHILD = """
+import os, sys, time
+import lorafast
+index = lorafast.Index(sys.argv[1])
+index.batch_size = 7
+def pause(number):
+    if number == int(sys.argv[3]):
+        print("in-transaction", flush=True)
+        time.sleep(120)
+index._on_batch = pause
+index.scan([sys.argv[2]])
+"""
+
+
+def start_child(db, root, pause_at):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(db), str(root), str(pause_at)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "in-transaction", line
+    return proc
+
+
+def test_writer_killed_mid_update_leaves_a_consistent_index(tmp_path, fleet):
+    db = tmp_path / "fleet.db"
+    proc = start_child(db, fleet, pause_at=3)  # 3 batches of 7 committed, the 4th open
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert con.execute("SELECT count(*) FROM adapters").fetchone() == (21,)
+        dangling = con.execute(
+            "SELECT count(*) FROM adapters WHERE class IS NOT NULL AND class NOT IN (SELECT id FROM classes)"
+        ).fetchone()
+        assert dangling == (0,)
+    index = lorafast.Index(db)
+    report = index.scan([fleet])
+    assert report.reads == len(report) - 1 - 21  # only what the killed writer had not committed
+    same_report(report, lorafast.scan([fleet]))
+    assert index.scan([fleet]).reads == 0
+
+
+def test_reader_during_a_write(tmp_path, fleet):
+    db = tmp_path / "fleet.db"
+    lorafast.Index(db).scan([fleet])
+    shutil.rmtree(fleet / sorted(p for p in os.listdir(fleet) if (fleet / p).is_dir())[0])
+    for i in range(30):
+        peft(fleet / f"more-{i}", r=4)
+    proc = start_child(db, fleet, pause_at=1)  # one batch committed, a second one open
+    try:
+        reader = lorafast.Index(db)
+        # The reader is not blocked by the open transaction and sees a committed state.
+        t0 = time.monotonic()
+        n = len(reader)
+        assert time.monotonic() - t0 < 30
+        assert n in range(60, 100)
+        results: list[int] = []
+        threads = [threading.Thread(target=lambda: results.append(len(lorafast.Index(db).paths()))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [n] * 4
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    report = lorafast.Index(db).scan([fleet])
+    same_report(report, lorafast.scan([fleet]))
+
+
+def test_cli_scan_with_index(tmp_path, fleet):
+    db = tmp_path / "fleet.db"
+    cmd = [sys.executable, "-m", "lorafast", "scan", "--index", str(db), "--json", str(fleet)]
+    first = subprocess.run(cmd, capture_output=True, text=True)
+    assert first.returncode == 1  # the broken files
+    assert json.loads(first.stdout) == json.loads(lorafast.scan([fleet]).to_json())
+    assert "removed, " in first.stderr
+    second = subprocess.run(cmd, capture_output=True, text=True)
+    assert second.stdout == first.stdout
+    assert "0 added, 0 changed, 0 removed, 0 read" in second.stderr

@@ -1,0 +1,241 @@
+"""A scan report at column speed (issue 16, part 2): iteration builds `Adapter`s from what the scan kept
+(never reading a file again) and equals a fresh `inspect` field by field; `to_json` streams the text
+`json.dumps` gives; the Arrow, pandas, polars and Parquet tables come from the Rust columns."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+
+import lorafast
+import numpy as np
+import pytest
+from lorafast.sample import write_samples
+from lorafast.testing import write_safetensors
+from test_scan import peft
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Samples of every kind, copies of them (remembered headers, `rust/memo.rs`), kohya metadata that differs
+    per copy, and failed rows."""
+    root = tmp_path_factory.mktemp("fleet")
+    write_samples(str(root / "samples"), 120)
+    os.makedirs(root / "copies")
+    for i, name in enumerate(sorted(os.listdir(root / "samples"))[:30]):
+        src = root / "samples" / name
+        if src.is_dir():
+            shutil.copytree(src, root / "copies" / f"{name}-{i}")
+        else:
+            shutil.copy(src, root / "copies" / f"c{i}-{name}")
+    tensors = {
+        "lora_unet_down_0.lora_down.weight": ("F16", (4, 16)),
+        "lora_unet_down_0.lora_up.weight": ("F16", (16, 4)),
+    }
+    os.makedirs(root / "kohya")
+    for i in range(6):
+        write_safetensors(str(root / "kohya" / f"k{i}.safetensors"), tensors, metadata={"ss_seed": str(i)})
+    peft(root / "peft_a", r=4)
+    os.makedirs(root / "broken")
+    (root / "broken" / "x.safetensors").write_bytes(b"\x01\x00")
+    (root / "broken" / "y.safetensors").write_bytes(b"\x00" * 20)
+    return root
+
+
+def adapter_fields(a: lorafast.Adapter) -> dict:
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}
+
+
+def test_iteration_equals_fresh_inspect_field_by_field(fleet):
+    report = lorafast.scan([fleet], threads=2)
+    assert report.errors  # the broken files are rows too
+    got = list(report)
+    assert [a.path for a in got] == report.ok_paths
+    assert len(got) > 150
+    for a in got:
+        want = lorafast.inspect(a.path)
+        fa, fw = adapter_fields(a), adapter_fields(want)
+        for name in fw:
+            assert fa[name] == fw[name], (a.path, name)
+        assert len(a.modules) == len(want.modules)
+        for ma, mw in zip(a.modules, want.modules, strict=True):
+            assert dataclasses.asdict(ma) == dataclasses.asdict(mw), (a.path, mw.name)
+    # Per-copy metadata is each adapter's own, though the copies share one remembered classification.
+    seeds = sorted(a.metadata["ss_seed"] for a in got if a.metadata and "ss_seed" in a.metadata)
+    assert seeds == [str(i) for i in range(6)]
+
+
+def test_iteration_reads_no_file(tmp_path, fleet):
+    root = tmp_path / "fleet"
+    shutil.copytree(fleet, root)
+    report = lorafast.scan([root], threads=2)
+    want = [adapter_fields(lorafast.inspect(p)) for p in report.ok_paths]
+    shutil.rmtree(root)  # every file gone: iteration must not need them
+    assert [adapter_fields(a) for a in report] == want
+
+
+def test_iteration_of_a_remembered_header_with_metadata_elsewhere(tmp_path):
+    """A header whose `__metadata__` is not its first entry: the memo cannot split it off, so such a row is
+    read whole, metadata included."""
+    entries = {"a.lora_A.weight": {"dtype": "F16", "shape": [2, 4], "data_offsets": [0, 16]}}
+    for i in range(3):
+        header = json.dumps({**entries, "__metadata__": {"run": str(i)}}).encode()
+        header += b" " * (-len(header) % 8)
+        with open(tmp_path / f"m{i}.safetensors", "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    got = {os.path.basename(a.path): a.metadata for a in lorafast.scan([tmp_path], threads=1)}
+    assert got == {f"m{i}.safetensors": {"run": str(i)} for i in range(3)}
+
+
+def reference_json(report: lorafast.ScanReport, indent, records: bool) -> str:
+    out = {"summary": report.summary(), "errors": [{"path": p, "code": c, "message": m} for p, c, m in report.errors]}
+    if records:
+        rows = []
+        for i in range(len(report)):
+            rec = report.record(i)
+            if rec is not None:
+                rec.pop("config_json", None)
+                rows.append(rec)
+        out["adapters"] = rows
+    return json.dumps(out, indent=indent)
+
+
+@pytest.mark.parametrize("indent", [None, 0, 2, "\t"])
+@pytest.mark.parametrize("records", [True, False])
+def test_to_json_is_json_dumps_of_the_report(fleet, indent, records):
+    report = lorafast.scan([fleet], threads=2)
+    want = reference_json(report, indent, records)
+    assert report.to_json(indent=indent, records=records) == want
+    buf = io.StringIO()
+    assert report.to_json(buf, indent=indent, records=records) is None
+    assert buf.getvalue() == want
+    json.loads(want)
+
+
+def test_to_json_streams_in_batches(tmp_path, monkeypatch):
+    from lorafast import report as report_mod
+
+    for i in range(7):
+        peft(tmp_path / f"a{i}", r=4 + i)
+    monkeypatch.setattr(report_mod, "JSON_BATCH", 2)
+    report = lorafast.scan([tmp_path], threads=1)
+    writes: list[str] = []
+
+    class Sink:
+        def write(self, s: str) -> int:
+            writes.append(s)
+            return len(s)
+
+    report.to_json(Sink())  # type: ignore[arg-type]
+    batches = [w for w in writes if '"path"' in w]
+    assert len(batches) == 4  # 7 records, 2 at a time: the text is written as it is made
+    assert "".join(writes) == reference_json(report, None, True)
+    for indent in (None, 2):
+        assert report.to_json(indent=indent) == reference_json(report, indent, True)
+
+
+def test_empty_report_json(tmp_path):
+    report = lorafast.scan([tmp_path])
+    for indent in (None, 2):
+        assert report.to_json(indent=indent) == reference_json(report, indent, True)
+
+
+def test_arrow_tables_match_the_columns_and_the_adapters(fleet):
+    pa = pytest.importorskip("pyarrow")
+    report = lorafast.scan([fleet], threads=2)
+    cols = report.columns()
+    table = report.to_arrow()
+    assert isinstance(table, pa.Table)
+    assert table.num_rows == len(report)
+    assert table["row"].to_pylist() == cols["path_index"].tolist()
+    assert table["path"].to_pylist() == report.paths
+    assert table["rank"].to_pylist() == cols["rank"].tolist()
+    assert table["format"].to_pylist() == [lorafast.scanner.FORMATS[c] for c in cols["format"].tolist()]
+    assert table["status"].to_pylist().count("error") == len(report.errors)
+    errors = {p: c for p, c, _ in report.errors}
+    assert {
+        p: c for p, c in zip(table["path"].to_pylist(), table["error_code"].to_pylist(), strict=True) if c
+    } == errors
+    by_path = {a.path: a for a in report}
+    rows = table.to_pylist()
+    for row in rows:
+        a = by_path.get(row["path"])
+        if a is None:
+            assert row["status"] == "error" and row["header_size"] is None
+            continue
+        assert row["peft_type"] == a.peft_type
+        assert row["base_model_name_or_path"] == a.base_model_name_or_path
+        assert row["weight_file"] == a.weight_files[0]
+        assert row["config_path"] == a.config_path
+        assert {f for f in lorafast.scanner.FLAGS if row[f"flag_{f}"]} == set(a.flags)
+        assert row["num_problems"] == len(a.problems)
+
+    modules = report.to_arrow("modules")
+    want = [
+        (report.paths.index(a.path), m.name, m.key, m.leaf, m.kind, m.layer, m.expert, m.num_experts, m.rank,
+         m.in_features, m.out_features, m.dtype, m.alpha, m.scale, m.config_rank, m.use_rslora, m.a_key, m.b_key)
+        for a in report for m in a.modules
+    ]  # fmt: skip
+    names = ["row", "name", "key", "leaf", "kind", "layer", "expert", "num_experts", "rank", "in_features",
+             "out_features", "dtype", "alpha", "scale", "config_rank", "use_rslora", "a_key", "b_key"]  # fmt: skip
+    assert modules.column_names == names
+    got = list(zip(*(modules[n].to_pylist() for n in names), strict=True))
+    assert len(got) == len(want) > 1000
+    for g, w in zip(got, want, strict=True):
+        assert g[:13] == w[:13] and g[14:] == w[14:]
+        assert g[13] == pytest.approx(w[13])
+
+
+def test_pandas_and_polars_equal_arrow(fleet):
+    pytest.importorskip("pyarrow")
+    report = lorafast.scan([fleet], threads=2)
+    for table in ("adapters", "modules"):
+        want = report.to_arrow(table).to_pylist()
+        pd = pytest.importorskip("pandas")
+        df = report.to_pandas(table)
+        assert isinstance(df, pd.DataFrame)
+        got = [{k: (None if v is pd.NA or (isinstance(v, float) and np.isnan(v)) else v) for k, v in r.items()}
+               for r in df.to_dict("records")]  # fmt: skip
+        for g, w in zip(got, want, strict=True):
+            assert g == {k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in w.items()}
+        assert len(got) == len(want)
+        pl = pytest.importorskip("polars")
+        pf = report.to_polars(table)
+        assert isinstance(pf, pl.DataFrame)
+        assert pf.columns == list(want[0])
+        assert pf.to_dicts() == want
+
+
+def test_parquet_round_trip(fleet, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    report = lorafast.scan([fleet], threads=2)
+    report.to_parquet(tmp_path / "a.parquet", modules_path=tmp_path / "m.parquet")
+    assert pq.read_table(tmp_path / "a.parquet").to_pylist() == report.to_arrow().to_pylist()
+    assert pq.read_table(tmp_path / "m.parquet").to_pylist() == report.to_arrow("modules").to_pylist()
+    report.to_parquet(tmp_path / "only.parquet")
+    assert pq.read_table(tmp_path / "only.parquet").num_rows == len(report)
+
+
+def test_non_utf8_paths_in_tables(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    name = os.fsdecode(b"bad-\xff")
+    peft(tmp_path / name, r=4)
+    report = lorafast.scan([tmp_path])
+    [adapter] = list(report)
+    assert adapter.path == os.fsdecode(os.path.join(os.fsencode(tmp_path), b"bad-\xff"))
+    assert report.to_arrow()["path"].to_pylist()[0].endswith("bad-\\xff")
+    assert isinstance(report.to_arrow("modules"), pa.Table)
+    assert report.to_json() == reference_json(report, None, True)
+
+
+def test_empty_tables(tmp_path):
+    pytest.importorskip("pyarrow")
+    report = lorafast.scan([tmp_path])
+    assert report.to_arrow().num_rows == 0
+    assert report.to_arrow("modules").num_rows == 0
+    assert len(report.to_pandas("modules")) == 0
+    with pytest.raises(ValueError, match="table must be"):
+        report.to_arrow("nope")  # type: ignore[arg-type]
