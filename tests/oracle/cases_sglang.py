@@ -415,6 +415,7 @@ def build(out: Path, seed: int = 11) -> dict[str, Any]:
                     "peft_qwen3moe_target_parameters": "qwen3_moe"}.get(folder.name, "llama")  # fmt: skip
             adapters.append((base, "fixture", str(folder)))
     adapters += _samples(out / "samples")
+    adapters += _mutants(rng, out / "mutants", adapters, 80)
     adapters.append(("llama", "not_a_folder", str(out / "does-not-exist")))
     adapters.append(("llama", "hub_id", "not a valid/repo id!"))
     return {"adapters": adapters, "cases": _cases(rng, adapters), "functions": _functions(adapters)}
@@ -438,6 +439,48 @@ def _functions(adapters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
     for base in BASES.values():
         calls += [{"fn": "auto_detect", "base": base, "supported": s} for s in supported]
     return calls
+
+
+def _mutants(rng: random.Random, out: Path, adapters: list[tuple[str, str, str]], n: int) -> list[tuple[str, str, str]]:
+    """Working adapters with one random change to one tensor: a dimension off by a few, a dropped or extra
+    dimension, a tensor removed or renamed to another module. First use is where most of these surface."""
+    from lorafast import read_header
+
+    good = [(b, p) for b, k, p in adapters if k in ("dense", "fused", "embed", "moe_2d", "moe_3d", "moe_outer",
+                                                     "peft", "shared_expert", "inkling_shared")]  # fmt: skip
+    made = []
+    for i in range(n):
+        base, path = rng.choice(good)
+        header = read_header(Path(path) / "adapter_model.safetensors")
+        t = {name: ("F32", tuple(info.shape)) for name, info in header.tensors.items()}
+        name = rng.choice(sorted(t))
+        shape = t[name][1]
+        change = rng.choice(("grow", "shrink", "flatten", "extra_dim", "drop", "rename"))
+        if change == "grow":
+            axis = rng.randrange(len(shape))
+            t[name] = ("F32", tuple(d + rng.choice((1, 2, 8)) if j == axis else d for j, d in enumerate(shape)))
+        elif change == "shrink":
+            axis = rng.randrange(len(shape))
+            t[name] = ("F32", tuple(max(1, d - 1) if j == axis else d for j, d in enumerate(shape)))
+        elif change == "flatten":
+            t[name] = ("F32", (shape[-1],))
+        elif change == "extra_dim":
+            t[name] = ("F32", (1, *shape))
+        elif change == "drop":
+            del t[name]
+        else:
+            for a, b in (
+                ("q_proj", "o_proj"),
+                ("down_proj", "up_proj"),
+                ("v_proj", "k_proj"),
+                ("gate_proj", "up_proj"),
+            ):
+                if a in name:
+                    t[name.replace(a, b)] = t.pop(name)
+                    break
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        made.append((base, f"mutant_{change}", write_adapter(out / f"mutant-{i:02d}-{change}", t, config)))
+    return made
 
 
 def _samples(out: Path) -> list[tuple[str, str, str]]:

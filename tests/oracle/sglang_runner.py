@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 
 import stubs  # tests/oracle/stubs.py (on PYTHONPATH via engines.run)
 
@@ -99,7 +100,12 @@ def run_case(case: dict) -> dict:
     out["first_use"] = [_first_use(mgr, uid) for uid in startup["ids"]]
     dynamic = []
     for a in case.get("dynamic", ()):
-        ref = LoRARef(lora_name=a["name"], lora_path=a["path"], pinned=a.get("pinned", False))
+        # SGLang mints a random uuid4 id for an API load; the oracle fixes it to the one compat assumes by default
+        # (uuid5 of name and path, what `LoraRef` computes), so messages naming the id can be compared. A reload
+        # of a loaded name and path keeps a fresh id, as the server would give it.
+        uid = LoRARef.deterministic_id(a["name"], a["path"])
+        ref = LoRARef(lora_name=a["name"], lora_path=a["path"], pinned=a.get("pinned", False),
+                      lora_id=uid if uid not in mgr.loras else uuid.uuid4().hex)  # fmt: skip
         result = mgr.load_lora_adapter(ref)
         entry = {"success": bool(result.success), "error_message": result.error_message}
         if result.success:
