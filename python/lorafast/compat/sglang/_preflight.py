@@ -170,8 +170,9 @@ def preflight(
 
     Without `collect`, the first error SGLang would raise is raised, in SGLang's order: server-argument
     asserts, each adapter's load (wrapped as `Failed to load LoRA adapter <name>: ...`), target-module and
-    rank inference, shared-outer detection, buffer planning, then the checks made when each adapter first
-    enters a GPU slot (skipped weights under strict loading, shared-outer expert dims). With `collect=True`
+    rank inference, shared-outer detection, the memory pool's allocation, then, for each adapter, the first
+    exception of SGLang's `load_lora_weight_to_buffer` when it first enters a GPU slot (replayed on shapes;
+    needs `base_config`). Problems carry `stage` "startup", "load" or "first_use". With `collect=True`
     nothing is raised: every problem of every adapter is returned in `SGLangPlan.problems`.
     """
     _versions.resolve("sglang", engine_version)
