@@ -79,13 +79,14 @@ def target_parameters_adapter(folder: Path, seed: int) -> str:
     return _write(folder, t, cfg)
 
 
-def numbered_adapter(folder: Path, seed: int, mixtral: bool = False) -> str:
+def numbered_adapter(folder: Path, seed: int, mixtral: bool = False, attn: bool = True) -> str:
     gen = torch.Generator().manual_seed(seed)
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     block = "block_sparse_moe" if mixtral else "mlp"
     t: dict[str, torch.Tensor] = {}
     for layer in range(LAYERS):
-        _attn(t, gen, layer)
+        if attn:
+            _attn(t, gen, layer)
         for e in range(E):
             pre = f"{PEFT}.{layer}.{block}.experts.{e}"
             for leaf, (fin, fout) in zip(names, ((H, IM), (H, IM), (IM, H)), strict=True):
@@ -202,9 +203,10 @@ def test_numbered_to_stacked_and_back_is_exact(tmp_path: Path) -> None:
     st = convert(src, "stacked_3d", tmp_path / "st")
     conv = lorafast.inspect(st.out)
     assert conv.moe_layout.value == "stacked_3d" and not conv.problems
-    gate_up = next(m for m in conv.modules if m.leaf == "gate_up_proj")
-    assert gate_up.a_shape == (E, 2 * R, H) and gate_up.b_shape == (E, 2 * IM, 2 * R)  # fused as PEFT does
-    assert gate_up.scale == pytest.approx(3.0)  # alpha and rank both doubled: alpha / r is unchanged
+    # stacked per projection at rank r, the form SGLang fuses on load like numbered experts; the config is unchanged
+    gate = next(m for m in conv.modules if m.name == "model.layers.1.mlp.experts.up_proj")
+    assert (gate.a_shape, gate.b_shape, gate.scale) == ((E, R, H), (E, IM, R), 3.0)
+    assert json.loads(Path(st.out, "adapter_config.json").read_text())["r"] == R
     # numbered experts merge into transformers-5 fused weights the way PEFT fuses them, so the bits agree
     assert_bit_identical(merged(fused_base(), src), merged(fused_base(), st.out))
     back = convert(st.out, "per_expert_2d", tmp_path / "back")
@@ -222,9 +224,11 @@ def test_transformers4_expert_names_to_transformers5_is_exact(tmp_path: Path) ->
     assert not any("block_sparse_moe" in k for k in keys)
     cfg = json.loads(Path(res.out, "adapter_config.json").read_text())
     assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert (
-        cfg["rank_pattern"]["experts.gate_up_proj"] == 2 * R and cfg["alpha_pattern"]["experts.gate_up_proj"] == 6 * R
-    )
+    # the fused gate_up has rank 2r; it is the config's r (SGLang sizes buffers by r and scales by one alpha / r),
+    # and the other modules keep rank r and alpha through patterns
+    assert (cfg["r"], cfg["lora_alpha"]) == (2 * R, 6 * R)
+    assert cfg["rank_pattern"] == {"q_proj": R, "down_proj": R}
+    assert cfg["alpha_pattern"] == {"q_proj": 3 * R, "down_proj": 3 * R}
     assert_bit_identical(merged(fused_base(), src), merged(fused_base(), res.out))
 
 
@@ -339,6 +343,11 @@ def test_converted_mixed_fleet_fits_one_sglang_server(tmp_path: Path) -> None:
     plan = sglang.preflight([fixed, stacked])
     assert plan.experts_shared_outer is False
     assert len(lorafast.plan_groups([fixed, stacked]).groups) == 1
+    # numbered experts converted to stacked 3-D load in the same server too
+    numbered = numbered_adapter(tmp_path / "numbered", 12, attn=False)
+    restacked = convert(numbered, "stacked_3d", tmp_path / "numbered-stacked").out
+    assert sglang.preflight([fixed, stacked, restacked]).experts_shared_outer is False
+    assert len(lorafast.plan_groups([fixed, stacked, restacked]).groups) == 1
 
 
 # -- bad input -------------------------------------------------------------------------------------------------

@@ -185,8 +185,7 @@ def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTen
         raise ConvertError(f"{ad.path}: no expert modules found", "layout_mismatch", ad.path)
     rename = moe.mixtral_to_v5 if to == "transformers5" else None
     if to == "stacked_3d":
-        new, mods = moe.write_stacked(moe.fuse_gate_up(groups, ad.path) if found == "per_expert_2d" else groups,
-                                      False, ad.path)  # fmt: skip
+        new, mods = moe.write_stacked(groups, False, ad.path)
     elif to == "shared_outer":
         new, mods = moe.write_stacked(groups, True, ad.path)
     elif to == "per_expert_2d":
@@ -201,7 +200,7 @@ def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTen
     wants = [Want(rename(m.name) if rename else m.name, m.leaf, m.rank or 0, m.alpha) for m in kept]
     wants += [Want(m.name, m.leaf, m.rank, m.alpha, m.parameter) for m in mods]
     params = [".".join(m.name.split(".")[-3:]) for m in mods if m.parameter]
-    return tensors, build(ad.config, wants, params)
+    return tensors, build(ad.config, wants, params, widest=True)
 
 
 __all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout"]

@@ -7,9 +7,11 @@ Every target layout is then written from that model, so each pair of layouts is 
 - shared-outer → stacked: the outer factor is repeated along the expert axis (exact).
 - stacked → shared-outer: one copy is kept when all experts' outer factors are bit-identical; otherwise
   `lossy`, with the max difference.
-- numbered 2-D → stacked: the experts are stacked; gate and up are fused into `gate_up_proj` as PEFT's
-  transformers-5 conversion does (A concatenated along r, B block-diagonal, rank and alpha doubled through
-  `rank_pattern`/`alpha_pattern`, so alpha/r stays and the delta is the same).
+- numbered 2-D → stacked: the experts are stacked per projection (3-D `experts.gate_proj`/`up_proj`/`down_proj`,
+  rank r), the form SGLang fuses on load exactly as it fuses numbered experts.
+- gate and up fused into one `gate_up_proj` (shared-outer, `target_parameters`, transformers 5): as PEFT's
+  transformers-5 conversion does (A concatenated along r, B block-diagonal, rank and alpha doubled, so alpha/r stays
+  and the delta is the same).
 - stacked → numbered 2-D: split along the expert axis; a fused gate_up is split into gate_proj and up_proj
   (both keep the shared A; B's halves).
 - `target_parameters` ⇄ stacked: A `(r·E, in)` is expert-major (a reshape); B `(out, r·E)` is rank-major
@@ -224,6 +226,38 @@ def fuse_gate_up(groups: list[Group], path: str) -> list[Group]:
     return out
 
 
+def pad_rank(groups: list[Group], path: str) -> list[Group]:
+    """Every expert group at the largest rank among them, by zero rows of A and zero columns of B (exact), with
+    alpha scaled alike. SGLang's MoE buffers take one rank per adapter: after gate/up fusion doubled it, down must
+    follow."""
+    import torch
+
+    top = max((g.rank for g in groups), default=0)
+    out = []
+    for g in groups:
+        if g.rank == top or g.rank == 0:
+            out.append(g)
+            continue
+        if g.rslora or top % g.rank:
+            raise ConvertError(f"{g.owner}.{g.proj}: padding rank {g.rank} to {top} would change its scale", "lossy",
+                               path)  # fmt: skip
+        a, b, extra = g.a, g.b, top - g.rank
+
+        def a_pad(i: int, a: Factor = a, extra: int = extra) -> torch.Tensor:
+            x = a.expert(i)
+            return torch.cat([x, x.new_zeros((extra, x.shape[1]))], 0)
+
+        def b_pad(i: int, b: Factor = b, extra: int = extra) -> torch.Tensor:
+            x = b.expert(i)
+            return torch.cat([x, x.new_zeros((x.shape[0], extra))], 1)
+
+        pa = Factor(a.dtype, a.experts, a.stored, (top, a.shape[1]), a_pad)
+        pb = Factor(b.dtype, b.experts, b.stored, (b.shape[0], top), b_pad)
+        alpha = None if g.alpha is None else g.alpha * (top // g.rank)
+        out.append(Group(g.prefix, g.owner, g.proj, pa, pb, top, alpha, g.rslora))
+    return out
+
+
 def split_gate_up(g: Group) -> list[Group]:
     """A fused gate_up_proj as gate_proj and up_proj: both keep A, B is split in halves (exact)."""
     if g.proj != "gate_up_proj":
@@ -258,8 +292,11 @@ def _stack_shape(f: Factor) -> tuple[int, int, int]:
 
 
 def write_stacked(groups: list[Group], shared_outer: bool, path: str) -> tuple[list[OutTensor], list[OutModule]]:
+    """Stacked 3-D factors, per projection as the source has them: numbered gate/up become 3-D `experts.gate_proj`
+    and `experts.up_proj` at rank r, which SGLang fuses on load as it fuses numbered ones. Shared-outer needs one
+    `gate_up_proj` outer factor: gate/up are fused (rank 2r) and the other experts padded to that rank."""
     if shared_outer:
-        groups = fuse_gate_up(groups, path)
+        groups = pad_rank(fuse_gate_up(groups, path), path)
     tensors: list[OutTensor] = []
     mods: list[OutModule] = []
     for g in groups:

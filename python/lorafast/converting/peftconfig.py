@@ -2,8 +2,8 @@
 
 Each output module must resolve (PEFT's first-match `rank_pattern`/`alpha_pattern` rule, then `r`/`lora_alpha`)
 to the rank its tensors have and to the alpha that keeps its scale. Where the source config would not give that,
-an entry is put in front of the patterns: one `experts.<proj>` key when every module of that projection needs the
-same values, else the module's own name.
+an entry is put in front of the patterns: the leaf name when every module with that leaf needs the same values,
+else `experts.<leaf>` when every expert module with it does, else the module's own name.
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ def _num(x: float) -> float | int:
     return int(x) if float(x).is_integer() else x
 
 
-def build(source: Mapping[str, Any] | None, wants: list[Want], target_parameters: list[str]) -> dict[str, Any]:
+def _value(w: Want) -> tuple[int, float]:
+    return w.rank, w.alpha if w.alpha is not None else float(w.rank)
+
+
+def build(
+    source: Mapping[str, Any] | None, wants: list[Want], target_parameters: list[str], *, widest: bool = False
+) -> dict[str, Any]:
+    """The config for `wants`. `widest`: make the largest rank (and its alpha) the config's `r`/`lora_alpha`, so
+    engines that read only `r` and one `lora_alpha` per adapter (SGLang) size buffers and scale alike."""
     if source is None:
         ranks = Counter(w.rank for w in wants)
         r = ranks.most_common(1)[0][0] if ranks else 8
@@ -42,6 +50,10 @@ def build(source: Mapping[str, Any] | None, wants: list[Want], target_parameters
                                "alpha_pattern": {}, "use_rslora": False, "bias": "none", "lora_dropout": 0.0}  # fmt: skip
     else:
         cfg = copy.deepcopy(dict(source))
+    if widest and wants:
+        top = max(wants, key=lambda w: w.rank)
+        if top.rank > int(cfg.get("r", 8)):
+            cfg["r"], cfg["lora_alpha"] = top.rank, _num(_value(top)[1])
     rank_p = dict(cfg.get("rank_pattern") or {})
     alpha_p = dict(cfg.get("alpha_pattern") or {})
     r0, a0 = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
@@ -51,23 +63,26 @@ def build(source: Mapping[str, Any] | None, wants: list[Want], target_parameters
         al = peft_pattern_value(alpha_p, w.name)
         return (int(rk) if rk is not None else r0), (float(al) if al is not None else a0)
 
-    needed = [w for w in wants if resolved(w) != (w.rank, w.alpha if w.alpha is not None else float(w.rank))]
+    needed = [w for w in wants if resolved(w) != _value(w)]
     new_r: dict[str, int] = {}
     new_a: dict[str, float | int] = {}
     by_leaf: dict[str, list[Want]] = {}
     for w in needed:
         by_leaf.setdefault(w.leaf, []).append(w)
     for leaf, ws in by_leaf.items():
-        values = {(w.rank, w.alpha if w.alpha is not None else float(w.rank)) for w in ws}
+        values = {_value(w) for w in ws}
+        same_leaf = [w for w in wants if w.leaf == leaf]
         generic = f"experts.{leaf}"
-        everyone = [w for w in wants if w.name.endswith("." + generic)]
-        if len(values) == 1 and all(w.name.endswith("." + generic) for w in ws) and len(everyone) == len(ws):
+        experts = [w for w in wants if w.name.endswith("." + generic)]
+        if len(values) == 1 and {_value(w) for w in same_leaf} == values:
+            keys = [(leaf, ws[0])]  # every module with this leaf needs the same: one key
+        elif len(values) == 1 and set(ws) <= set(experts) and {_value(w) for w in experts} == values:
             keys = [(generic, ws[0])]
         else:
             keys = [(w.name, w) for w in ws]
         for key, w in keys:
             new_r[key] = w.rank
-            new_a[key] = _num(w.alpha if w.alpha is not None else float(w.rank))
+            new_a[key] = _num(_value(w)[1])
     cfg["rank_pattern"] = {**new_r, **{k: v for k, v in rank_p.items() if k not in new_r}}
     cfg["alpha_pattern"] = {**new_a, **{k: v for k, v in alpha_p.items() if k not in new_a}}
     modules = sorted({w.leaf for w in wants if not w.parameter})

@@ -340,7 +340,7 @@ def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, in
         weight = index.find(m.name, ".weight")
         if weight is None and m.kind == "stacked_3d":
             weight = index.find(m.name, "")  # a fused expert parameter (`experts.gate_up_proj`)
-        if weight is None and m.kind == "expert_2d":
+        if weight is None and m.kind in ("expert_2d", "stacked_3d"):
             fused = _fused_expert(m, index)
             if fused is not None:
                 return fused
@@ -364,16 +364,21 @@ def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, in
     return weight, form, m.rank or 0, experts
 
 
+_STACKED_EXPERT = re.compile(r"^(.*\.experts)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
+
+
 def expert_slot(m: LoraModule) -> tuple[str, str, int, int, int] | None:
     """A numbered expert module (`experts.3.w1`) as (experts path, fused leaf, expert, part, parts): transformers 5
-    fuses gate (w1) and up (w3) into `gate_up_proj` (gate rows first) and stacks down (w2) into `down_proj`."""
-    hit = _EXPERT.match(m.name + ".weight")
+    fuses gate (w1) and up (w3) into `gate_up_proj` (gate rows first) and stacks down (w2) into `down_proj`.
+    A 3-D module of one projection (`experts.gate_proj`) gives expert -1: all experts."""
+    hit = _EXPERT.match(m.name + ".weight") if m.kind == "expert_2d" else _STACKED_EXPERT.match(m.name)
     if hit is None:
         return None
-    leaf = _SGLANG_W_RENAMES.get(hit.group(3), hit.group(3))
+    expert, leaf = (int(hit.group(2)), hit.group(3)) if m.kind == "expert_2d" else (-1, hit.group(2))
+    leaf = _SGLANG_W_RENAMES.get(leaf, leaf)
     part = {"gate_proj": 0, "up_proj": 1}.get(leaf)
     fused = "down_proj" if part is None else "gate_up_proj"
-    return hit.group(1), fused, int(hit.group(2)), part or 0, 1 if part is None else 2
+    return hit.group(1), fused, expert, part or 0, 1 if part is None else 2
 
 
 def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] | None:
@@ -383,6 +388,10 @@ def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] 
         return None
     owner, fused, e, part, parts = slot
     a, b = m.a_shape or (), m.b_shape or ()
+    if e < 0:  # a 3-D stack of one projection: check it as expert 0 of the same number of experts
+        if len(a) != 3 or len(b) != 3 or a[0] != b[0]:
+            raise _Problem("shape_mismatch", f"stacked factors {list(a)} / {list(b)} are not one stack of experts")
+        experts, a, b = a[0], a[1:], b[1:]
     for path in dict.fromkeys((owner, owner.replace(".block_sparse_moe.", ".mlp."))):  # Mixtral's v5 rename
         weight = index.find(f"{path}.{fused}", "")
         if weight is None:
@@ -390,13 +399,14 @@ def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] 
         spec = index.specs[weight]
         if len(spec.shape) != 3 or len(a) != 2 or len(b) != 2:
             raise _Problem("shape_mismatch", f"weight {weight!r} {list(spec.shape)} is not a fused expert stack")
-        if e >= spec.shape[0] or (spec.shape[1], spec.shape[2]) != (parts * b[0], a[1]) or a[0] != b[1]:
+        if (e >= spec.shape[0] or (e < 0 and experts != spec.shape[0])
+                or (spec.shape[1], spec.shape[2]) != (parts * b[0], a[1]) or a[0] != b[1]):  # fmt: skip
             raise _Problem("shape_mismatch", f"lora_A {list(a)} / lora_B {list(b)} of expert {e} do not fit fused "
                            f"weight {weight!r} {list(spec.shape)}")  # fmt: skip
         bad = _check_weight(spec)
         if bad:
             raise _Problem(bad[0], f"weight {weight!r}: {bad[1]}")
-        return weight, "expert_slot", a[0], spec.shape[0]
+        return weight, "expert_slot" if e >= 0 else "stacked_slot", a[0], spec.shape[0]
     return None
 
 
@@ -479,7 +489,7 @@ def preflight(
                         fail("unsupported", m, src, f"DoRA is merged only into plain linear/conv weights, not {form}")
                         break
                     form = "dora"
-                slot = expert_slot(m)[2:] if form == "expert_slot" else None  # type: ignore[index]
+                slot = expert_slot(m)[2:] if form in ("expert_slot", "stacked_slot") else None  # type: ignore[index]
                 add(comp, weight, spec, Term(src, m, form, coef, rank, experts, slot))
                 if m.bias_key is not None:
                     bias = weight.removesuffix(".weight") + ".bias"
@@ -572,6 +582,13 @@ def factors(term: Term, a: torch.Tensor, b: torch.Tensor, stack: tuple[int, int,
             L, R = a3.transpose(1, 2), b3.permute(2, 1, 0)  # (E, in, r), (E, r, out)
     elif form == "expert_slot":
         return expert_slot_factors([term], [a], [b], stack)
+    elif form == "stacked_slot":  # one projection's 3-D stack into its rows of a fused weight; zeros elsewhere
+        assert term.slot is not None
+        _, part, parts = term.slot
+        out = stack[1] // parts
+        L = b.new_zeros((stack[0], stack[1], b.shape[2]))
+        L[:, part * out : (part + 1) * out] = b
+        R = a
     else:
         raise AssertionError(form)
     return L * term.coef, R
