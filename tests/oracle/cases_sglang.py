@@ -484,7 +484,11 @@ def _mutants(rng: random.Random, out: Path, adapters: list[tuple[str, str, str]]
 
 
 def _samples(out: Path) -> list[tuple[str, str, str]]:
-    """`lorafast sample` LLM adapters (hidden 16); their layer counts exceed the tiny bases' on purpose."""
+    """`lorafast sample` LLM adapters (hidden 16), each on a tiny base (fewer layers: SGLang's IndexError) and on
+    a base of its own shape (the sample's layer and expert counts, registered in BASES)."""
+    import re
+
+    from lorafast import read_header
     from lorafast.sample import sample_kind_of, write_samples
 
     made = []
@@ -498,6 +502,24 @@ def _samples(out: Path) -> list[tuple[str, str, str]]:
         elif kind == "peft_moe_2d_qwen":
             base = "qwen2_moe"
         made.append((base, f"sample_{kind}", os.fspath(path)))
+        names = list(read_header(Path(path) / "adapter_model.safetensors").tensors)
+        layers = 1 + max(int(m.group(1)) for n in names if (m := re.search(r"layers\.(\d+)\.", n)))
+        experts = 1 + max((int(m.group(1)) for n in names if (m := re.search(r"experts\.(\d+)\.", n))), default=7)
+        own = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 1,
+               "intermediate_size": 43, "num_hidden_layers": layers, "vocab_size": 128}  # fmt: skip
+        if base == "mixtral":
+            own |= {"model_type": "mixtral", "num_local_experts": experts, "intermediate_size": 8}
+        elif base == "qwen2_moe":
+            own |= {"model_type": "qwen2_moe", "num_experts": experts, "moe_intermediate_size": 8,
+                    "shared_expert_intermediate_size": 32}  # fmt: skip
+        elif base == "qwen3_moe":
+            if "3d" in kind or "outer" in kind:
+                experts = max(t[0] for n, t in ((n, read_header(Path(path) / "adapter_model.safetensors").tensors[n]
+                                                 .shape) for n in names) if len(t) == 3)  # fmt: skip
+            own |= {"model_type": "qwen3_moe", "num_experts": experts, "moe_intermediate_size": 8, "head_dim": 4}
+        name = f"sample-{Path(path).name}"
+        BASES[name] = own
+        made.append((name, f"sample_{kind}", os.fspath(path)))
     return made
 
 
@@ -512,7 +534,7 @@ def _flags(rng: random.Random, base: str) -> dict[str, Any]:
                                               "up_proj", "down_proj", "embed_tokens", "lm_head"]))  # fmt: skip
         if "max_lora_rank" not in flags and rng.random() < 0.5:
             flags["max_lora_rank"] = 8
-    if base in MOE_BASES and rng.random() < 0.3:
+    if (base in MOE_BASES or "num_experts" in BASES[base] or "num_local_experts" in BASES[base]) and rng.random() < 0.3:
         flags["experts_shared_outer"] = rng.choice((True, False))
     if rng.random() < 0.15:
         flags["strict_loading"] = True
