@@ -108,6 +108,8 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
 
 def _reshaped(tf: TensorFile, key: str, shape: tuple[int, ...], perm: tuple[int, ...] | None) -> torch.Tensor:
     t = tf.view(key).view(shape)
+    if perm == (2, 0, 1):  # (out, r, E) -> (E, out, r) is a 2-D transpose; torch's 2-D kernel is ~2x its 3-D one
+        return t.view(-1, shape[2]).t().contiguous().view(shape[2], shape[0], shape[1])
     return t.permute(perm) if perm else t
 
 
@@ -376,7 +378,8 @@ def write_target_parameters(groups: list[Group], path: str, rename: Callable[[st
 
         def b_cols(b: Factor = b) -> Iterator[torch.Tensor]:
             if b.whole is not None and b.stored == b.experts:
-                yield b.whole().permute(1, 2, 0)  # [E, out, r] -> (out, r, E): col = j·E + e
+                whole = b.whole()  # [E, out, r] -> (out, r, E): col = j·E + e, done as a 2-D transpose
+                yield whole.reshape(whole.shape[0], -1).t().contiguous()
             else:
                 yield torch.stack([b.expert(i) for i in range(b.experts)], dim=2)
 
