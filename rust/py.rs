@@ -468,10 +468,44 @@ impl ScanResult {
     /// what the scan kept: no file is read.
     fn adapters<'py>(&self, py: Python<'py>, start: usize, stop: usize) -> PyResult<Bound<'py, PyList>> {
         let stop = stop.min(self.rows.len());
+        // Adapters whose headers repeat share their modules (one `Arc`): their module dicts are
+        // built once per batch and copied (a C-level copy), only `weight_file` set anew.
+        let mut templates: rustc_hash::FxHashMap<*const Vec<ModuleInfo>, Vec<Bound<'py, PyDict>>> = Default::default();
+        let key = intern!(py, "weight_file");
         let items = self.rows[start.min(stop)..stop]
             .iter()
             .filter_map(|r| r.as_ref().ok())
-            .map(|a| adapter_dict(py, a, true))
+            .map(|a| {
+                let d = adapter_dict(py, a, false)?;
+                let weight_file = a
+                    .target
+                    .weights
+                    .as_os_str()
+                    .into_pyobject(py)?
+                    .cast_into::<PyString>()?;
+                let modules = match templates.entry(std::sync::Arc::as_ptr(&a.class.modules)) {
+                    std::collections::hash_map::Entry::Vacant(slot) => {
+                        let built = a
+                            .class
+                            .modules
+                            .iter()
+                            .map(|m| module_dict(py, m, &weight_file))
+                            .collect::<PyResult<Vec<_>>>()?;
+                        slot.insert(built).clone()
+                    }
+                    std::collections::hash_map::Entry::Occupied(t) => t
+                        .get()
+                        .iter()
+                        .map(|t| {
+                            let m = t.copy()?;
+                            m.set_item(key, &weight_file)?;
+                            Ok(m)
+                        })
+                        .collect::<PyResult<Vec<_>>>()?,
+                };
+                d.set_item("modules", modules)?;
+                Ok(d)
+            })
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)
     }
@@ -604,36 +638,34 @@ impl ScanResult {
         Ok(d)
     }
 
-    /// Every row encoded for the index (`rust/store.rs`): (row bytes, {class id: class bytes}), each
+    /// Every row encoded for the index (`rust/store.rs`): (row bytes, for each row the index of its
+    /// classification in the third list or None for a failed row, the encoded classifications), each
     /// distinct classification encoded once.
-    fn encode<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyBytes>>, Bound<'py, PyDict>)> {
-        let (rows, classes) = py.detach(|| {
-            let mut ids: rustc_hash::FxHashMap<*const Vec<ModuleInfo>, String> = Default::default();
-            let mut classes: Vec<(String, Vec<u8>)> = Vec::new();
-            let rows: Vec<Vec<u8>> = self
+    #[allow(clippy::type_complexity)]
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<Option<usize>>, Vec<Bound<'py, PyBytes>>)> {
+        let (rows, row_classes, classes) = py.detach(|| {
+            let mut seen: rustc_hash::FxHashMap<*const Vec<ModuleInfo>, usize> = Default::default();
+            let mut classes: Vec<Vec<u8>> = Vec::new();
+            let row_classes: Vec<Option<usize>> = self
                 .rows
                 .iter()
                 .map(|r| {
-                    let id = r.as_ref().ok().map(|a| {
-                        ids.entry(std::sync::Arc::as_ptr(&a.class.modules))
-                            .or_insert_with(|| {
-                                let body = crate::store::encode_class(&a.class);
-                                let id = crate::store::class_id(&body);
-                                classes.push((id.clone(), body));
-                                id
-                            })
-                            .clone()
-                    });
-                    crate::store::encode_row(r, id.as_deref())
+                    r.as_ref().ok().map(|a| {
+                        *seen.entry(std::sync::Arc::as_ptr(&a.class.modules)).or_insert_with(|| {
+                            classes.push(crate::store::encode_class(&a.class));
+                            classes.len() - 1
+                        })
+                    })
                 })
                 .collect();
-            (rows, classes)
+            let rows: Vec<Vec<u8>> = self.rows.iter().map(crate::store::encode_row).collect();
+            (rows, row_classes, classes)
         });
-        let d = PyDict::new(py);
-        for (id, body) in classes {
-            d.set_item(id, PyBytes::new(py, &body))?;
-        }
-        Ok((rows.iter().map(|r| PyBytes::new(py, r)).collect(), d))
+        let bytes = |v: &Vec<Vec<u8>>| v.iter().map(|b| PyBytes::new(py, b)).collect::<Vec<_>>();
+        Ok((bytes(&rows), row_classes, bytes(&classes)))
     }
 
     /// Target-module leaves of every successful row: (unique names, per-row lists of indices).
@@ -788,10 +820,18 @@ fn scan(
     Ok(ScanResult { rows })
 }
 
-/// A scan result from rows that `ScanResult.encode` wrote, with the classifications they name; each
-/// classification is decoded once and its modules shared by its rows.
+/// A scan result from rows that `ScanResult.encode` wrote: `class_ids[i]` names row i's classification
+/// in `classes` (None for a failed row). Each classification is decoded once, its modules shared.
 #[pyfunction]
-fn assemble(py: Python<'_>, rows: Vec<Bound<'_, PyBytes>>, classes: &Bound<'_, PyDict>) -> PyResult<ScanResult> {
+fn assemble(
+    py: Python<'_>,
+    rows: Vec<Bound<'_, PyBytes>>,
+    class_ids: Vec<Option<String>>,
+    classes: &Bound<'_, PyDict>,
+) -> PyResult<ScanResult> {
+    if rows.len() != class_ids.len() {
+        return Err(PyValueError::new_err("rows and class_ids differ in length"));
+    }
     let rows: Vec<Vec<u8>> = rows.iter().map(|b| b.as_bytes().to_vec()).collect();
     let mut bodies: rustc_hash::FxHashMap<String, Vec<u8>> = Default::default();
     for (k, v) in classes.iter() {
@@ -799,10 +839,12 @@ fn assemble(py: Python<'_>, rows: Vec<Bound<'_, PyBytes>>, classes: &Bound<'_, P
     }
     let rows = py
         .detach(|| {
-            let mut decoded: rustc_hash::FxHashMap<String, crate::classify::Classification> = Default::default();
+            let mut decoded: rustc_hash::FxHashMap<&str, crate::classify::Classification> = Default::default();
             rows.iter()
-                .map(|r| {
-                    crate::store::decode_row(r, |id| {
+                .zip(&class_ids)
+                .map(|(r, id)| {
+                    crate::store::decode_row(r, || {
+                        let id = id.as_deref().ok_or("stored row: no classification id")?;
                         if let Some(c) = decoded.get(id) {
                             return Ok(c.clone());
                         }
@@ -810,7 +852,7 @@ fn assemble(py: Python<'_>, rows: Vec<Bound<'_, PyBytes>>, classes: &Bound<'_, P
                             .get(id)
                             .ok_or_else(|| format!("stored row: no classification {id}"))?;
                         let c = crate::store::decode_class(body)?;
-                        decoded.insert(id.to_owned(), c.clone());
+                        decoded.insert(id, c.clone());
                         Ok(c)
                     })
                 })

@@ -3,7 +3,8 @@
 //! classification's encoding, so the adapters of one recipe store their modules once. Decoding gives
 //! the `AdapterResult` (or error) the scan had: a report assembled from stored rows equals a full scan.
 //!
-//! The encoding is JSON (serde_json). Paths are strings when they are UTF-8, else arrays of bytes.
+//! The encoding is JSON (serde_json). Paths are strings when they are UTF-8, else arrays of bytes. Class ids
+//! (a sha256 of the class's encoding) are computed by the caller (`lorafast.index`, with `hashlib`).
 
 use std::ffi::OsString;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
@@ -11,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
 use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, MoeLayout, Problem, PROBLEM_CODES};
 use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
@@ -102,39 +102,17 @@ fn static_str(code: &str, lists: &[&[&'static str]]) -> &'static str {
         .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
 }
 
-/// The encoding of a classification (the part adapters of one recipe share).
+/// Writes `$v` as JSON into the `Vec<u8>` `$buf` (serde; no intermediate `Value`).
+macro_rules! put {
+    ($buf:expr, $v:expr) => {
+        serde_json::to_writer(&mut *$buf, &$v).expect("JSON of plain data")
+    };
+}
+
+/// The encoding of a classification (the part adapters of one recipe share). Written field by field:
+/// a dense adapter has hundreds of modules, and building a `Value` tree first cost most of the time.
 pub fn encode_class(c: &Classification) -> Vec<u8> {
-    let modules: Vec<Value> = c
-        .modules
-        .iter()
-        .map(|m| {
-            json!([
-                m.key,
-                m.name,
-                m.leaf,
-                m.kind.name(),
-                m.layer,
-                m.expert,
-                m.num_experts,
-                m.rank,
-                m.in_features,
-                m.out_features,
-                m.dtype.map(Dtype::name),
-                m.a_key,
-                m.b_key,
-                m.a_shape,
-                m.b_shape,
-                m.alpha.map(f64::to_bits),
-                m.alpha_key,
-                m.bias_key,
-                m.magnitude_key,
-                m.extra_keys,
-                m.config_rank,
-                m.use_rslora,
-            ])
-        })
-        .collect();
-    let v = json!({
+    let head = json!({
         "format": c.format.name(),
         "peft_type": c.peft_type,
         "num_tensors": c.num_tensors,
@@ -149,18 +127,67 @@ pub fn encode_class(c: &Classification) -> Vec<u8> {
         "variants": c.variants.iter().map(|v| v.name()).collect::<Vec<_>>(),
         "full_weight_tensors": c.full_weight_tensors,
         "problems": c.problems.iter().map(|p| json!([p.code, p.message, p.tensor])).collect::<Vec<_>>(),
-        "modules": modules,
     });
-    serde_json::to_vec(&v).unwrap_or_default()
+    let mut out = serde_json::to_vec(&head).expect("JSON of plain data");
+    out.pop(); // the closing brace: the modules follow
+    out.extend_from_slice(b",\"modules\":[");
+    let buf = &mut out;
+    for (i, m) in c.modules.iter().enumerate() {
+        if i > 0 {
+            buf.push(b',');
+        }
+        buf.push(b'[');
+        put!(buf, m.key);
+        buf.push(b',');
+        put!(buf, m.name);
+        buf.push(b',');
+        put!(buf, m.leaf);
+        buf.push(b',');
+        put!(buf, m.kind.name());
+        buf.push(b',');
+        put!(buf, m.layer);
+        buf.push(b',');
+        put!(buf, m.expert);
+        buf.push(b',');
+        put!(buf, m.num_experts);
+        buf.push(b',');
+        put!(buf, m.rank);
+        buf.push(b',');
+        put!(buf, m.in_features);
+        buf.push(b',');
+        put!(buf, m.out_features);
+        buf.push(b',');
+        put!(buf, m.dtype.map(Dtype::name));
+        buf.push(b',');
+        put!(buf, m.a_key);
+        buf.push(b',');
+        put!(buf, m.b_key);
+        buf.push(b',');
+        put!(buf, m.a_shape);
+        buf.push(b',');
+        put!(buf, m.b_shape);
+        buf.push(b',');
+        put!(buf, m.alpha.map(f64::to_bits));
+        buf.push(b',');
+        put!(buf, m.alpha_key);
+        buf.push(b',');
+        put!(buf, m.bias_key);
+        buf.push(b',');
+        put!(buf, m.magnitude_key);
+        buf.push(b',');
+        put!(buf, m.extra_keys);
+        buf.push(b',');
+        put!(buf, m.config_rank);
+        buf.push(b',');
+        put!(buf, m.use_rslora);
+        buf.push(b']');
+    }
+    buf.extend_from_slice(b"]}");
+    out
 }
 
-/// The id of an encoded classification: its sha256, hex.
-pub fn class_id(encoded: &[u8]) -> String {
-    Sha256::digest(encoded).iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The encoding of one row; `class` is the id of its classification (None for a failed row).
-pub fn encode_row(row: &Result<AdapterResult, Error>, class: Option<&str>) -> Vec<u8> {
+/// The encoding of one row, without its classification (stored apart, see `encode_class`).
+pub fn encode_row(row: &Result<AdapterResult, Error>) -> Vec<u8> {
     let v = match row {
         Ok(a) => json!({
             "v": VERSION,
@@ -172,7 +199,6 @@ pub fn encode_row(row: &Result<AdapterResult, Error>, class: Option<&str>) -> Ve
             "header_size": a.header_size,
             "file_size": a.file_size,
             "content_hash": a.content_hash,
-            "class": class,
         }),
         Err(e) => json!({
             "v": VERSION,
@@ -314,10 +340,10 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
     })
 }
 
-/// Decodes a row written by `encode_row`; `class` gives the classification its id names.
+/// Decodes a row written by `encode_row`; `class` gives its classification (called for a successful row).
 pub fn decode_row(
     bytes: &[u8],
-    class: impl FnOnce(&str) -> Result<Classification, String>,
+    class: impl FnOnce() -> Result<Classification, String>,
 ) -> Result<Result<AdapterResult, Error>, String> {
     let v: Value = serde_json::from_slice(bytes).map_err(|e| bad(&e.to_string()))?;
     if get(&v, "v").as_u64() != Some(u64::from(VERSION)) {
@@ -360,7 +386,7 @@ pub fn decode_row(
         metadata,
         header_size: u64_of(get(&v, "header_size"))?,
         file_size: u64_of(get(&v, "file_size"))?,
-        class: class(get(&v, "class").as_str().ok_or_else(|| bad("class"))?)?,
+        class: class()?,
         content_hash: opt_str(get(&v, "content_hash"))?,
     }))
 }

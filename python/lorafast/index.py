@@ -17,6 +17,7 @@ last-modified times, so URLs are refused (scan them with `lorafast.scan`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -155,10 +156,14 @@ class Index:
 
         show = _want_progress(progress, len(to_read))
         fresh_rows: list[bytes] = []
+        fresh_ids: list[str | None] = []
         fresh_classes: dict[str, bytes] = {}
         if to_read:
             result = _core.scan_targets(to_read, threads, mode, content_hash, show, None, None, None)
-            fresh_rows, fresh_classes = result.encode()
+            fresh_rows, row_classes, bodies = result.encode()
+            ids = [hashlib.sha256(body).hexdigest() for body in bodies]
+            fresh_classes = dict(zip(ids, bodies, strict=True))
+            fresh_ids = [None if k is None else ids[k] for k in row_classes]
         # Failed discoveries go through the same encoding as scanned rows.
         failed = [s[1] for s in slots if s[0] == "item"]
         failed_rows = (
@@ -170,7 +175,7 @@ class Index:
         )
         self._write(
             [
-                (os.fsencode(item[0]), sig, fresh_rows[i])
+                (os.fsencode(item[0]), sig, fresh_rows[i], fresh_ids[i])
                 for i, (item, sig) in enumerate(zip(to_read, signatures, strict=True))
             ],
             fresh_classes,
@@ -178,20 +183,24 @@ class Index:
         )
 
         rows: list[bytes] = []
+        class_ids: list[str | None] = []
         classes: dict[str, bytes] = dict(fresh_classes)
         need: set[str] = set()
         failed_iter = iter(failed_rows)
         for kind, value in slots:
             if kind == "row":
                 rows.append(value[1])
+                class_ids.append(value[2])
                 if value[2] is not None and value[2] not in classes:
                     need.add(value[2])
             elif kind == "read":
                 rows.append(fresh_rows[value])
+                class_ids.append(fresh_ids[value])
             else:
                 rows.append(next(failed_iter))
+                class_ids.append(None)
         classes.update(self._classes(need))
-        report = IndexScanReport(_core.assemble(rows, classes))
+        report = IndexScanReport(_core.assemble(rows, class_ids, classes))
         report.added, report.changed, report.removed, report.reads = added, changed, removed, len(to_read)
         return report
 
@@ -209,25 +218,24 @@ class Index:
         return out
 
     def _write(
-        self, upserts: list[tuple[bytes, str, bytes]], classes: Mapping[str, bytes], removed: list[bytes]
+        self, upserts: list[tuple[bytes, str, bytes, str | None]], classes: Mapping[str, bytes], removed: list[bytes]
     ) -> None:
-        """Upserts and deletions, `batch_size` rows per transaction. A row and the classification it names are
-        written in the same transaction, so every committed state is consistent."""
-        ops: list[tuple[str, Any]] = [("put", u) for u in upserts] + [("del", p) for p in removed]
-        for number, start in enumerate(range(0, len(ops), self.batch_size)):
-            batch = ops[start : start + self.batch_size]
-            db = self._db
+        """Upserts `(path, signature, row, class id)` and deletions, `batch_size` rows per transaction. A row and
+        the classification it names are written in the same transaction, so every committed state is
+        consistent."""
+        db = self._db
+        removed_at = len(upserts)
+        ops = len(upserts) + len(removed)
+        for number, start in enumerate(range(0, ops, self.batch_size)):
+            stop = start + self.batch_size
+            puts = upserts[start:stop]
+            dels = removed[max(start - removed_at, 0) : max(stop - removed_at, 0)]
             db.execute("BEGIN IMMEDIATE")
             try:
-                for op, value in batch:
-                    if op == "del":
-                        db.execute("DELETE FROM adapters WHERE path = ?", (value,))
-                        continue
-                    key, signature, row = value
-                    cls = json.loads(row).get("class")
-                    if cls is not None:
-                        db.execute("INSERT OR IGNORE INTO classes VALUES (?, ?)", (cls, classes[cls]))
-                    db.execute("INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?)", (key, signature, row, cls))
+                ids = {cid for *_, cid in puts if cid is not None}
+                db.executemany("INSERT OR IGNORE INTO classes VALUES (?, ?)", [(cid, classes[cid]) for cid in ids])
+                db.executemany("INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?)", puts)
+                db.executemany("DELETE FROM adapters WHERE path = ?", [(p,) for p in dels])
                 if self._on_batch is not None:
                     self._on_batch(number)
                 db.execute("COMMIT")
@@ -235,7 +243,6 @@ class Index:
                 db.execute("ROLLBACK")
                 raise
         if ops:
-            db = self._db
             db.execute("BEGIN IMMEDIATE")
             db.execute("DELETE FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)")
             db.execute("COMMIT")
