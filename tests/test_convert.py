@@ -499,3 +499,29 @@ def test_preflight_prints_the_way_out_and_it_works(tmp_path: Path, capsys: pytes
     for argv in commands:  # the printed commands, run as printed
         assert main(argv[1:]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_plan_groups_converts_only_when_it_saves_a_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shared = stacked_adapter(tmp_path / "in" / "shared", 22, shared_outer=True, attn=False)
+    stacked = stacked_adapter(tmp_path / "in" / "stacked", 23, shared_outer=False, attn=False)
+    plan = lorafast.plan_groups([shared, stacked], convert=True, convert_out=tmp_path / "converted")
+    assert len(plan.groups) == 1 and plan.groups[0].preflight == "passed"
+    (step,) = plan.conversions
+    assert (step.adapter, step.from_layout, step.to_layout) == (shared, "shared_outer", "stacked_3d")
+    assert step.cost_bytes > 0 and os.path.isdir(step.out)
+    assert step.out in plan.groups[0].command() and shared not in plan.groups[0].command()
+    # two per-expert adapters already share a server: nothing to convert, nothing written
+    other = stacked_adapter(tmp_path / "in" / "other", 24, shared_outer=False, attn=False)
+    plain = lorafast.plan_groups([stacked, other], convert=True, convert_out=tmp_path / "none")
+    assert len(plain.groups) == 1 and plain.conversions == ()
+    assert not (tmp_path / "none").exists()
+    # one adapter per server: converting saves nothing, so it is undone
+    capped = lorafast.plan_groups([shared, stacked], convert=True, convert_out=tmp_path / "capped", max_per_group=1)
+    assert len(capped.groups) == 2 and capped.conversions == ()
+    assert not (tmp_path / "capped").exists()
+    # the CLI: lorafast groups --convert --out DIR
+    from lorafast.cli import main
+
+    assert main(["groups", shared, stacked, "--convert", "--out", str(tmp_path / "cli"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["groups"]) == 1 and got["conversions"][0]["out"].startswith(str(tmp_path / "cli"))

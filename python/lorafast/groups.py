@@ -224,6 +224,7 @@ class GroupPlan:
     max_per_group: int | None = None
     max_lora_rank: int | None = None
     target_modules: tuple[str, ...] | None = None
+    conversions: tuple[Any, ...] = ()  # `lorafast.converting.fleet.ConversionStep`s the groups rely on (convert=True)
 
     def __iter__(self) -> Iterator[ServingGroup]:
         return iter(self.groups)
@@ -249,6 +250,7 @@ class GroupPlan:
             "max_per_group": self.max_per_group,
             "max_lora_rank": self.max_lora_rank,
             "target_modules": None if self.target_modules is None else list(self.target_modules),
+            "conversions": [c.to_dict() for c in self.conversions],
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -262,6 +264,8 @@ class GroupPlan:
             f"group{'s' if len(self.groups) != 1 else ''} ({proof})"
             + (f", {len(self.unservable)} unservable" if self.unservable else "")
         ]
+        for c in self.conversions:
+            lines.append(f"converted: {c.name} ({c.from_layout} -> {c.to_layout}, {c.cost_bytes:,} bytes) -> {c.out}")
         for g in self.groups:
             layout = {
                 OuterLayout.SHARED: "shared-outer MoE",
@@ -511,8 +515,14 @@ def plan_groups(
     max_lora_rank: int | None = None,
     target_modules: Sequence[str] | str | None = None,
     max_per_group: int | None = None,
+    convert: bool = False,
+    convert_out: str | os.PathLike[str] | None = None,
 ) -> GroupPlan:
     """Split adapters into the fewest groups that one SGLang server each can load.
+
+    `convert=True`: where converting shared-outer adapters to stacked 3-D (exact) lets them share a per-expert
+    server, write them into `convert_out` (default: a new temporary folder) and group the converted fleet; the
+    plan's `conversions` lists the steps. Nothing is converted when it would not save a server.
 
     `adapters_or_report`: Adapters, paths, a `ScanReport`, or a mapping name -> Adapter/path. `max_lora_rank`
     and `target_modules` are the server limits if fixed (adapters beyond them are reported as unservable);
@@ -521,6 +531,11 @@ def plan_groups(
     """
     if max_per_group is not None and max_per_group < 1:
         raise ValueError("max_per_group must be at least 1")
+    if convert:
+        from lorafast.converting.fleet import plan_with_conversions
+
+        limits = {"max_lora_rank": max_lora_rank, "target_modules": target_modules, "max_per_group": max_per_group}
+        return plan_with_conversions(adapters_or_report, convert_out, **limits)  # type: ignore[no-any-return]
     fixed_targets: set[str] | None = None
     given: list[str] | None = None
     if target_modules is not None:
@@ -691,6 +706,8 @@ def _run_cli(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank,
             target_modules=args.target_modules,
             max_per_group=args.max_per_group,
+            convert=args.convert,
+            convert_out=args.out,
         )
     except ValueError as e:
         print(
@@ -714,5 +731,11 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--max-lora-rank", type=positive_int, default=None, help="fixed server rank limit")
     p.add_argument("--target-modules", nargs="+", default=None, help="fixed --lora-target-modules")
     p.add_argument("--max-per-group", type=positive_int, default=None, help="at most this many adapters per server")
+    p.add_argument(
+        "--convert",
+        action="store_true",
+        help="convert shared-outer adapters to stacked 3-D (exact) where that saves a server",
+    )
+    p.add_argument("--out", default=None, metavar="DIR", help="with --convert: where the converted adapters go")
     p.add_argument("--json", action="store_true", help="print the groups as JSON")
     p.set_defaults(func=_run_cli)
