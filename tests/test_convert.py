@@ -525,3 +525,26 @@ def test_plan_groups_converts_only_when_it_saves_a_server(tmp_path: Path, capsys
     assert main(["groups", shared, stacked, "--convert", "--out", str(tmp_path / "cli"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert len(got["groups"]) == 1 and got["conversions"][0]["out"].startswith(str(tmp_path / "cli"))
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafast.tensors import TensorFile, TruncatedFileError
+
+    src = stacked_adapter(tmp_path / "shared", 25, shared_outer=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("kept")
+    calls = [0]
+    real_view = TensorFile.view
+
+    def failing_view(self: TensorFile, name: str) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:  # the file shrinks under us half-way through the output
+            raise TruncatedFileError(f"{self.path}: file was truncated", self.path)
+        return real_view(self, name)
+
+    monkeypatch.setattr(TensorFile, "view", failing_view)
+    with pytest.raises(ConvertError) as info:
+        convert(src, "stacked_3d", out, overwrite=True)
+    assert info.value.code == "truncated" and calls[0] == 3
+    assert _left(tmp_path) == ["out", "shared"] and (out / "old.txt").read_text() == "kept"
