@@ -382,7 +382,8 @@ def expert_slot(m: LoraModule) -> tuple[str, str, int, int, int] | None:
 
 
 def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] | None:
-    """(weight, "expert_slot", rank, experts) for a numbered expert module whose model keeps its experts fused."""
+    """(weight, form, rank, experts) for a numbered expert module (form "expert_slot") or a 3-D stack of one
+    projection ("stacked_slot") whose model keeps its experts fused; None when the model has no such weight."""
     slot = expert_slot(m)
     if slot is None:
         return None
