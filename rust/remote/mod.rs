@@ -1,0 +1,213 @@
+//! Adapters in object stores and on web servers: `s3://`, `gs://`, `az://`, `http(s)://` and
+//! `hf://org/repo[@revision]/path`, read through the `object_store` crate (feature `remote`).
+//!
+//! Only headers are fetched. The first request asks for the first [`SPECULATIVE_BYTES`] of the
+//! weights, which also tells the object's size (`Content-Range`); a second range request follows
+//! only when the header is longer. `adapter_config.json` is fetched whole (at most 16 MiB), in
+//! parallel with the header. Kohya `.alpha` scalars, the only tensor data a scan reads, are
+//! fetched with small range requests (nearby ones merged) so that remote results equal local ones.
+//!
+//! Discovery: an object store prefix is listed and the local rules apply to the listing (see
+//! `scan.rs`). Web servers (`http(s)://`, `hf://`) cannot be listed: a URL there names either a
+//! `.safetensors` file or a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`).
+//!
+//! Requests run on a tokio runtime owned by the call, at most `concurrency` at once. Transient
+//! failures (5xx, 429, dropped connections, timeouts) are retried with exponential backoff; each
+//! request is bounded by `timeout`, and a store that times out [`STALL_LIMIT`] times in a row is
+//! given up for the rest of the call, so one stalled server cannot hold a scan for minutes.
+//! Failures become per-adapter errors with these codes (besides the local ones): `timeout`,
+//! `connection_error` (the connection was refused, reset or closed early), `remote_error` (HTTP
+//! or other network error), `short_read` (fewer bytes than the server announced),
+//! `file_changed` (the object changed between two requests), `invalid_url`, `store_config`
+//! (storage options the store rejects) and `remote_unsupported` (a build without this feature).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::error::Error;
+use crate::scan::{self, is_url, AdapterResult, ScanOptions, Target};
+
+/// First range request: the header of almost every adapter fits (500 PEFT modules take ~60 KiB).
+pub const SPECULATIVE_BYTES: u64 = 64 << 10;
+/// Consecutive timeouts after which a store is given up for the rest of the call.
+pub const STALL_LIMIT: usize = 4;
+pub const DEFAULT_TIMEOUT_S: f64 = 10.0;
+pub const DEFAULT_CONCURRENCY: usize = 64;
+/// Larger `concurrency` values are taken as this.
+pub const MAX_CONCURRENCY: usize = 4096;
+pub const DEFAULT_RETRIES: usize = 3;
+/// Longer timeouts are taken as this (a year: no request waits that long), so that a huge value
+/// such as `1e300` or `2**64` means "no limit" instead of overflowing a `Duration`.
+pub const MAX_TIMEOUT_S: f64 = 365.0 * 86_400.0;
+
+/// A timeout in seconds as a `Duration`: positive and not NaN (else why not), clamped to
+/// [`MAX_TIMEOUT_S`].
+pub fn timeout_from_secs(seconds: f64) -> Result<Duration, String> {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return Err(format!("timeout must be a positive number of seconds, not {seconds}"));
+    }
+    Ok(Duration::from_secs_f64(seconds.min(MAX_TIMEOUT_S)))
+}
+
+/// How to reach remote inputs.
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// Passed to the store builder (`endpoint`, `region`, `allow_http`, ...).
+    pub storage_options: Vec<(String, String)>,
+    /// Bound on each request (connect, headers and body).
+    pub timeout: Duration,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Retries of a failed request (transient errors only).
+    pub retries: usize,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            storage_options: Vec::new(),
+            timeout: Duration::from_secs_f64(DEFAULT_TIMEOUT_S),
+            concurrency: DEFAULT_CONCURRENCY,
+            retries: DEFAULT_RETRIES,
+        }
+    }
+}
+
+/// The URL an input names, if it is one. A path that is not UTF-8 is never a URL.
+fn url_of(p: &Path) -> Option<&str> {
+    p.to_str().filter(|s| is_url(s))
+}
+
+/// Input order kept: each entry is a local path's or a URL's discovery result, in turn. Local
+/// paths stay OS bytes, so names that are not UTF-8 keep working.
+fn split_inputs<T>(
+    paths: &[PathBuf],
+    mut local: impl FnMut(&[PathBuf]) -> Vec<T>,
+    mut remote: impl FnMut(&[String]) -> Vec<Vec<T>>,
+) -> Vec<T> {
+    let urls: Vec<String> = paths.iter().filter_map(|p| url_of(p)).map(str::to_owned).collect();
+    let mut remote_found = remote(&urls).into_iter();
+    let mut out = Vec::new();
+    let mut run: Vec<PathBuf> = Vec::new();
+    for p in paths {
+        if url_of(p).is_some() {
+            if !run.is_empty() {
+                out.extend(local(&run));
+                run.clear();
+            }
+            out.extend(remote_found.next().unwrap_or_default());
+        } else {
+            run.push(p.clone());
+        }
+    }
+    if !run.is_empty() {
+        out.extend(local(&run));
+    }
+    out
+}
+
+/// Finds every adapter under `paths`, local paths and URLs mixed, in input order.
+pub fn discover(
+    paths: &[PathBuf],
+    recursive: bool,
+    threads: Option<usize>,
+    ropts: &RemoteOptions,
+) -> Vec<Result<Target, Error>> {
+    split_inputs(
+        paths,
+        |run| scan::with_pool(threads, || scan::discover(run, recursive)),
+        |urls| imp::discover_urls(urls, recursive, threads, ropts),
+    )
+}
+
+/// Loads and classifies `targets` (local and remote mixed), in order.
+pub fn load_all(
+    targets: Vec<Target>,
+    opts: ScanOptions,
+    threads: Option<usize>,
+    progress: bool,
+    ropts: &RemoteOptions,
+) -> Vec<Result<AdapterResult, Error>> {
+    type Numbered = Vec<(usize, Target)>;
+    let (remote, local): (Numbered, Numbered) = targets
+        .into_iter()
+        .enumerate()
+        .partition(|(_, t)| url_of(&t.weights).is_some());
+    if remote.is_empty() {
+        return scan::scan(local.into_iter().map(|(_, t)| t).collect(), opts, threads, progress);
+    }
+    let n = remote.len() + local.len();
+    let (local_at, local): (Vec<usize>, Vec<Target>) = local.into_iter().unzip();
+    let (remote_at, remote): (Vec<usize>, Vec<Target>) = remote.into_iter().unzip();
+    let local_rows = if local.is_empty() {
+        Vec::new()
+    } else {
+        scan::scan(local, opts, threads, false)
+    };
+    let remote_rows = imp::load_urls(remote, opts, threads, progress, ropts);
+    let mut slots: Vec<Option<Result<AdapterResult, Error>>> = (0..n).map(|_| None).collect();
+    for (i, r) in local_at
+        .into_iter()
+        .zip(local_rows)
+        .chain(remote_at.into_iter().zip(remote_rows))
+    {
+        slots[i] = Some(r);
+    }
+    slots
+        .into_iter()
+        .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))))
+        .collect()
+}
+
+/// `inspect` for each path or URL: the single adapter there (the `locate` rules), loaded in full.
+pub fn inspect_many(
+    paths: &[PathBuf],
+    opts: ScanOptions,
+    threads: Option<usize>,
+    ropts: &RemoteOptions,
+) -> Vec<Result<AdapterResult, Error>> {
+    use rayon::prelude::*;
+    split_inputs(
+        paths,
+        |run| {
+            scan::with_pool(threads, || {
+                run.par_iter()
+                    .map(|p| scan::locate(p).and_then(|t| scan::load(t, opts)))
+                    .collect::<Vec<_>>()
+            })
+        },
+        |urls| {
+            imp::inspect_urls(urls, opts, threads, ropts)
+                .into_iter()
+                .map(|r| vec![r])
+                .collect()
+        },
+    )
+}
+
+#[cfg(not(feature = "remote"))]
+mod disabled;
+#[cfg(not(feature = "remote"))]
+use disabled as imp;
+
+#[cfg(feature = "remote")]
+mod credentials;
+#[cfg(feature = "remote")]
+mod enabled;
+#[cfg(feature = "remote")]
+mod listing;
+#[cfg(feature = "remote")]
+mod loading;
+#[cfg(feature = "remote")]
+mod request;
+#[cfg(feature = "remote")]
+mod shadow;
+#[cfg(feature = "remote")]
+mod stores;
+#[cfg(feature = "remote")]
+mod url;
+#[cfg(feature = "remote")]
+use enabled as imp;
+
+#[cfg(all(test, feature = "remote"))]
+mod tests;

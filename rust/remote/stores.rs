@@ -1,0 +1,196 @@
+//! Store builders: one store per bucket, container or web origin of a call, built once and shared.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::http::HttpBuilder;
+use object_store::path::Path as Key;
+use object_store::{BackoffConfig, ClientConfigKey, ClientOptions, ObjectStore, RetryConfig};
+use tokio::sync::Semaphore;
+
+use super::credentials::{aws_profile, hf_token};
+use super::url::{invalid, parse_url, Kind, Parsed};
+use super::RemoteOptions;
+use crate::error::Error;
+
+/// One store (bucket, container or web origin) of a call.
+pub(super) struct Store {
+    pub(super) inner: Arc<dyn ObjectStore>,
+    /// Object stores list prefixes; web servers cannot.
+    pub(super) listable: bool,
+    /// Timeouts in a row, with no success in between.
+    pub(super) stalls: AtomicUsize,
+    /// Set once the server answered a range request with the whole object.
+    pub(super) ignores_range: AtomicBool,
+}
+
+/// An object: its store, its key there and its URL (as shown in results).
+pub(super) struct Loc {
+    pub(super) store: Arc<Store>,
+    pub(super) key: Key,
+    pub(super) url: String,
+}
+
+/// Why a store could not be built: (error code, message), given to every adapter in it.
+pub(super) type StoreError = (&'static str, String);
+
+/// State shared by the requests of one call.
+pub(super) struct Remote {
+    pub(super) opts: RemoteOptions,
+    pub(super) stores: Mutex<HashMap<String, Result<Arc<Store>, StoreError>>>,
+    pub(super) permits: Semaphore,
+}
+
+fn store_error(e: impl std::fmt::Display) -> StoreError {
+    ("store_config", e.to_string())
+}
+
+impl Remote {
+    pub(super) fn new(opts: &RemoteOptions) -> Self {
+        Remote {
+            opts: opts.clone(),
+            stores: Mutex::new(HashMap::new()),
+            permits: Semaphore::new(opts.concurrency.max(1)),
+        }
+    }
+
+    fn retry(&self) -> RetryConfig {
+        RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_secs(2),
+                base: 2.0,
+            },
+            max_retries: self.opts.retries,
+            // One retry after a timeout at most: a stalled server costs ~2 timeouts, not minutes.
+            retry_timeout: self.opts.timeout.saturating_mul(2),
+        }
+    }
+
+    fn millis(d: Duration) -> String {
+        format!("{}ms", d.as_millis().max(1))
+    }
+
+    fn client_defaults(&self) -> [(ClientConfigKey, String); 2] {
+        let connect = self.opts.timeout.min(Duration::from_secs(5));
+        [
+            (ClientConfigKey::Timeout, Self::millis(self.opts.timeout)),
+            (ClientConfigKey::ConnectTimeout, Self::millis(connect)),
+        ]
+    }
+
+    fn build(&self, p: &Parsed) -> Result<Arc<dyn ObjectStore>, StoreError> {
+        let user = &self.opts.storage_options;
+        let user_sets = |names: &[&str]| user.iter().any(|(k, _)| names.contains(&k.as_str()));
+        match p.kind {
+            Kind::S3 => {
+                let mut b = AmazonS3Builder::from_env().with_url(&p.base).with_retry(self.retry());
+                for (k, v) in self.client_defaults() {
+                    b = b.with_config(AmazonS3ConfigKey::Client(k), v);
+                }
+                if b.get_config_value(&AmazonS3ConfigKey::AccessKeyId).is_none() {
+                    for (k, v) in aws_profile() {
+                        if b.get_config_value(&k).is_none() {
+                            b = b.with_config(k, v);
+                        }
+                    }
+                }
+                for (k, v) in user {
+                    b = b.with_config(AmazonS3ConfigKey::from_str(k).map_err(store_error)?, v);
+                }
+                // An endpoint the user wrote as http:// is meant: allow it.
+                let http_endpoint = b
+                    .get_config_value(&AmazonS3ConfigKey::Endpoint)
+                    .is_some_and(|e| e.starts_with("http://"));
+                if http_endpoint && !user_sets(&["allow_http", "aws_allow_http"]) {
+                    b = b.with_allow_http(true);
+                }
+                Ok(Arc::new(b.build().map_err(store_error)?))
+            }
+            Kind::Gcs => {
+                let mut b = GoogleCloudStorageBuilder::from_env()
+                    .with_url(&p.base)
+                    .with_retry(self.retry());
+                for (k, v) in self.client_defaults() {
+                    b = b.with_config(GoogleConfigKey::Client(k), v);
+                }
+                for (k, v) in user {
+                    b = b.with_config(GoogleConfigKey::from_str(k).map_err(store_error)?, v);
+                }
+                Ok(Arc::new(b.build().map_err(store_error)?))
+            }
+            Kind::Azure => {
+                let mut b = MicrosoftAzureBuilder::from_env()
+                    .with_url(&p.base)
+                    .with_retry(self.retry());
+                for (k, v) in self.client_defaults() {
+                    b = b.with_config(AzureConfigKey::Client(k), v);
+                }
+                for (k, v) in user {
+                    b = b.with_config(AzureConfigKey::from_str(k).map_err(store_error)?, v);
+                }
+                Ok(Arc::new(b.build().map_err(store_error)?))
+            }
+            Kind::Http | Kind::HuggingFace => {
+                let mut options = ClientOptions::new().with_allow_http(p.base.starts_with("http://"));
+                for (k, v) in self.client_defaults() {
+                    options = options.with_config(k, v);
+                }
+                if p.kind == Kind::HuggingFace {
+                    if let Some(token) = hf_token() {
+                        let mut headers = reqwest::header::HeaderMap::new();
+                        if let Ok(mut value) = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}")) {
+                            value.set_sensitive(true);
+                            headers.insert(reqwest::header::AUTHORIZATION, value);
+                        }
+                        options = options.with_default_headers(headers);
+                    }
+                }
+                // Store-specific keys (endpoint, region, ...) do not apply to a web server.
+                for (k, v) in user {
+                    if let Ok(key) = ClientConfigKey::from_str(k) {
+                        options = options.with_config(key, v);
+                    }
+                }
+                let b = HttpBuilder::new()
+                    .with_url(&p.base)
+                    .with_retry(self.retry())
+                    .with_client_options(options);
+                Ok(Arc::new(b.build().map_err(store_error)?))
+            }
+        }
+    }
+
+    pub(super) fn loc(&self, url: &str) -> Result<Loc, Error> {
+        let p = parse_url(url)?;
+        let key = Key::from_url_path(&p.key).map_err(|e| invalid(url, format!("bad object path: {e}")))?;
+        let store = {
+            let mut stores = self.stores.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            stores
+                .entry(p.base.clone())
+                .or_insert_with(|| {
+                    self.build(&p).map(|inner| {
+                        Arc::new(Store {
+                            inner,
+                            listable: !matches!(p.kind, Kind::Http | Kind::HuggingFace),
+                            stalls: AtomicUsize::new(0),
+                            ignores_range: AtomicBool::new(false),
+                        })
+                    })
+                })
+                .clone()
+        };
+        let store = store.map_err(|(code, message)| Error::adapter(url, code, message))?;
+        Ok(Loc {
+            store,
+            key,
+            url: url.to_owned(),
+        })
+    }
+}

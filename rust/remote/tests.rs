@@ -1,0 +1,98 @@
+use super::listing::Dir;
+use super::loading::merge_ranges;
+use super::url::{parse_url, Kind};
+
+fn walk(keys: &[&str], top_url: &str, recursive: bool) -> Vec<(String, String, Option<String>)> {
+    let mut d = Dir::default();
+    for k in keys {
+        d.insert(&k.split('/').map(str::to_owned).collect::<Vec<_>>());
+    }
+    let mut out = Vec::new();
+    d.walk(top_url, recursive, true, &mut out);
+    out.into_iter()
+        .map(|r| match r {
+            Ok(t) => (
+                t.path.display().to_string(),
+                t.weights.display().to_string(),
+                t.config.map(|c| c.display().to_string()),
+            ),
+            Err(e) => (e.path().display().to_string(), e.code().to_owned(), None),
+        })
+        .collect()
+}
+
+#[test]
+fn parses_urls() {
+    let p = parse_url("s3://bucket/a/b.safetensors").unwrap();
+    assert_eq!(
+        (p.kind, p.base.as_str(), p.key.as_str()),
+        (Kind::S3, "s3://bucket", "a/b.safetensors")
+    );
+    let p = parse_url("http://127.0.0.1:8000/x/").unwrap();
+    assert_eq!(
+        (p.kind, p.base.as_str(), p.key.as_str()),
+        (Kind::Http, "http://127.0.0.1:8000", "x/")
+    );
+    assert_eq!(parse_url("gs://b").unwrap().key, "");
+    assert_eq!(parse_url("https://h/x?sig=1").unwrap_err().code(), "invalid_url");
+    assert_eq!(parse_url("hf://org").unwrap_err().code(), "invalid_url");
+}
+
+#[test]
+fn parses_hf_urls() {
+    let p = parse_url("hf://org/repo@v1/sub/adapter_model.safetensors").unwrap();
+    assert_eq!(p.kind, Kind::HuggingFace);
+    assert!(p.base.ends_with("/org/repo/resolve/v1"), "{}", p.base);
+    assert_eq!(p.key, "sub/adapter_model.safetensors");
+    let p = parse_url("hf://datasets/org/repo/x.safetensors").unwrap();
+    assert!(p.base.ends_with("/datasets/org/repo/resolve/main"), "{}", p.base);
+    assert_eq!(p.key, "x.safetensors");
+}
+
+#[test]
+fn listing_follows_local_rules() {
+    let keys = [
+        "peft/adapter_config.json",
+        "peft/adapter_model.safetensors",
+        "peft/extra/ignored.safetensors",
+        "one/only.safetensors",
+        "two/a.safetensors",
+        "two/b.safetensors",
+        "bin/adapter_config.json",
+        "bin/adapter_model.bin",
+        ".hidden/x.safetensors",
+        "top.safetensors",
+        "notes.txt",
+    ];
+    let got = walk(&keys, "s3://b/", true);
+    let want = vec![
+        ("s3://b/top.safetensors".into(), "s3://b/top.safetensors".into(), None),
+        ("s3://b/bin".into(), "missing_weights".into(), None),
+        ("s3://b/one".into(), "s3://b/one/only.safetensors".into(), None),
+        (
+            "s3://b/peft".into(),
+            "s3://b/peft/adapter_model.safetensors".into(),
+            Some("s3://b/peft/adapter_config.json".into()),
+        ),
+        (
+            "s3://b/two/a.safetensors".into(),
+            "s3://b/two/a.safetensors".into(),
+            None,
+        ),
+        (
+            "s3://b/two/b.safetensors".into(),
+            "s3://b/two/b.safetensors".into(),
+            None,
+        ),
+    ];
+    assert_eq!(got, want);
+    // Not recursive: only the top level's files; a top folder with one file is not a "one-file folder".
+    assert_eq!(walk(&["only.safetensors"], "s3://b/p", false).len(), 1);
+    assert_eq!(walk(&keys, "s3://b", false).len(), 1);
+}
+
+#[test]
+fn merges_ranges() {
+    let r = merge_ranges(&[0..8, 10..12, 100..108, 1000..1004], 50);
+    assert_eq!(r, vec![0..12, 100..108, 1000..1004]);
+}
