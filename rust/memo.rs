@@ -27,6 +27,7 @@ const BUDGET: usize = 4 << 20;
 const MAX_HEADER: usize = BUDGET / 4;
 
 struct Entry {
+    modules: bool,
     metadata_first: bool,
     entries: Vec<u8>,
     lora_metadata: Option<String>,
@@ -54,6 +55,9 @@ pub struct Key<'a> {
     data_size: u64,
     /// The text of `adapter_config.json`.
     config: Option<&'a str>,
+    /// Whether the classification keeps its modules (`ScanOptions::keep_modules`): a result without
+    /// them must never answer a load that wants them, nor the other way round.
+    modules: bool,
 }
 
 impl<'a> Key<'a> {
@@ -77,13 +81,21 @@ impl<'a> Key<'a> {
             lora_metadata,
             data_size,
             config,
+            modules: false,
         }
+    }
+
+    /// The same key for a load that keeps (or not) its modules.
+    pub fn with_modules(mut self, modules: bool) -> Self {
+        self.modules = modules;
+        self
     }
 }
 
 impl Entry {
     fn matches(&self, key: &Key<'_>) -> bool {
         self.data_size == key.data_size
+            && self.modules == key.modules
             && self.metadata_first == key.metadata_first
             && self.entries.len() == key.entries.len()
             && self.config.as_deref() == key.config
@@ -124,6 +136,7 @@ pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
         entries.insert(
             0,
             Entry {
+                modules: key.modules,
                 metadata_first: key.metadata_first,
                 entries: bytes,
                 lora_metadata: key.lora_metadata.as_deref().map(str::to_owned),

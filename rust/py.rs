@@ -254,13 +254,14 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
     Ok(d)
 }
 
-/// Load options from the Python keywords.
-fn load_options(mode: &str, content_hash: bool, keep_modules: bool) -> PyResult<ScanOptions> {
+/// Load options from the Python keywords. Every load keeps its modules; `fresh` (inspect) reads
+/// without the per-thread memo, so `inspect` stays the reference a scan's rows are checked against.
+fn load_options(mode: &str, content_hash: bool, fresh: bool) -> PyResult<ScanOptions> {
     Ok(ScanOptions {
         mode: parse_mode(mode)?,
-        keep_modules,
+        keep_modules: true,
         content_hash,
-        fresh: false,
+        fresh,
     })
 }
 
@@ -806,7 +807,7 @@ fn scan(
 ) -> PyResult<ScanResult> {
     // Rows keep their modules and metadata (shared between adapters whose headers repeat, see
     // `memo`), so iterating a report and its module table never read a file again.
-    let opts = load_options(mode, content_hash, true)?;
+    let opts = load_options(mode, content_hash, false)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = detach_contained(py, Path::new(""), || {
         if any_url(&paths) {
@@ -933,7 +934,7 @@ fn scan_targets(
     timeout: Option<f64>,
     concurrency: Option<usize>,
 ) -> PyResult<ScanResult> {
-    let opts = load_options(mode, content_hash, true)?;
+    let opts = load_options(mode, content_hash, false)?;
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = detach_contained(py, Path::new(""), || {
         let found = items

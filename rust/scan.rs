@@ -626,7 +626,7 @@ fn load_header(
         None
     };
     let remember = !opts.fresh;
-    let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()));
+    let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()).with_modules(opts.keep_modules));
     // A remembered classification shares its modules (an `Arc`); the metadata is the adapter's own.
     let hit = key.as_ref().and_then(memo::get).and_then(|(class, config_json)| {
         if !opts.keep_modules {

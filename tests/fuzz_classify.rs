@@ -477,6 +477,23 @@ fn check(input: &[u8]) -> Result<(), String> {
         }
     }
     let inspect = run(true, true);
+    // Python's scans keep modules and metadata (report iteration and module tables need them): through
+    // the memo too, such a row is the fresh read's, modules and metadata included.
+    let full = |r: &Result<_core::scan::AdapterResult, _core::Error>| {
+        format!(
+            "{:?}",
+            r.as_ref()
+                .map(|a| (&a.class, &a.metadata, &a.config_json))
+                .map_err(|e| (e.code(), e.detail()))
+        )
+    };
+    let want_full = full(&inspect);
+    for pass in ["memo miss, modules kept", "memo hit, modules kept"] {
+        let got = full(&run(false, true));
+        if got != want_full {
+            return Err(format!("{pass} differs from a fresh read:\n{got}\n{want_full}"));
+        }
+    }
     match (&fresh, &inspect) {
         (Ok(row), Ok(full)) => {
             let mut class = full.class.clone();

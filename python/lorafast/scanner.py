@@ -187,12 +187,21 @@ class ScanReport:
 
     def __iter__(self) -> Iterator[Adapter]:
         """The adapters that were read, in scan order (failed rows are in `.errors`). Built from the scan's
-        results 512 at a time: equal, field by field, to what `inspect` of each path gives, without reading
-        any file again."""
-        batch = 512
-        for start in range(0, len(self), batch):
-            for raw in self._result.adapters(start, start + batch):
+        results in batches (at most 512 adapters or about 32,768 tensors): equal, field by field, to what
+        `inspect` of each path gives, without reading any file again."""
+        import numpy as np
+
+        n = len(self)
+        if n == 0:
+            return
+        # Batch ends: every 512 rows, and wherever the running tensor count crosses a multiple of 32,768.
+        tensors = np.cumsum(self.columns()["num_tensors"], dtype=np.int64)
+        ends = set(range(512, n, 512)) | set((np.flatnonzero(np.diff(tensors // 32768)) + 1).tolist())
+        start = 0
+        for stop in [*sorted(ends), n]:
+            for raw in self._result.adapters(start, stop):
                 yield _adapter(raw)
+            start = stop
 
     def columns(self) -> dict[str, np.ndarray]:
         """Columns as numpy arrays, one row per adapter: path_index, status, format, rank,
