@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from lorafast.compat._common import CompatProblem, LoraRef
+from lorafast.compat._inputs import AdapterView
 from lorafast.compat._sglang_names import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
+from lorafast.compat.sglang import get_normalized_target_modules, predict_loaded_weights
+from lorafast.compat.sglang import preflight as sglang_preflight
+from lorafast.errors import LorafastError
+from lorafast.scanner import inspect, scan
 
 if TYPE_CHECKING:
     import argparse
@@ -72,8 +78,6 @@ class OuterLayout(str, Enum):
 
 
 def _normalize_targets(names: Iterable[str]) -> set[str]:
-    from lorafast.compat.sglang import get_normalized_target_modules
-
     return set(get_normalized_target_modules(list(names)))
 
 
@@ -85,11 +89,10 @@ def _layout_of(seen: set[bool]) -> OuterLayout:
     return OuterLayout.SHARED if True in seen else OuterLayout.PER_EXPERT
 
 
-def _seen_from_loaded(adapter: Any) -> set[bool] | None:
-    """SGLang's rule on the weights as SGLang holds them after loading (None without lorafast.compat)."""
+def _seen_from_loaded(adapter: Adapter | AdapterView) -> set[bool] | None:
+    """SGLang's rule on the weights as SGLang holds them after loading; None when SGLang's load itself fails
+    (whatever it raises: the preflight reports that), and the tensors' own shapes decide instead."""
     try:
-        from lorafast.compat.sglang import predict_loaded_weights
-
         loaded = predict_loaded_weights(adapter)
     except Exception:
         return None
@@ -104,7 +107,7 @@ def _seen_from_loaded(adapter: Any) -> set[bool] | None:
     return seen
 
 
-def outer_layout(adapter: Adapter, *, view: Any = None) -> OuterLayout:
+def outer_layout(adapter: Adapter, *, view: AdapterView | None = None) -> OuterLayout:
     """SGLang's `_detect_shared_outer_loras` rule on one adapter, keeping "no opinion" apart from per-expert.
 
     Only gate_up lora_A counts: 3-D with expert dim 1 is shared-outer, 3-D with E > 1 or a numbered 2-D
@@ -125,11 +128,7 @@ def outer_layout(adapter: Adapter, *, view: Any = None) -> OuterLayout:
 
 def adapter_targets(adapter: Adapter) -> set[str]:
     """SGLang-normalized target modules: the config's list (what `can_support` checks) ∪ what the tensors hold."""
-    try:
-        targets = set(adapter.sglang_target_modules)
-    except ImportError:  # the property needs lorafast.compat
-        renames = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-        targets = _normalize_targets(renames.get(t, t) for t in adapter.target_modules)
+    targets = set(adapter.sglang_target_modules)
     config_tm = (adapter.config or {}).get("target_modules")
     if isinstance(config_tm, list):
         targets |= _normalize_targets(str(t) for t in config_tm)
@@ -165,7 +164,7 @@ class ServingGroup:
     base_model: str | None
     max_lora_rank: int
     target_modules: tuple[str, ...]  # normalized union, sorted; ("all",) when a name is not a CLI choice
-    preflight: str = "unavailable"  # "passed" | "failed" | "unavailable"
+    preflight: str = "unavailable"  # "passed" | "failed"; "unavailable" only on a group built by hand
     preflight_problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     served_target_modules: tuple[str, ...] = ()  # the explicit union (also when the CLI gets "all")
@@ -285,49 +284,26 @@ class GroupPlan:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Preflight (lorafast.compat.sglang, written concurrently; used when present)
-
-
-def _compat_preflight() -> Any | None:
-    try:
-        from lorafast.compat import sglang as compat_sglang
-    except ImportError:
-        return None
-    return getattr(compat_sglang, "preflight", None)
-
-
-def _problems_of(result: Any) -> list[Any]:
-    if result is None:
-        return []
-    if isinstance(result, (list, tuple)):
-        return list(result)
-    for attr in ("problems", "errors"):
-        if hasattr(result, attr):
-            return list(getattr(result, attr))
-    return []
+# Preflight (lorafast.compat.sglang)
 
 
 def _short(message: str, limit: int = 240) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-def _run_preflight(refs: list[Any], **kwargs: Any) -> tuple[str, list[str], list[str]]:
-    """("passed" | "failed" | "unavailable", fatal problem messages, warnings SGLang would only log)."""
-    preflight = _compat_preflight()
-    if preflight is None:
-        return "unavailable", [], []
+def _run_preflight(refs: list[LoraRef], **kwargs: Any) -> tuple[str, list[str], list[str]]:
+    """("passed" | "failed", fatal problem messages, warnings SGLang would only log)."""
     engine_log = logging.getLogger("lorafast.compat")
     level = engine_log.level
     engine_log.setLevel(logging.ERROR)  # SGLang's warnings come back in the result; don't print them too
     try:
-        result = preflight(refs, collect=True, **kwargs)
+        problems: tuple[CompatProblem, ...] = sglang_preflight(refs, collect=True, **kwargs).problems
     except Exception as e:
         return "failed", [f"{type(e).__name__}: {e}"], []
     finally:
         engine_log.setLevel(level)
-    problems = _problems_of(result)
-    fatal = [str(getattr(p, "message", p)) for p in problems if getattr(p, "fatal", True)]
-    warnings = [str(getattr(p, "message", p)) for p in problems if not getattr(p, "fatal", True)]
+    fatal = [p.message for p in problems if p.fatal]
+    warnings = [p.message for p in problems if not p.fatal]
     return ("failed" if fatal else "passed"), fatal, warnings
 
 
@@ -463,9 +439,7 @@ def _collect_adapters(adapters_or_report: Any) -> tuple[list[tuple[str | None, A
         if isinstance(obj, (str, os.PathLike)):
             path = os.fspath(obj)
             try:
-                import lorafast
-
-                obj = lorafast.inspect(path)
+                obj = inspect(path)
             except Exception as e:
                 failed.append(Unservable(path, name or os.path.basename(path.rstrip("/")), "unreadable", str(e)))
                 continue
@@ -491,21 +465,7 @@ def _unique_names(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _view(name: str, adapter: Adapter) -> Any:
-    """The compat layer's view of an adapter, built once (its tensor table is the costly part) and reused."""
-    try:
-        from lorafast.compat._inputs import AdapterView
-
-        return AdapterView.from_adapter(adapter, name=name)
-    except Exception:
-        return None
-
-
-def _lora_ref(name: str, adapter: Adapter, view: Any = None) -> Any:
-    try:
-        from lorafast.compat._common import LoraRef
-    except ImportError:
-        return adapter
+def _lora_ref(name: str, adapter: Adapter, view: AdapterView | None = None) -> LoraRef:
     return LoraRef(name=name, path=str(adapter.path), adapter=view if view is not None else adapter)
 
 
@@ -527,7 +487,7 @@ def plan_groups(
     `adapters_or_report`: Adapters, paths, a `ScanReport`, or a mapping name -> Adapter/path. `max_lora_rank`
     and `target_modules` are the server limits if fixed (adapters beyond them are reported as unservable);
     otherwise each group gets the smallest values that fit it. `max_per_group` caps adapters per server.
-    Every group is checked with `lorafast.compat.sglang.preflight` when that is available.
+    Every group is checked with `lorafast.compat.sglang.preflight`.
     """
     if max_per_group is not None and max_per_group < 1:
         raise ValueError("max_per_group must be at least 1")
@@ -544,11 +504,15 @@ def plan_groups(
 
     entries, unservable = _collect_adapters(adapters_or_report)
     servable: list[tuple[str, Adapter]] = []
-    views: list[Any] = []
+    views: list[AdapterView] = []
     items: list[_Item] = []
     for given_name, adapter in entries:
         name = given_name or adapter.name
-        view = _view(name, adapter)
+        try:  # built once (its tensor table is the costly part) and reused by every check
+            view = AdapterView.from_adapter(adapter, name=name)
+        except (OSError, LorafastError) as e:  # a header read again to shape extra tensors failed
+            unservable.append(Unservable(str(adapter.path), name, "unreadable", f"{type(e).__name__}: {e}"))
+            continue
         layout = outer_layout(adapter, view=view)
         problem = _single_adapter_problem(name, adapter, layout, max_lora_rank, fixed_targets, view)
         if problem is not None:
@@ -584,7 +548,7 @@ def _single_adapter_problem(
     layout: OuterLayout,
     max_lora_rank: int | None,
     fixed_targets: set[str] | None,
-    view: Any = None,
+    view: AdapterView | None = None,
 ) -> Unservable | None:
     """Why no server could load `adapter`, whatever it is grouped with (None when it can be served)."""
     path = str(adapter.path)
@@ -611,19 +575,6 @@ def _single_adapter_problem(
     status, problems, _ = _run_preflight([_lora_ref(name, adapter, view)], **kwargs)
     if status == "failed":
         return Unservable(path, name, "preflight", "; ".join(problems))
-    if status == "unavailable":  # the few engine rules lorafast can tell without the compat layer
-        if "dora" in adapter.flags:
-            return Unservable(
-                path,
-                name,
-                "dora",
-                f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters",
-            )
-        if adapter.variants or (adapter.peft_type or "LORA").upper() != "LORA":
-            kind = ", ".join(adapter.variants) or adapter.peft_type
-            return Unservable(path, name, "not_lora", f"{kind} adapters cannot be served as LoRA by SGLang")
-        if adapter.config_path is None:
-            return Unservable(path, name, "no_config", "SGLang's LoRAConfig needs adapter_config.json")
     return None
 
 
@@ -635,7 +586,7 @@ def _make_group(
     max_lora_rank: int | None,
     fixed_targets: set[str] | None,
     given_targets: list[str] | None = None,
-    views: tuple[Any, ...] | None = None,
+    views: tuple[AdapterView | None, ...] | None = None,
 ) -> ServingGroup:
     notes: list[str] = []
     rank = max_lora_rank if max_lora_rank is not None else max([adapter_rank(a) for a in adapters] + [1])
@@ -692,11 +643,7 @@ def _run_cli(args: argparse.Namespace) -> int:
     paths = list(args.paths)
     source: Any = paths
     try:
-        import lorafast
-
-        scan = getattr(lorafast, "scan", None)
-        if scan is not None:
-            source = scan(paths)
+        source = scan(paths)
     except Exception as e:
         print(f"warning: scan failed ({e}); inspecting paths one by one", file=sys.stderr)
         source = paths

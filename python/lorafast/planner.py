@@ -38,6 +38,8 @@ from lorafast.adapter import peft_pattern_key
 from lorafast.compat import _versions
 from lorafast.compat import diffusion as _diffusion
 from lorafast.compat.diffusion import LORA_MERGE_MODES, PIPELINE_MODULES, VALID_TARGETS
+from lorafast.errors import LorafastError
+from lorafast.scanner import inspect
 
 if TYPE_CHECKING:
     import argparse
@@ -89,15 +91,7 @@ _NON_ADDITIVE_WHY = {
 _WEIGHT_DEPENDENT = frozenset({"dora", "oft", "boft", "ia3", "glora"})
 
 
-try:  # lead-owned base class; plan errors stay ValueErrors either way
-    from lorafast.errors import LorafastError as _LorafastError
-
-    _PLAN_ERROR_BASES: tuple[type, ...] = (_LorafastError, ValueError)
-except ImportError:  # pragma: no cover - only before errors.py lands
-    _PLAN_ERROR_BASES = (ValueError,)
-
-
-class PlanError(*_PLAN_ERROR_BASES):  # type: ignore[misc]
+class PlanError(LorafastError, ValueError):
     """A request lorafast refuses to plan (e.g. DoRA on a dynamic target). `.rejections` lists every reason."""
 
     def __init__(self, rejections: Sequence[str]) -> None:
@@ -601,7 +595,7 @@ def plan(
     "auto" by default), so the default behaves as "auto". `weights_sharded` is a bool or a per-module mapping
     (FSDP DTensor weights). `tolerance` loosens the float equality of the skip rule (0: exact, like SGLang).
     `adapters` supplies already-inspected adapters keyed by nickname or path; others are read with
-    `lorafast.inspect` when it is available. `modules` overrides the pipeline components of `current`.
+    `lorafast.inspect`. `modules` overrides the pipeline components of `current`.
 
     `engine_version` ("0.5.23"; default: the installed SGLang, else the newest supported) picks the `set_lora`
     rules, which live in `lorafast.compat.diffusion`. From 0.5.23 on:
@@ -891,12 +885,6 @@ class _Planner:
         if path in self.read_errors:
             return None
         try:
-            import lorafast
-
-            inspect = getattr(lorafast, "inspect", None)
-            if inspect is None:
-                self.read_errors[path] = "lorafast.inspect is not available"
-                return None
             adapter = inspect(path)
         except Exception as e:
             self.read_errors[path] = f"{type(e).__name__}: {e}"

@@ -3,7 +3,7 @@
 Everything else in lorafast reads headers only; this module is where tensor bytes are touched, for merging.
 
 - `TensorFile.view(name)` is a read-only torch tensor over the memory-mapped file (`torch.frombuffer`), with no
-  copy. The map comes from `lorafast._core.map_file` when the compiled core provides it, else from `mmap`.
+  copy. The map comes from `lorafast._core.map_file`.
 - `TensorFile.load(name, device=..., dtype=...)` copies a tensor out of the map straight away (on CUDA through
   pinned memory with `non_blocking=True`). Adapter factors are small, so they are copied out promptly and the map
   is touched for as short a time as possible.
@@ -20,15 +20,19 @@ from Python; docs/merge.md says so, and the tests show that it then ends the pro
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lorafast import _core
+from lorafast.errors import LorafastError
 
 if TYPE_CHECKING:
     import torch
+
+    from lorafast._core import MappedFile
 
 #: safetensors dtype -> (torch dtype attribute name, bytes per element)
 _ST_DTYPES: dict[str, tuple[str, int]] = {
@@ -128,23 +132,12 @@ def parse_header(path: str, fd: int) -> tuple[dict[str, TensorEntry], dict[str, 
     return tensors, {str(k): str(v) for k, v in metadata.items()}, data_start
 
 
-def _map(path: str, fd: int) -> tuple[Any, memoryview]:
-    """A read-only view of the whole file: the compiled core's map (`lorafast._core.map_file`) when present,
-    else the standard library's `mmap`. Returns (owner, memoryview); the owner keeps the map alive."""
-    try:
-        from lorafast import _core
-
-        map_file = getattr(_core, "map_file", None)
-    except ImportError:  # pragma: no cover - the pure-Python fallback
-        map_file = None
-    if map_file is None:
-        m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        return m, memoryview(m)
-    from lorafast.errors import LorafastError
-
+def _map(path: str, fd: int) -> tuple[MappedFile, memoryview]:
+    """A read-only view of the whole file, through the compiled core's map (`lorafast._core.map_file`).
+    Returns (owner, memoryview); the owner keeps the map alive."""
     ino = os.fstat(fd).st_ino
     try:
-        mapped = map_file(path)
+        mapped = _core.map_file(path)
     except LorafastError as exc:
         raise TensorReadError(f"{path}: {exc}", path) from exc
     if os.stat(path).st_ino != ino:  # the path now names another file than the one we opened
@@ -165,19 +158,14 @@ class TensorFile:
         except BaseException:
             os.close(self._fd)
             raise
-        self._map: Any = None
+        self._map: MappedFile | None = None
         self._mv: memoryview | None = None
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Drop the map and the file descriptor. Views handed out keep the map alive until they are freed."""
         self._mv = None
-        m, self._map = self._map, None
-        if isinstance(m, mmap.mmap):
-            try:
-                m.close()
-            except BufferError:
-                pass  # a view still exports it; it is unmapped when that view is freed
+        self._map = None  # unmapped once no view handed out holds it
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

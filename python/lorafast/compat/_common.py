@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lorafast.adapter import Adapter
+    from lorafast.compat._inputs import AdapterView
 
 
 def lora_id(name: str, path: str) -> str:
@@ -24,7 +28,7 @@ class LoraRef:
     path: str
     pinned: bool = False
     lora_id: str = ""
-    adapter: Any = field(default=None, compare=False, repr=False)
+    adapter: Adapter | AdapterView | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.lora_id:

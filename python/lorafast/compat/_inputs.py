@@ -13,9 +13,14 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lorafast import _core
 from lorafast.compat._common import LoraRef, lora_id
+from lorafast.header import read_header, read_torch_header
+
+if TYPE_CHECKING:
+    from lorafast.adapter import Adapter
 
 Shape = tuple[int, ...]
 
@@ -35,7 +40,7 @@ class AdapterView:
     has_weights: bool = True
     added_tokens: Mapping[str, int] | None = None
     added_tokens_error: str | None = None
-    adapter: Any = field(default=None, repr=False)
+    adapter: Adapter | None = field(default=None, repr=False)
     load_error: BaseException | None = None  # reading the weights' headers failed (raised where SGLang loads)
     config_load_error: BaseException | None = None  # adapter_config.json is not valid JSON
     weights_readable: bool = True  # False: only .bin/.pt weights, whose tensors lorafast cannot see
@@ -43,7 +48,7 @@ class AdapterView:
     @classmethod
     def from_adapter(
         cls,
-        adapter: Any,
+        adapter: Adapter,
         *,
         name: str | None = None,
         path: str | None = None,
@@ -327,26 +332,14 @@ def _filter_duplicates(files: list[str], folder: str) -> list[str]:
 
 def _read_names_and_shapes(file: str) -> dict[str, Shape | None]:
     """`{name: shape}` of one file's header, in name order (`safe_open(...).keys()` order)."""
-    try:
-        from lorafast import _core
-
-        entries = _core.read_header(file, "pread")["tensors"]  # [(name, dtype, shape, offsets)], names unique
-        entries.sort()
-        if entries and type(entries[0][2]) is tuple:
-            return {entry[0]: entry[2] for entry in entries}
-        return {entry[0]: _shape(entry[2]) for entry in entries}
-    except (ImportError, AttributeError, TypeError, KeyError):  # the private reader changed: use the public one
-        from lorafast import read_header
-
-        items = sorted((n, tuple(info.shape)) for n, info in read_header(file).tensors.items())
-        return dict(items)
+    entries = _core.read_header(file, "pread")["tensors"]  # [(name, dtype, shape, offsets)], names unique
+    entries.sort()
+    if entries and type(entries[0][2]) is tuple:
+        return {entry[0]: entry[2] for entry in entries}
+    return {entry[0]: _shape(entry[2]) for entry in entries}
 
 
-def _header_tables(files: Iterable[str]) -> dict[str, dict[str, Shape | None]] | None:
-    try:
-        from lorafast import read_header, read_torch_header
-    except ImportError:
-        return None
+def _header_tables(files: Iterable[str]) -> dict[str, dict[str, Shape | None]]:
     out: dict[str, dict[str, Shape | None]] = {}
     for file in files:
         # A scanned PEFT folder's weights may be adapter_model.bin / .pt, read without unpickling.
