@@ -251,16 +251,6 @@ def _fit_findings(slots: dict[int, dict[tuple[str, str], _Slot]], r: int | None,
     return out
 
 
-def _check_buffer_fit(view: AdapterView, config: _LoraConfig, plans: list[BufferPlan],
-                      slots: dict[int, dict[tuple[str, str], _Slot]], col: Collector,
-                      memo: dict[Any, Any] | None = None) -> None:  # fmt: skip
-    r = config.r if isinstance(config.r, int) else None
-    findings = _memo(memo, ("fit", id(slots), r, id(plans)), lambda: _fit_findings(slots, r, plans))
-    for text in findings:
-        col.warn("sglang_buffer_shape", f"LoRA adapter '{view.lora_id}': {text}", stage="first_use",
-                 adapter_id=view.lora_id, adapter_name=view.name)  # fmt: skip
-
-
 def _expert_warnings(view: AdapterView, slots: dict[int, dict[tuple[str, str], _Slot]], *,
                      experts_shared_outer: bool, base_config: Mapping[str, Any] | None, col: Collector,
                      memo: dict[Any, Any] | None = None) -> None:  # fmt: skip
@@ -275,8 +265,23 @@ def _expert_warnings(view: AdapterView, slots: dict[int, dict[tuple[str, str], _
                      adapter_name=view.name)  # fmt: skip
 
 
+def _hashable(value: Any) -> Any:
+    """`(type, value)` as a dict key, or None when `value` cannot be one."""
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (type(value), value)
+
+
 class _FirstUse:
-    """The checks SGLang makes when an adapter first enters a GPU slot, against one memory pool."""
+    """The checks SGLang makes when an adapter first enters a GPU slot, against one memory pool.
+
+    Adapters trained from one recipe load to the same normalized dicts (`load_adapter_weights` shares them), so
+    the replay is done once per (layers, embedding, r): that is everything it reads besides this pool and the
+    adapter id. The id appears only in messages, which are rebuilt per adapter; an adapter whose replay raises
+    is replayed again so that each problem gets its own exception object.
+    """
 
     def __init__(self, pool: _pool.Pool, tree: list[_pool.Module], targets: set[str], strict: bool,
                  shared_outer: bool) -> None:  # fmt: skip
@@ -284,18 +289,40 @@ class _FirstUse:
         self.pool, self.strict, self.shared_outer = pool, strict, shared_outer
         self.plans = _buffer_plans(pool, 2)
         self.modules, _embed, self.lm_head = _pool.lora_modules(tree, targets, layers)
+        # (id(layers), id(embedding), r) -> (layers, embedding, skipped, fails, fit findings); the dicts are held
+        # so that their ids stay theirs while the entry lives.
+        self._replays: dict[Any, tuple[Any, Any, list[str], bool, list[str]]] = {}
+
+    def _replay(self, uid: str, weights: LoadedWeights, r: Any) -> tuple[list[str], bool, list[str]]:
+        r_key = _hashable(r)
+        key = None if r_key is None else (id(weights.layers), id(weights.embedding), r_key)
+        hit = self._replays.get(key) if key is not None else None
+        if hit is not None:
+            return hit[2], hit[3], hit[4]
+        targets = self.pool.target_modules
+        skipped = _skipped_names(weights, targets)
+        error = first_use_error(uid, weights, r, self.pool, self.modules, self.lm_head, strict=self.strict,
+                                shared_outer=self.shared_outer)  # fmt: skip
+        fit: list[str] = []
+        if error is None and self.plans:
+            fit = _fit_findings(_classify(weights, targets), r if isinstance(r, int) else None, self.plans)
+        if key is not None:
+            self._replays[key] = (weights.layers, weights.embedding, skipped, error is not None, fit)
+        return skipped, error is not None, fit
 
     def check(self, view: AdapterView, config: _LoraConfig, weights: LoadedWeights, col: Collector) -> None:
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
-        skipped = _skipped_names(weights, self.pool.target_modules)
+        skipped, fails, fit = self._replay(view.lora_id, weights, config.r)
         if skipped and not self.strict:
             message = MSG_SKIPPED.format(uid=view.lora_id, n=len(skipped), targets=sorted(self.pool.target_modules),
                                          names=skipped)  # fmt: skip
             logger.warning(message)
             col.warn("sglang_skipped_weights", message, stage="first_use", **ids)
-        error = first_use_error(view.lora_id, weights, config.r, self.pool, self.modules, self.lm_head,
-                                strict=self.strict, shared_outer=self.shared_outer)  # fmt: skip
-        if error is not None:
+        if fails:
+            error = first_use_error(view.lora_id, weights, config.r, self.pool, self.modules, self.lm_head,
+                                    strict=self.strict, shared_outer=self.shared_outer)  # fmt: skip
+            assert error is not None
             col.fail("sglang_first_use", error, stage="first_use", **ids)
-        elif self.plans:  # SGLang accepts it; lorafast's own finding: a weight that does not match its buffer
-            _check_buffer_fit(view, config, self.plans, _classify(weights, self.pool.target_modules), col)
+        else:  # SGLang accepts it; lorafast's own finding: a weight that does not match its buffer
+            for text in fit:
+                col.warn("sglang_buffer_shape", f"LoRA adapter '{view.lora_id}': {text}", stage="first_use", **ids)
