@@ -202,45 +202,54 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
     let c = &r.class;
     let weight_file = r.target.weights.as_os_str().into_pyobject(py)?;
     let d = PyDict::new(py);
-    d.set_item("path", r.target.path.as_os_str())?;
-    d.set_item("weight_files", (&weight_file,))?;
-    d.set_item("config_path", r.target.config.as_ref().map(|p| p.as_os_str()))?;
-    d.set_item("config_json", &r.config_json)?;
-    d.set_item("format", c.format.name())?;
-    d.set_item("peft_type", &c.peft_type)?;
-    d.set_item("num_tensors", c.num_tensors)?;
-    d.set_item("dtypes", c.dtypes.iter().map(|t| t.name()).collect::<Vec<_>>())?;
-    d.set_item("layers", &c.layers)?;
-    d.set_item("base_model_name_or_path", &c.base_model)?;
-    d.set_item("target_modules", &c.target_modules)?;
-    d.set_item("rank", c.rank)?;
-    d.set_item("moe_layout", c.moe_layout.name())?;
-    d.set_item("num_experts", c.num_experts)?;
+    d.set_item(intern!(py, "path"), r.target.path.as_os_str())?;
+    d.set_item(intern!(py, "weight_files"), (&weight_file,))?;
+    d.set_item(
+        intern!(py, "config_path"),
+        r.target.config.as_ref().map(|p| p.as_os_str()),
+    )?;
+    d.set_item(intern!(py, "config_json"), &r.config_json)?;
+    d.set_item(intern!(py, "format"), c.format.name())?;
+    d.set_item(intern!(py, "peft_type"), &c.peft_type)?;
+    d.set_item(intern!(py, "num_tensors"), c.num_tensors)?;
+    d.set_item(
+        intern!(py, "dtypes"),
+        c.dtypes.iter().map(|t| t.name()).collect::<Vec<_>>(),
+    )?;
+    d.set_item(intern!(py, "layers"), &c.layers)?;
+    d.set_item(intern!(py, "base_model_name_or_path"), &c.base_model)?;
+    d.set_item(intern!(py, "target_modules"), &c.target_modules)?;
+    d.set_item(intern!(py, "rank"), c.rank)?;
+    d.set_item(intern!(py, "moe_layout"), c.moe_layout.name())?;
+    d.set_item(intern!(py, "num_experts"), c.num_experts)?;
     let names: Vec<&str> = flags::NAMES
         .iter()
         .enumerate()
         .filter(|(i, _)| c.flags & (1 << i) != 0)
         .map(|(_, n)| *n)
         .collect();
-    d.set_item("flags", names)?;
-    d.set_item("variants", c.variants.iter().map(|v| v.name()).collect::<Vec<_>>())?;
-    d.set_item("full_weight_tensors", &c.full_weight_tensors)?;
+    d.set_item(intern!(py, "flags"), names)?;
+    d.set_item(
+        intern!(py, "variants"),
+        c.variants.iter().map(|v| v.name()).collect::<Vec<_>>(),
+    )?;
+    d.set_item(intern!(py, "full_weight_tensors"), &c.full_weight_tensors)?;
     let problems: Vec<(&str, &str, Option<&str>)> = c
         .problems
         .iter()
         .map(|p| (p.code, p.message.as_str(), p.tensor.as_deref()))
         .collect();
-    d.set_item("problems", problems)?;
-    d.set_item("content_hash", &r.content_hash)?;
+    d.set_item(intern!(py, "problems"), problems)?;
+    d.set_item(intern!(py, "content_hash"), &r.content_hash)?;
     // In file order, so a report's JSON is the same text each time.
     let metadata = r
         .metadata
         .as_ref()
         .map(|m| pyo3::types::IntoPyDict::into_py_dict(m.iter().map(|(k, v)| (k, v)), py))
         .transpose()?;
-    d.set_item("metadata", metadata)?;
-    d.set_item("header_size", r.header_size)?;
-    d.set_item("file_size", r.file_size)?;
+    d.set_item(intern!(py, "metadata"), metadata)?;
+    d.set_item(intern!(py, "header_size"), r.header_size)?;
+    d.set_item(intern!(py, "file_size"), r.file_size)?;
     if !with_modules {
         return Ok(d);
     }
@@ -250,7 +259,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
         .iter()
         .map(|m| module_dict(py, m, &weight_file))
         .collect::<PyResult<_>>()?;
-    d.set_item("modules", modules)?;
+    d.set_item(intern!(py, "modules"), modules)?;
     Ok(d)
 }
 
@@ -316,6 +325,26 @@ fn inspect<'py>(
         }
     })?;
     adapter_dict(py, &result, true)
+}
+
+/// Bytes `start..end` of the object at a URL (clipped to its end) and the object's size, through the
+/// remote layer (same stores, retries and errors as scan): `read_base`'s headers and JSON files.
+#[pyfunction]
+#[pyo3(signature = (url, start, end, storage_options = None, timeout = None))]
+fn read_url_range<'py>(
+    py: Python<'py>,
+    url: String,
+    start: u64,
+    end: u64,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+) -> PyResult<(Bound<'py, PyBytes>, u64)> {
+    if end < start {
+        return Err(PyValueError::new_err(format!("end {end} is before start {start}")));
+    }
+    let ropts = remote_options(storage_options, timeout, None)?;
+    let (bytes, size) = detach_contained(py, Path::new(&url), || remote::read_range(&url, start..end, &ropts))?;
+    Ok((PyBytes::new(py, &bytes), size))
 }
 
 /// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
@@ -504,7 +533,7 @@ impl ScanResult {
                         })
                         .collect::<PyResult<Vec<_>>>()?,
                 };
-                d.set_item("modules", modules)?;
+                d.set_item(intern!(py, "modules"), modules)?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -1052,7 +1081,7 @@ mod _core {
     #[pymodule_export]
     use super::{
         _debug_panic_on, assemble, discover, discover_targets, inspect, inspect_many, map_file, read_header,
-        read_torch_header, scan, scan_targets, MappedFile, ScanResult,
+        read_torch_header, read_url_range, scan, scan_targets, MappedFile, ScanResult,
     };
 
     #[pymodule_init]
