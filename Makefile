@@ -86,6 +86,7 @@ fuzz-python: $(BIN)/python ## long pass of the Python fuzz harness (FUZZ_SECONDS
 bench: build-release ## benchmarks (ratios against baselines measured in the same run)
 	$(BIN)/python benches/bench_header.py
 	$(BIN)/python benches/bench_scan.py
+	$(BIN)/python benches/bench_report.py
 	$(BIN)/python benches/bench_preflight.py
 	$(BIN)/python benches/bench_merge.py
 
