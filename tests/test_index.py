@@ -221,3 +221,17 @@ def test_cli_scan_with_index(tmp_path, fleet):
     second = subprocess.run(cmd, capture_output=True, text=True)
     assert second.stdout == first.stdout
     assert "0 added, 0 changed, 0 removed, 0 read" in second.stderr
+
+
+def test_rows_of_another_build_are_read_again(tmp_path, monkeypatch):
+    from lorafast import index as index_mod
+
+    for i in range(3):
+        peft(tmp_path / "f" / f"a{i}", r=4)
+    index = lorafast.Index(tmp_path / "i.db")
+    assert index.scan([tmp_path / "f"]).reads == 3
+    assert index.scan([tmp_path / "f"]).reads == 0
+    monkeypatch.setattr(index_mod, "_build", lambda: ["another", "build", 0, 0])
+    again = index.scan([tmp_path / "f"])
+    assert (again.reads, len(again.changed)) == (3, 3)
+    same_report(again, lorafast.scan([tmp_path / "f"]))

@@ -1,7 +1,7 @@
 """`lorafast.Index`: a persistent scan index in SQLite, so a rescan reads only the adapters that changed.
 
 Each adapter row is stored with the signature of its files: `(size, mtime_ns, inode, device)` of the weights
-file and of `adapter_config.json`, and the options it was read with. A rescan walks the paths once (the same
+file and of `adapter_config.json`, the options it was read with and the lorafast build that read it. A rescan walks the paths once (the same
 discovery as `scan`), `stat`s each adapter's files, reads only those whose signature differs or that are new,
 and drops the rows of adapters that are gone. The report it returns equals a full `scan` of the same paths:
 unchanged rows come back as the scan stored them (`rust/store.rs`).
@@ -44,6 +44,19 @@ CREATE TABLE IF NOT EXISTS classes (id TEXT PRIMARY KEY, body BLOB NOT NULL);
 
 def _is_url(path: str) -> bool:
     return "://" in path
+
+
+def _build() -> list[Any]:
+    """Which lorafast classified a stored row: its version and the core library file's size and mtime. Rows of
+    another build are read again, since a new build may classify differently (or encode rows differently)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("lorafast")
+    except PackageNotFoundError:
+        v = "unknown"
+    st = os.stat(_core.__file__) if getattr(_core, "__file__", None) else None
+    return [v, _core.build_profile, st.st_size if st else 0, st.st_mtime_ns if st else 0]
 
 
 def _stat(path: str | None) -> list[int] | None:
@@ -119,7 +132,7 @@ class Index:
             raise ValueError("Index scans local paths only (the store listing gives no ETag or last-modified)")
         plist = [os.path.abspath(p) for p in plist]
         threads = _check_threads(threads)
-        options = {"content_hash": content_hash, "v": SCHEMA_VERSION}
+        options = {"content_hash": content_hash, "v": SCHEMA_VERSION, "build": _build()}
 
         # The walk: the same discovery a scan does.
         items = _core.discover_targets(plist, recursive, threads, None, None, None)
