@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._core import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
 from .errors import AdapterError, HeaderError, InternalError, LorafastError
+from .types import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
 
 __version__ = "0.1.0"
 

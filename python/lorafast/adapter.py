@@ -10,7 +10,10 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorafast.types import ModuleKind, ProblemCode
 
 
 class AdapterFormat(str, Enum):
@@ -63,7 +66,7 @@ _SGLANG_W_RENAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 class Problem:
     """One inconsistency found in an adapter. `code` is stable; `message` is for people."""
 
-    code: str
+    code: ProblemCode
     message: str
     tensor: str | None = None
 
@@ -79,7 +82,7 @@ class LoraModule:
 
     name: str
     key: str
-    kind: str  # linear | conv | embedding | expert_2d | stacked_3d | target_parameters | loha | lokr | ...
+    kind: ModuleKind  # one of `lorafast.types.MODULE_KINDS`
     leaf: str  # last name component, e.g. "q_proj" (for target_parameters: "gate_up_proj" / "down_proj")
     layer: int | None
     expert: int | None

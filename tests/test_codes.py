@@ -1,0 +1,80 @@
+"""One test per code list: the list the core exports, the `Literal` alias in `lorafast.types` and the list the
+documentation gives are the same set.
+
+The documented list is found by its anchor, the backquoted constant name (`lorafast.PROBLEM_CODES`,
+`lorafast.types.FLAGS`, ...), in README.md or any file under docs/: it is every backquoted name after the anchor
+up to the end of that sentence, bullet or paragraph.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, get_args
+
+import lorafast
+import pytest
+from lorafast import _core, types
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: constant name -> (the list the core exports, or None for a Python-owned list; the Literal alias)
+LISTS: dict[str, tuple[Any, Any]] = {
+    "HEADER_ERROR_CODES": (_core.HEADER_ERROR_CODES, types.HeaderErrorCode),
+    "ADAPTER_ERROR_CODES": (_core.ADAPTER_ERROR_CODES, types.AdapterErrorCode),
+    "TORCH_ERROR_CODES": (_core.TORCH_ERROR_CODES, types.TorchErrorCode),
+    "PROBLEM_CODES": (_core.PROBLEM_CODES, types.ProblemCode),
+    "FLAGS": (_core.FLAGS, types.Flag),
+    "MODULE_KINDS": (getattr(_core, "MODULE_KINDS", None), types.ModuleKind),
+    "MERGE_FORMS": (None, types.MergeForm),
+}
+
+
+def _documents() -> str:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    return "\n\n".join(f.read_text(encoding="utf-8") for f in files if f.is_file())
+
+
+def documented(name: str) -> set[str]:
+    """The backquoted names after the anchor `lorafast.NAME` or `lorafast.types.NAME`, to the end of its
+    sentence, bullet or paragraph (exception classes left out)."""
+    text = _documents()
+    found = re.search(rf"`lorafast\.(?:types\.)?{name}`", text)
+    assert found, f"no documentation names `lorafast.{name}` or `lorafast.types.{name}`"
+    rest = text[found.end() :]
+    end = re.search(r"\.\s|\n- |\n\n", rest)
+    names = re.findall(r"`([A-Za-z][A-Za-z0-9_]*)`", rest[: end.start() if end else len(rest)])
+    return {n for n in names if not n.endswith("Error")}  # "raised as `AdapterError`"
+
+
+@pytest.mark.parametrize("name", sorted(LISTS))
+def test_code_list_is_one_set(name: str) -> None:
+    core, alias = LISTS[name]
+    exported = getattr(types, name)
+    assert isinstance(exported, tuple)
+    assert len(set(exported)) == len(exported), f"{name} repeats a code"
+    assert set(exported) == set(get_args(alias)), f"{name} and its Literal differ"
+    if core is not None:
+        assert tuple(core) == exported, f"{name} is not the core's list, in order"
+    assert documented(name) == set(exported), f"the documented {name} differs"
+
+
+def test_top_level_tuples_are_the_types_tuples() -> None:
+    for name in ("HEADER_ERROR_CODES", "ADAPTER_ERROR_CODES", "TORCH_ERROR_CODES", "PROBLEM_CODES"):
+        assert getattr(lorafast, name) is getattr(types, name)
+
+
+def test_codes_seen_in_results_are_listed(tmp_path: Path) -> None:
+    """Every module kind and problem code the sample fleet produces is in its list."""
+    from lorafast.sample import write_samples
+
+    write_samples(str(tmp_path), 60)
+    report = lorafast.scan([str(tmp_path)])
+    kinds, problems, flags = set(), set(), set()
+    for adapter in report:
+        kinds |= {m.kind for m in adapter.modules}
+        problems |= {p.code for p in adapter.problems}
+        flags |= set(adapter.flags)
+    assert kinds and kinds <= set(types.MODULE_KINDS), kinds - set(types.MODULE_KINDS)
+    assert problems <= set(types.PROBLEM_CODES), problems - set(types.PROBLEM_CODES)
+    assert flags and flags <= set(types.FLAGS), flags - set(types.FLAGS)
