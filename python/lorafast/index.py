@@ -140,29 +140,51 @@ class Index:
         for p, sig, row, cls in self._db.execute("SELECT path, signature, row, class FROM adapters"):
             stored[bytes(p)] = (sig, bytes(row), cls)
 
-        slots: list[tuple[str, Any]] = []  # ("row", bytes) | ("read", index into `to_read`) | ("error", bytes)
+        # Signatures of everything the walk found.
+        found: list[tuple[Any, bytes, str]] = []
+        seen: set[bytes] = set()
+        for item in items:
+            key = os.fsencode(item[0])
+            signature = ""
+            if item[3] is None and item[1] is not None:
+                seen.add(key)
+                try:
+                    signature = json.dumps([item[1], _stat(item[1]), item[2], _stat(item[2]), options])
+                except OSError:
+                    signature = ""  # gone or unreadable since the walk: read it, and the read says why
+            found.append((item, key, signature))
+        gone = [p for p in stored if p not in seen and any(_under(os.fsdecode(p), root) for root in plist)]
+        # A renamed or moved adapter: its files (same inode, device, size and mtime) under a path that is new,
+        # while the stored row of the old path is gone. Its row is kept, with the new paths in it.
+        moved_from: dict[str, bytes] = {}
+        for p in gone:
+            sig, _, cls = stored[p]
+            if sig and cls is not None:
+                moved_from.setdefault(_content(sig), p)
+
+        slots: list[tuple[str, Any]] = []  # ("row", stored) | ("read", index into `to_read`) | ("item", item)
         to_read: list[tuple[str, str | None, str | None, str | None, str | None]] = []
         signatures: list[str] = []
-        seen: set[bytes] = set()
+        moved: list[tuple[bytes, str, bytes, str | None]] = []
         added: list[str] = []
         changed: list[str] = []
-        for item in items:
-            path, weights, config, code, message = item
-            key = os.fsencode(path)
+        for item, key, signature in found:
+            path, weights, config, code, _ = item
             if code is not None or weights is None:
                 # Failed discoveries are part of the walk: the same row every time, nothing to read.
                 slots.append(("item", item))
                 continue
-            seen.add(key)
-            try:
-                signature = json.dumps([weights, _stat(weights), config, _stat(config), options])
-            except OSError:
-                signature = ""  # gone or unreadable since the walk: read it, and the read says why
             old = stored.get(key)
             if old is not None and signature and old[0] == signature:
                 slots.append(("row", old))
                 continue
             (changed if old is not None else added).append(path)
+            origin = moved_from.get(_content(signature)) if old is None and signature else None
+            if origin is not None:
+                row = _moved_row(stored[origin][1], path, weights, config)
+                slots.append(("row", (signature, row, stored[origin][2])))
+                moved.append((key, signature, row, stored[origin][2]))
+                continue
             slots.append(("read", len(to_read)))
             to_read.append(item)
             signatures.append(signature)
@@ -183,15 +205,15 @@ class Index:
             _core.scan_targets(failed, threads, mode, False, False, None, None, None).encode()[0] if failed else []
         )
 
-        removed = sorted(
-            os.fsdecode(p) for p in stored if p not in seen and any(_under(os.fsdecode(p), root) for root in plist)
-        )
+        removed = sorted(os.fsdecode(p) for p in gone)
         self._write(
             [
                 (os.fsencode(item[0]), sig, fresh_rows[i], fresh_ids[i])
                 for i, (item, sig) in enumerate(zip(to_read, signatures, strict=True))
-            ],
-            fresh_classes,
+            ]
+            + moved,
+            # A moved row's classification is written again with it, in case another writer dropped it meanwhile.
+            {**fresh_classes, **self._classes({cls for *_, cls in moved if cls is not None})},
             [os.fsencode(p) for p in removed],
         )
 
@@ -259,6 +281,30 @@ class Index:
             db.execute("BEGIN IMMEDIATE")
             db.execute("DELETE FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)")
             db.execute("COMMIT")
+
+
+def _content(signature: str) -> str:
+    """A signature without its paths: what identifies the same files under another name."""
+    _, weights, _, config, options = json.loads(signature)
+    return json.dumps([weights, config, options])
+
+
+def _path_value(path: str | None) -> Any:
+    """A path as `rust/store.rs` writes it: a string when it is UTF-8, else its bytes."""
+    if path is None:
+        return None
+    try:
+        path.encode()
+        return path
+    except UnicodeEncodeError:
+        return list(os.fsencode(path))
+
+
+def _moved_row(row: bytes, path: str, weights: str | None, config: str | None) -> bytes:
+    """A stored row with the paths of the place its files moved to (nothing else in a row names a path)."""
+    fields = json.loads(row)
+    fields.update(path=_path_value(path), weights=_path_value(weights), config=_path_value(config))
+    return json.dumps(fields).encode()
 
 
 def _under(path: str, root: str) -> bool:
