@@ -3,7 +3,8 @@
 Each adapter row is stored with the signature of its files: `(size, mtime_ns, inode, device)` of the weights
 file and of `adapter_config.json`, the options it was read with and the lorafast build that read it. A rescan walks the paths once (the same
 discovery as `scan`), `stat`s each adapter's files, reads only those whose signature differs or that are new,
-and drops the rows of adapters that are gone. The report it returns equals a full `scan` of the same paths:
+and drops the rows of adapters that are gone. A renamed or moved adapter (its files' inode, device, size and
+mtime under a new path) keeps its row, unread. The report it returns equals a full `scan` of the same paths:
 unchanged rows come back as the scan stored them (`rust/store.rs`).
 
 The database is in WAL mode and each batch of updates is one transaction, so a process killed mid-update
