@@ -258,3 +258,10 @@ def test_moved_files_keep_their_rows_unread(tmp_path):
     assert sorted(report.added) == sorted([str(root / "other" / "a"), str(root / name)])
     same_report(report, lorafast.scan([root]))
     assert index.scan([root]).reads == 0
+
+
+def test_cli_index_refuses_urls(tmp_path):
+    cmd = [sys.executable, "-m", "lorafast", "scan", "--index", str(tmp_path / "i.db"), "s3://bucket/prefix/"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "--index scans local paths" in out.stderr and "Traceback" not in out.stderr

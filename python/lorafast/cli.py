@@ -39,8 +39,11 @@ def cmd_scan(args: argparse.Namespace) -> int:
     storage = dict(args.storage_option) or None
     report: ScanReport
     if args.index:
-        from .index import Index
+        from .index import Index, _is_url
 
+        if any(_is_url(p) for p in args.paths) or args.backend != "local":
+            print("lorafast scan: error: --index scans local paths, with the local backend", file=sys.stderr)
+            return 2
         with Index(args.index) as index:
             report = index.scan(args.paths, recursive=not args.no_recursive, threads=args.threads,
                                 progress=progress, content_hash=args.hash)  # fmt: skip
