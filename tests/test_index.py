@@ -265,3 +265,18 @@ def test_cli_index_refuses_urls(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 2
     assert "--index scans local paths" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_damaged_row_is_read_again(tmp_path):
+    for i in range(3):
+        peft(tmp_path / "f" / f"a{i}", r=4)
+    db = tmp_path / "i.db"
+    lorafast.Index(db).scan([tmp_path / "f"])
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("UPDATE adapters SET row = ? WHERE path = ?", (b"{not json", os.fsencode(tmp_path / "f" / "a1")))
+        con.execute("DELETE FROM classes")  # every classification gone
+        con.commit()
+    report = lorafast.Index(db).scan([tmp_path / "f"])
+    assert report.reads == 3
+    same_report(report, lorafast.scan([tmp_path / "f"]))
+    assert lorafast.Index(db).scan([tmp_path / "f"]).reads == 0

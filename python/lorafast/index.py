@@ -67,6 +67,10 @@ def _stat(path: str | None) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
 
 
+class _Unreadable(Exception):
+    """A stored row or classification that does not decode."""
+
+
 class IndexScanReport(ScanReport):
     """A `ScanReport` (equal to a full scan's) that also says what changed since the index last saw the paths:
     `added`, `changed` and `removed` adapter paths, and `reads`, the number of adapters read from disk."""
@@ -133,6 +137,25 @@ class Index:
             raise ValueError("Index scans local paths only (the store listing gives no ETag or last-modified)")
         plist = [os.path.abspath(p) for p in plist]
         threads = _check_threads(threads)
+        args = (plist, recursive, threads, progress, content_hash, mode)
+        try:
+            return self._scan(*args, trust=True)
+        except _Unreadable:
+            # A stored row or classification that does not decode (a damaged file, a foreign writer): read
+            # everything under these paths again, and overwrite what was stored.
+            return self._scan(*args, trust=False)
+
+    def _scan(
+        self,
+        plist: list[str],
+        recursive: bool,
+        threads: int | None,
+        progress: bool | None,
+        content_hash: bool,
+        mode: str,
+        *,
+        trust: bool,
+    ) -> IndexScanReport:
         options = {"content_hash": content_hash, "v": SCHEMA_VERSION, "build": _build()}
 
         # The walk: the same discovery a scan does.
@@ -176,11 +199,11 @@ class Index:
                 slots.append(("item", item))
                 continue
             old = stored.get(key)
-            if old is not None and signature and old[0] == signature:
+            if trust and old is not None and signature and old[0] == signature:
                 slots.append(("row", old))
                 continue
             (changed if old is not None else added).append(path)
-            origin = moved_from.get(_content(signature)) if old is None and signature else None
+            origin = moved_from.get(_content(signature)) if trust and old is None and signature else None
             if origin is not None:
                 row = _moved_row(stored[origin][1], path, weights, config)
                 slots.append(("row", (signature, row, stored[origin][2])))
@@ -235,8 +258,12 @@ class Index:
             else:
                 rows.append(next(failed_iter))
                 class_ids.append(None)
-        classes.update(self._classes(need))
-        report = IndexScanReport(_core.assemble(rows, class_ids, classes))
+        try:
+            classes.update(self._classes(need))
+            result = _core.assemble(rows, class_ids, classes)
+        except (ValueError, RuntimeError) as e:
+            raise _Unreadable(str(e)) from e
+        report = IndexScanReport(result)
         report.added, report.changed, report.removed, report.reads = added, changed, removed, len(to_read)
         return report
 
