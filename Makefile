@@ -54,15 +54,19 @@ format: ## rustfmt + ruff format
 	$(BIN)/ruff check --fix python tests benches
 
 .PHONY: lint
-lint: ## rustfmt check, clippy -D warnings, ruff, mypy
+lint: ## rustfmt check, clippy -D warnings over every feature set, ruff, mypy, stubtest of _core.pyi
 	cargo fmt --check
 	cargo clippy --no-default-features --all-targets -- -D warnings
+	cargo clippy --no-default-features --features remote --all-targets -- -D warnings
+	cargo clippy --features python,remote --all-targets -- -D warnings
 	$(BIN)/ruff check python tests benches
 	$(BIN)/mypy python/lorafast --ignore-missing-imports
+	$(BIN)/python -m mypy.stubtest lorafast._core
 
 .PHONY: test-rust
-test-rust: ## cargo tests (pure core, no libpython)
+test-rust: ## cargo tests (pure core, no libpython): without features, then with the remote one
 	cargo test --no-default-features
+	cargo test --no-default-features --features remote
 
 .PHONY: test-python
 test-python: ## pytest against the installed build
