@@ -2,6 +2,7 @@
 //! exception tree of `lorafast.errors`. All I/O and parsing run with the GIL released.
 
 use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use numpy::ndarray::ArrayView1;
@@ -551,6 +552,23 @@ impl ScanResult {
         PyList::new(py, items)
     }
 
+    /// The summary records of `records` (without `config_json`) as the JSON text `json.dumps` gives
+    /// for their list, less its brackets: `to_json`'s adapters without a Python object per row.
+    fn records_json(&self, py: Python<'_>, start: usize, stop: usize) -> String {
+        let stop = stop.min(self.rows.len());
+        let rows = &self.rows[start.min(stop)..stop];
+        py.detach(|| {
+            let mut out = String::new();
+            for a in rows.iter().filter_map(|r| r.as_ref().ok()) {
+                if !out.is_empty() {
+                    out.push_str(", ");
+                }
+                record_json(&mut out, a);
+            }
+            out
+        })
+    }
+
     /// The adapter table's columns, one row per adapter: numpy arrays; `(values, valid)` pairs for
     /// nullable numbers; `(codes, dictionary)` pairs for repeated strings (code -1: null); lists of
     /// `str` for unique strings.
@@ -722,6 +740,131 @@ impl ScanResult {
             .collect();
         (names, rows)
     }
+}
+
+/// `s` as Python's `json.dumps` writes a str (ensure_ascii): `bytes` that are not UTF-8 stand for
+/// the lone surrogates `os.fsdecode` makes of them (U+DC80 + byte).
+fn json_str_bytes(out: &mut String, bytes: &[u8]) {
+    use std::fmt::Write;
+    out.push('"');
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                ' '..='~' => out.push(c),
+                _ => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        let _ = write!(out, "\\u{u:04x}");
+                    }
+                }
+            }
+        }
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\u{:04x}", 0xdc00 + u16::from(*b));
+        }
+    }
+    out.push('"');
+}
+
+fn json_str(out: &mut String, s: &str) {
+    json_str_bytes(out, s.as_bytes());
+}
+
+fn json_opt_str(out: &mut String, s: Option<&str>) {
+    match s {
+        Some(s) => json_str(out, s),
+        None => out.push_str("null"),
+    }
+}
+
+fn json_list<T>(out: &mut String, items: impl IntoIterator<Item = T>, mut each: impl FnMut(&mut String, T)) {
+    out.push('[');
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        each(out, item);
+    }
+    out.push(']');
+}
+
+/// One record of `ScanResult.records` (less `config_json`), as `json.dumps` writes its dict.
+fn record_json(out: &mut String, r: &AdapterResult) {
+    use std::fmt::Write;
+    let c = &r.class;
+    let path = |out: &mut String, p: &Path| json_str_bytes(out, p.as_os_str().as_bytes());
+    out.push_str("{\"path\": ");
+    path(out, &r.target.path);
+    out.push_str(", \"weight_files\": [");
+    path(out, &r.target.weights);
+    out.push_str("], \"config_path\": ");
+    match &r.target.config {
+        Some(p) => path(out, p),
+        None => out.push_str("null"),
+    }
+    out.push_str(", \"format\": ");
+    json_str(out, c.format.name());
+    out.push_str(", \"peft_type\": ");
+    json_opt_str(out, c.peft_type.as_deref());
+    let _ = write!(out, ", \"num_tensors\": {}, \"dtypes\": ", c.num_tensors);
+    json_list(out, &c.dtypes, |o, d| json_str(o, d.name()));
+    out.push_str(", \"layers\": ");
+    json_list(out, &c.layers, |o, l| {
+        let _ = write!(o, "{l}");
+    });
+    out.push_str(", \"base_model_name_or_path\": ");
+    json_opt_str(out, c.base_model.as_deref());
+    out.push_str(", \"target_modules\": ");
+    json_list(out, &c.target_modules, |o, t| json_str(o, t));
+    let _ = write!(out, ", \"rank\": {}, \"moe_layout\": ", c.rank);
+    json_str(out, c.moe_layout.name());
+    let _ = write!(out, ", \"num_experts\": {}, \"flags\": ", c.num_experts);
+    let set = flags::NAMES.iter().enumerate().filter(|(i, _)| c.flags & (1 << i) != 0);
+    json_list(out, set, |o, (_, n)| json_str(o, n));
+    out.push_str(", \"variants\": ");
+    json_list(out, &c.variants, |o, v| json_str(o, v.name()));
+    out.push_str(", \"full_weight_tensors\": ");
+    json_list(out, &c.full_weight_tensors, |o, t| json_str(o, t));
+    out.push_str(", \"problems\": ");
+    json_list(out, &c.problems, |o, p| {
+        o.push('[');
+        json_str(o, p.code);
+        o.push_str(", ");
+        json_str(o, &p.message);
+        o.push_str(", ");
+        json_opt_str(o, p.tensor.as_deref());
+        o.push(']');
+    });
+    out.push_str(", \"content_hash\": ");
+    json_opt_str(out, r.content_hash.as_deref());
+    out.push_str(", \"metadata\": ");
+    match &r.metadata {
+        None => out.push_str("null"),
+        Some(m) => {
+            out.push('{');
+            for (i, (k, v)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                json_str(out, k);
+                out.push_str(": ");
+                json_str(out, v);
+            }
+            out.push('}');
+        }
+    }
+    let _ = write!(
+        out,
+        ", \"header_size\": {}, \"file_size\": {}}}",
+        r.header_size, r.file_size
+    );
 }
 
 /// A string column as dictionary codes: each distinct string once, a code per row (-1: null).

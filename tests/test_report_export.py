@@ -239,3 +239,18 @@ def test_empty_tables(tmp_path):
     assert len(report.to_pandas("modules")) == 0
     with pytest.raises(ValueError, match="table must be"):
         report.to_arrow("nope")  # type: ignore[arg-type]
+
+
+def test_json_text_of_odd_strings(tmp_path):
+    """The core writes the records' JSON itself: every escape `json.dumps` makes (quotes, backslashes, control
+    characters, DEL, non-ASCII, characters past U+FFFF, lone surrogates of non-UTF-8 names) must come out the same."""
+    odd = 'q"b\\s\n\r\t\b\f\x01\x1f\x7f é ☃ 🎉 \u2028'
+    tensors = {"lora_unet_x.lora_down.weight": ("F16", (4, 8)), "lora_unet_x.lora_up.weight": ("F16", (8, 4))}
+    for i, name in enumerate(["plain", "ünï☃de 🎉", os.fsdecode(b"raw-\xff\xfe")]):
+        write_safetensors(str(tmp_path / f"{name}.safetensors"), tensors, metadata={odd: odd + str(i), "k": "v"})
+    peft(tmp_path / "peft 🎉", r=4)
+    (tmp_path / "bad\x7f.safetensors").write_bytes(b"\x01")
+    report = lorafast.scan([tmp_path])
+    assert len(report) == 5 and len(report.errors) == 1
+    for indent in (None, 2):
+        assert report.to_json(indent=indent) == reference_json(report, indent, True)

@@ -1,8 +1,34 @@
 """Type stubs for the compiled core (rust/py.rs). Use the typed wrappers in `lorafast` instead."""
 
-from typing import Any
+from typing import Any, final
 
 import numpy as np
+
+__all__ = [
+    "ADAPTER_ERROR_CODES",
+    "DTYPES",
+    "FLAGS",
+    "FORMATS",
+    "HEADER_ERROR_CODES",
+    "MOE_LAYOUTS",
+    "PROBLEM_CODES",
+    "TORCH_ERROR_CODES",
+    "MappedFile",
+    "ScanResult",
+    "_debug_panic_on",
+    "assemble",
+    "build_profile",
+    "discover",
+    "discover_targets",
+    "inspect",
+    "inspect_many",
+    "map_file",
+    "read_header",
+    "read_torch_header",
+    "read_url_range",
+    "scan",
+    "scan_targets",
+]
 
 HEADER_ERROR_CODES: list[str]
 #: Every code an adapter's `problems` can carry, in documentation order (rust/classify.rs).
@@ -18,15 +44,20 @@ build_profile: str
 def read_header(path: str, mode: str = "pread") -> dict[str, Any]: ...
 def read_torch_header(path: str) -> dict[str, Any]: ...
 
-StorageOptions = list[tuple[str, str]] | None
+_StorageOptions = list[tuple[str, str]] | None
+
+def read_url_range(
+    url: str, start: int, end: int, storage_options: _StorageOptions = None, timeout: float | None = None
+) -> tuple[bytes, int]: ...
+
 #: (path, weights, config, error code, error message) of one discovered adapter.
-TargetItem = tuple[str, str | None, str | None, str | None, str | None]
+_TargetItem = tuple[str, str | None, str | None, str | None, str | None]
 
 def inspect(
     path: str,
     mode: str = "pread",
     content_hash: bool = False,
-    storage_options: StorageOptions = None,
+    storage_options: _StorageOptions = None,
     timeout: float | None = None,
 ) -> dict[str, Any]: ...
 def inspect_many(
@@ -34,7 +65,7 @@ def inspect_many(
     mode: str = "pread",
     content_hash: bool = False,
     threads: int | None = None,
-    storage_options: StorageOptions = None,
+    storage_options: _StorageOptions = None,
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> list[dict[str, Any] | Exception]: ...
@@ -45,7 +76,7 @@ def scan(
     mode: str = "pread",
     content_hash: bool = False,
     progress: bool = False,
-    storage_options: StorageOptions = None,
+    storage_options: _StorageOptions = None,
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> ScanResult: ...
@@ -57,22 +88,23 @@ def discover_targets(
     paths: list[str],
     recursive: bool = True,
     threads: int | None = None,
-    storage_options: StorageOptions = None,
+    storage_options: _StorageOptions = None,
     timeout: float | None = None,
     concurrency: int | None = None,
-) -> list[TargetItem]: ...
+) -> list[_TargetItem]: ...
 def scan_targets(
-    items: list[TargetItem],
+    items: list[_TargetItem],
     threads: int | None = None,
     mode: str = "pread",
     content_hash: bool = False,
     progress: bool = False,
-    storage_options: StorageOptions = None,
+    storage_options: _StorageOptions = None,
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> ScanResult: ...
 def map_file(path: str) -> MappedFile: ...
 
+@final
 class ScanResult:
     def __len__(self) -> int: ...
     def paths(self) -> list[str]: ...
@@ -82,6 +114,7 @@ class ScanResult:
     def target_modules(self) -> tuple[list[str], list[list[int]]]: ...
     def adapters(self, start: int, stop: int) -> list[dict[str, Any]]: ...
     def records(self, start: int, stop: int) -> list[dict[str, Any]]: ...
+    def records_json(self, start: int, stop: int) -> str: ...
     # Columns: numpy arrays, (values, valid) pairs, (codes, names) pairs or lists of str.
     def table(self) -> dict[str, Any]: ...
     def module_table(self) -> dict[str, Any]: ...
@@ -89,6 +122,7 @@ class ScanResult:
 
 def assemble(rows: list[bytes], class_ids: list[str | None], classes: dict[str, bytes]) -> ScanResult: ...
 
+@final
 class MappedFile:
     data_start: int
     file_size: int

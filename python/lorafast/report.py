@@ -200,6 +200,20 @@ def _records(report: ScanReport) -> Iterator[list[dict[str, Any]]]:
             yield batch
 
 
+def _records_text(report: ScanReport) -> Iterator[str]:
+    """The compact JSON of the records, a batch at a time: written by the core when it can (the text `json.dumps`
+    gives, without a Python object per row), else by `json.dumps`."""
+    result = report._result
+    if not hasattr(result, "records_json"):  # a merged distributed result
+        for batch in _records(report):
+            yield json.dumps(batch)[1:-1]
+        return
+    for start in range(0, len(report), JSON_BATCH):
+        text = result.records_json(start, start + JSON_BATCH)
+        if text:
+            yield text
+
+
 def write_json(report: ScanReport, write: Callable[[str], Any], indent: int | str | None, records: bool) -> None:
     """Writes exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)`, the adapters a batch at a
     time, so the whole text is never held."""
@@ -209,8 +223,7 @@ def write_json(report: ScanReport, write: Callable[[str], Any], indent: int | st
         if records:
             write(', "adapters": [')
             first = True
-            for batch in _records(report):
-                text = json.dumps(batch)[1:-1]
+            for text in _records_text(report):
                 write(text if first else ", " + text)
                 first = False
             write("]")
