@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from lorafast.compat import AdapterView, LoraRef, lora_id
 from lorafast.compat import sglang as sg
-from lorafast.testing import write_safetensors
+from lorafast.testing import write_peft_adapter, write_safetensors
 
 P = "base_model.model.model.layers."
 MIXED = (
@@ -25,14 +25,7 @@ MIXED = (
 
 def peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], **config: Any) -> str:
     """A PEFT folder with zero-filled BF16 tensors and an adapter_config.json (None values are left out)."""
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    write_safetensors(folder / "adapter_model.safetensors", {k: ("BF16", s) for k, s in tensors.items()})
-    cfg: dict[str, Any] = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-    cfg.update(config)
-    cfg = {k: v for k, v in cfg.items() if v is not None}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    return write_peft_adapter(root / name, tensors, **config)
 
 
 def view(tensors: dict[str, tuple[int, ...]], name: str = "a", **config: Any) -> AdapterView:

@@ -10,18 +10,13 @@ import pytest
 from lorafast import AdapterError
 from lorafast.compat import AdapterView
 from lorafast.compat import vllm as vl
-from lorafast.testing import write_safetensors
+from lorafast.testing import write_peft_adapter
 
 P = "base_model.model.model.layers.0."
 
 
 def peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], **config: Any) -> str:
-    folder = root / name
-    folder.mkdir(parents=True)
-    write_safetensors(folder / "adapter_model.safetensors", {k: ("BF16", s) for k, s in tensors.items()})
-    cfg = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], **config}
-    (folder / "adapter_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
-    return str(folder)
+    return write_peft_adapter(root / name, tensors, **{"r": 8, "lora_alpha": 16, **config})
 
 
 ATTN = {

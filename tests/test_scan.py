@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from lorafast.cli import main as cli_main
 from lorafast.scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK
-from lorafast.testing import write_raw, write_safetensors
+from lorafast.testing import write_peft_adapter, write_raw, write_safetensors
 
 
 def peft(dir_, r=8, layers=2, modules=("q_proj", "v_proj"), config=None, extra=None, dtype="BF16"):
-    os.makedirs(dir_, exist_ok=True)
+    """A PEFT adapter of attention modules `modules` on `layers` layers, rank `r` (alpha 2r)."""
     tensors = {}
     for layer in range(layers):
         for m in modules:
@@ -24,12 +24,8 @@ def peft(dir_, r=8, layers=2, modules=("q_proj", "v_proj"), config=None, extra=N
             tensors[f"{key}.lora_A.weight"] = (dtype, (r, 32))
             tensors[f"{key}.lora_B.weight"] = (dtype, (32, r))
     tensors.update(extra or {})
-    write_safetensors(os.path.join(dir_, "adapter_model.safetensors"), tensors)
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(modules)}
-    cfg.update(config or {})
-    with open(os.path.join(dir_, "adapter_config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dir_)
+    cfg = {"r": r, "lora_alpha": 2 * r, "target_modules": list(modules), **(config or {})}
+    return write_peft_adapter(dir_, tensors, **cfg)
 
 
 @pytest.fixture

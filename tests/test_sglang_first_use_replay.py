@@ -3,13 +3,12 @@ their own problems (their own ids in the texts, their own exception objects), as
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lorafast.compat import sglang as sg
-from lorafast.testing import write_safetensors
+from lorafast.testing import write_peft_adapter
 
 P = "base_model.model.model.layers."
 BASE = {
@@ -20,12 +19,7 @@ BASE = {
 
 
 def _peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], targets: list[str]) -> str:
-    folder = root / name
-    folder.mkdir()
-    write_safetensors(folder / "adapter_model.safetensors", {k: ("BF16", s) for k, s in tensors.items()})
-    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": targets}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    return write_peft_adapter(root / name, tensors, target_modules=targets)
 
 
 def _attn() -> dict[str, tuple[int, ...]]:

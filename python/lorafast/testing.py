@@ -2,7 +2,8 @@
 
 `write_safetensors(path, tensors)` writes a valid file. `tensors` maps a name to a numpy array, or to
 a `(dtype, shape)` pair when only the header matters: the data section is then zero-filled, which is
-what header-only tests need and keeps sample adapters cheap to write.
+what header-only tests need and keeps sample adapters cheap to write. `write_peft_adapter(folder, tensors,
+**config)` writes a PEFT folder (weights and `adapter_config.json`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,35 @@ def write_safetensors(
                     f.write(b"\0")
             else:
                 f.write(chunk)
+
+
+#: The `adapter_config.json` `write_peft_adapter` starts from.
+PEFT_CONFIG_DEFAULTS: dict[str, Any] = {
+    "peft_type": "LORA",
+    "r": 4,
+    "lora_alpha": 8,
+    "target_modules": ["q_proj", "v_proj"],
+}
+
+
+def write_peft_adapter(
+    folder: str | os.PathLike[str], tensors: Mapping[str, TensorSpec | Sequence[int]], **config: Any
+) -> str:
+    """Write a PEFT adapter folder: `adapter_model.safetensors` and `adapter_config.json`; return the folder.
+
+    `tensors` maps a name to what `write_safetensors` takes, or to a bare shape (a tuple of ints: zero-filled
+    BF16). `config` updates `PEFT_CONFIG_DEFAULTS`; a None value leaves that key out. Parent folders are made.
+    """
+    os.makedirs(folder, exist_ok=True)
+    specs: dict[str, TensorSpec] = {}
+    for name, spec in tensors.items():
+        is_shape = isinstance(spec, tuple) and not (spec and isinstance(spec[0], str))
+        specs[name] = ("BF16", spec) if is_shape else spec
+    write_safetensors(os.path.join(folder, "adapter_model.safetensors"), specs)
+    cfg = {k: v for k, v in {**PEFT_CONFIG_DEFAULTS, **config}.items() if v is not None}
+    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return os.fspath(folder)
 
 
 def write_raw(path: str | os.PathLike[str], header: bytes, data_len: int = 0, n: int | None = None) -> None:
