@@ -606,12 +606,22 @@ class _Tiny(torch.nn.Module):
         self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"q_proj": torch.nn.Linear(HIDDEN, HIDDEN)})])
 
 
-def test_module_prefixes_are_matched(tmp_path: Path) -> None:
-    # adapter made on a CausalLM ("model.layers.0.q_proj"), merged into the inner model ("layers.0.q_proj")
+def test_module_prefixes_are_matched_only_when_allowed(tmp_path: Path) -> None:
+    # adapter made on a CausalLM ("model.layers.0.q_proj"), merged into the inner model ("layers.0.q_proj"):
+    # no weight has the adapter's exact path, so it is refused unless allow_prefix=True, as check reports it
     inner = _Tiny().to(torch.bfloat16)
     f = {"model.layers.0.q_proj": (torch.randn(2, HIDDEN), torch.randn(HIDDEN, 2))}
     before = inner.layers[0]["q_proj"].weight.detach().clone()
-    h = merge(inner, [(write_peft(tmp_path / "a", f, r=2, alpha=2), 1.0)])
+    path = write_peft(tmp_path / "a", f, r=2, alpha=2)
+    with pytest.raises(MergeError) as err:
+        merge(inner, [(path, 1.0)])
+    assert err.value.code == "prefix_only" and err.value.module == "model.layers.0.q_proj"
+    assert "'layers.0.q_proj.weight'" in str(err.value) and "start with 'model.' where the base has no prefix" in str(
+        err.value
+    )
+    assert same_bits(inner.layers[0]["q_proj"].weight.detach(), before)
+    h = merge(inner, [(path, 1.0)], allow_prefix=True)
+    assert h.prefixes == [{"adapter": "a", "adapter_prefix": "model", "base_prefix": "", "modules": 1}]
     assert [t.name for t in h.targets] == ["layers.0.q_proj.weight"]
     assert not same_bits(inner.layers[0]["q_proj"].weight.detach(), before)
     assert inner.layers[0]["q_proj"].weight.requires_grad  # still a trainable Parameter

@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any, cast
 from . import _core
 from .adapter import Adapter, LoraModule
 from .base import BaseModel, read_base
-from .merging.targets import WeightSpec, _plan_linear, _plan_stacked, _plan_target_parameters, stack_shape
+from .merging.targets import (
+    NameMatch,
+    NameTable,
+    WeightSpec,
+    _plan_linear,
+    _plan_stacked,
+    _plan_target_parameters,
+    is_kohya,
+    stack_shape,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -126,10 +135,8 @@ class _BaseIndex:
         self._renamed = {c: {n for n, w in m.weights.items() if id(w) in {id(v) for v in m.loaded_weights.values()}}
                          for c, m in models.items()}  # fmt: skip
         self.denoiser = next((c for c in _DENOISERS if c in self.comps), None)
-        self._flat: dict[str | None, dict[str, list[str]]] = {}
-        self._tails: dict[str | None, dict[str, list[str]]] = {}
+        self._tables: dict[str | None, NameTable] = {}
         self.cache: dict[Any, ModuleCheck] = {}
-        self.hints: dict[tuple[str | None, str, bool], tuple[str, str] | None] = {}
 
     def route(self, key: str) -> tuple[str | None, str, bool, str | None]:
         """(component, path inside it, kohya form, missing component) for an adapter module key."""
@@ -137,6 +144,7 @@ class _BaseIndex:
             if key.startswith(p):
                 key = key[len(p) :]
                 break
+        whole = key
         comp: str | None = None
         kohya = False
         for p, c in _KOHYA_KEYS:
@@ -149,8 +157,9 @@ class _BaseIndex:
                     key, comp = key[len(p) :], c
                     break
         if None in self.comps:
-            # a single model: it is the pipeline's denoiser (or the text encoder checkpoint it was given as)
-            return None, key, kohya, None
+            # a single model: it is the pipeline's denoiser (or the text encoder checkpoint it was given as); the
+            # name rule tries the key with and without its component prefix
+            return None, whole, kohya, None
         if comp is None:
             comp = self.denoiser
             if comp is None:
@@ -159,27 +168,12 @@ class _BaseIndex:
             return None, key, kohya, comp
         return comp, key, kohya, None
 
-    def flat(self, comp: str | None) -> dict[str, list[str]]:
-        table = self._flat.get(comp)
+    def table(self, comp: str | None) -> NameTable:
+        """The name rule `merge` uses (`merging.targets.NameTable`) on one component's weights. Stored names that
+        transformers renames on load match exactly but are never offered as a prefix-only match."""
+        table = self._tables.get(comp)
         if table is None:
-            table = {}
-            for n in self.comps[comp]:
-                if n.endswith(".weight"):
-                    table.setdefault(n[:-7].replace(".", "_"), []).append(n)
-            self._flat[comp] = table
-        return table
-
-    def tails(self, comp: str | None) -> dict[str, list[str]]:
-        """Weight names by their last four components (`N.self_attn.q_proj.weight`): where to look for a name
-        under another prefix."""
-        table = self._tails.get(comp)
-        if table is None:
-            table = {}
-            hidden = self._renamed.get(comp, set())
-            for n in self.comps[comp]:
-                if n not in hidden:
-                    table.setdefault(".".join(n.rsplit(".", 4)[-4:]), []).append(n)
-            self._tails[comp] = table
+            table = self._tables[comp] = NameTable(self.comps[comp], self._renamed.get(comp, set()))
         return table
 
 
@@ -230,68 +224,30 @@ def _fit(m: LoraModule, shape: tuple[int, ...], fifo: bool) -> str | None:
     return None if form is not None else why
 
 
-def _lookup(index: _BaseIndex, comp: str | None, path: str, m: LoraModule, kohya: bool) -> str | None:
+def _lookup(index: _BaseIndex, comp: str | None, path: str, m: LoraModule, kohya: bool) -> NameMatch:
+    """The module's weight by `merge`'s name rule: an exact match, else the prefix-only match merge refuses."""
     weights = index.comps[comp]
-    if kohya:
-        hits = index.flat(comp).get(path, [])
-        return hits[0] if len(hits) == 1 else None
     if m.kind == "target_parameters":
         owner = re.sub(r"\.base_layer\b", "", path)
         for cand in (owner, f"{owner}.{m.leaf}"):
             w = weights.get(cand)
             if w is not None and w.shape is not None and len(w.shape) == 3:
-                return cand
-        return None
-    name = path + ".weight"
-    if name in weights:
-        return name
-    if m.kind == "stacked_3d" and path in weights:
-        return path  # a fused expert parameter (`experts.gate_up_proj`)
-    return None
-
-
-def _prefix_hint(index: _BaseIndex, comp: str | None, path: str, kohya: bool) -> tuple[str, str] | None:
-    """(weight, hint) when the module exists only under another prefix, else None."""
-    if kohya:
-        flat = index.flat(comp)
-        hits = [k for k in flat if k.endswith("_" + path)]
-        if len(hits) == 1:
-            return flat[hits[0]][0], f"found only as {flat[hits[0]][0]!r}"
-        return None
-    name = path + ".weight"
-    cands = index.tails(comp).get(".".join(name.rsplit(".", 4)[-4:]), [])
-    best: list[str] = []
-    best_len = 0
-    parts = name.split(".")
-    for c in cands:
-        cp = c.split(".")
-        k = 0
-        while k < min(len(cp), len(parts)) and cp[-1 - k] == parts[-1 - k]:
-            k += 1
-        if k > best_len:
-            best, best_len = [c], k
-        elif k == best_len:
-            best.append(c)
-    # the whole module path below its model prefix must agree (at least `layers.N.<block>.<leaf>.weight`)
-    if len(best) != 1 or best_len < min(4, len(parts)):
-        return None
-    weight = best[0]
-    cp = weight.split(".")
-    ours = ".".join(parts[: len(parts) - best_len])
-    theirs = ".".join(cp[: len(cp) - best_len])
-    ours_s = f"'{ours}.'" if ours else "no prefix"
-    theirs_s = f"'{theirs}.'" if theirs else "no prefix"
-    return weight, (
-        f"the base names this weight {weight!r}: the adapter's paths start with {ours_s} where the base has "
-        f"{theirs_s}; rename the adapter's keys to match"
-    )
+                return NameMatch(cand)
+        return NameMatch()
+    table = index.table(comp)
+    hit = table.match(path, ".weight", kohya)
+    if hit.weight is None and m.kind == "stacked_3d":
+        fused = table.match(path, "", kohya)  # a fused expert parameter (`experts.gate_up_proj`)
+        if fused.weight is not None:
+            return fused
+    return hit
 
 
 def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
     key = (m.key, m.kind, m.a_shape, m.b_shape, m.in_features, m.out_features, fifo)
-    hit = index.cache.get(key)
-    if hit is not None:
-        return hit
+    cached = index.cache.get(key)
+    if cached is not None:
+        return cached
     comp, path, kohya, absent = index.route(m.key)
     expected = _expected(m)
     if absent is not None:
@@ -299,19 +255,18 @@ def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
         res = ModuleCheck(m.key, "no_component", None, expected, None,
                           f"the base has no {absent} component (it has {', '.join(have) or 'none'})")  # fmt: skip
     else:
-        weight = _lookup(index, comp, path, m, kohya)
+        hit = _lookup(index, comp, path, m, kohya or is_kohya(m.key))
+        weight = hit.weight
 
         def qual(w: str) -> str:
             return w if comp is None else f"{comp}.{w}"
 
         if weight is None:
-            hkey = (comp, path, kohya)
-            if hkey not in index.hints:
-                index.hints[hkey] = _prefix_hint(index, comp, path, kohya)
-            found = index.hints[hkey]
-            if found is not None:
-                w = index.comps[comp][found[0]]
-                res = ModuleCheck(m.key, "prefix_only", qual(found[0]), expected, w.shape, found[1])
+            if hit.prefixed is not None:
+                w = index.comps[comp][hit.prefixed]
+                hint = f"the base names this weight {hit.prefixed!r}: {hit.prefix_hint}; rename the adapter's " \
+                       "keys to match (merge takes it only with allow_prefix=True)"  # fmt: skip
+                res = ModuleCheck(m.key, "prefix_only", qual(hit.prefixed), expected, w.shape, hint)
             else:
                 res = ModuleCheck(m.key, "missing", None, expected, None, None)
         else:

@@ -78,7 +78,14 @@ def _run(args: argparse.Namespace) -> int:
     bar = _Bar(enabled=not args.quiet and not args.json and sys.stderr.isatty())
     try:
         summary: dict[str, Any] = merge_file(
-            args.base, requests, args.out, device=args.device, chunk_bytes=chunk, safe=not args.unsafe, progress=bar
+            args.base,
+            requests,
+            args.out,
+            device=args.device,
+            chunk_bytes=chunk,
+            safe=not args.unsafe,
+            progress=bar,
+            allow_prefix=args.allow_prefix,
         )
     except MergeError as exc:
         if args.json:
@@ -101,6 +108,13 @@ def _run(args: argparse.Namespace) -> int:
             f"wrote {summary['out']}: {summary['targets']} of {summary['tensors']} tensors merged "
             f"({names}) in {summary['seconds']:.2f}s, {gbps:.2f} GB/s"
         )
+    if not args.quiet and not args.json:
+        for row in summary.get("prefixes", ()):
+            print(
+                f"note: adapter {row['adapter']!r}: {row['modules']} modules merged below another prefix: "
+                f"{row['adapter_prefix'] or '(none)'!r} -> {row['base_prefix'] or '(none)'!r} (--allow-prefix)",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -126,6 +140,12 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="compute device (default cpu), e.g. cuda or cuda:1")
     p.add_argument(
         "--chunk-bytes", default=str(DEFAULT_CHUNK_BYTES), help="bound on working memory, e.g. 256M (default 256M)"
+    )
+    p.add_argument(
+        "--allow-prefix",
+        action="store_true",
+        help="merge modules found only below another prefix (a CausalLM adapter on a Llava-style wrapper); "
+        "without it they are refused, as `lorafast check` reports them",
     )
     p.add_argument("--unsafe", action="store_true", help="skip the NaN/Inf check of merged tensors")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

@@ -33,6 +33,7 @@ from lorafast.merging.targets import (
     bias_factors,
     expert_slot_factors,
     factors,
+    prefixes_used,
     preflight,
     stack_shape,
 )
@@ -95,6 +96,8 @@ class MergeHandle:
         self.seconds = 0.0
         self.bytes_merged = 0  # bytes of weights rewritten
         self.peak_workspace_bytes = 0
+        #: prefix-only matches taken with allow_prefix=True: adapter, adapter_prefix, base_prefix, modules
+        self.prefixes: list[dict[str, Any]] = []
         self._records: list[_Record] = []
         self._budget = chunk_bytes
         self._workspaces: dict[str, kernel.Workspace] = {}
@@ -480,12 +483,16 @@ def merge(
     safe: bool = True,
     snapshot: str = "cpu",
     progress: ProgressFn | None = None,
+    allow_prefix: bool = False,
 ) -> MergeHandle:
     """Merge adapters into `model`'s weights in place and return a `MergeHandle` that can undo it exactly.
 
     `model`: a `torch.nn.Module`, a state dict (`dict[str, Tensor]`), or a dict of pipeline components
     (`{"transformer": module, ...}`). Adapter module paths are matched to weight names with PEFT/diffusers/kohya
-    prefixes stripped. `plan_or_requests`: a `lorafast.Plan`, or a list of `LoraRequest`s,
+    prefixes stripped, exactly, by the rule `check` uses (`targets.NameTable.match`). A module found only below
+    another prefix (a CausalLM adapter on a Llava-style wrapper's `language_model.model.layers…`) raises
+    `MergeError` code `prefix_only`, naming the prefix; `allow_prefix=True` merges it there, and
+    `handle.prefixes` (and a warning on the `lorafast.merge` logger) names each prefix so taken. `plan_or_requests`: a `lorafast.Plan`, or a list of `LoraRequest`s,
     `(path, strength)` pairs, paths or `Adapter`s, applied in order.
 
     Math: W += Σ strength·scale·(B @ A) per weight, accumulated in fp32 and rounded to W's dtype once.
@@ -504,8 +511,9 @@ def merge(
     started = time.perf_counter()
     sources = normalize(plan_or_requests)
     tensors, indexes = _collect(model)
-    targets = preflight(sources, indexes, allow_dora=snapshot != "subtract")
+    targets = preflight(sources, indexes, allow_dora=snapshot != "subtract", allow_prefix=allow_prefix)
     handle = MergeHandle(sources, snapshot, None if device is None else str(device), chunk_bytes)
+    handle.prefixes = prefixes_used(targets)
     total = sum(_nbytes(t.spec) for t in targets)
     done_bytes = [0]
 

@@ -8,6 +8,7 @@ from lorafast.errors import LorafastError
 MERGE_ERROR_CODES = (
     "missing_module",  # no tensor in the model matches the adapter module
     "ambiguous_module",  # more than one tensor matches
+    "prefix_only",  # a tensor has the module's path only below another prefix (allow_prefix=True merges there)
     "shape_mismatch",  # factor shapes do not fit the target weight
     "unsupported",  # a variant, layout or option the engine does not merge (LoHa, kohya DoRA, modules_to_save, ...)
     "dtype",  # a weight or factor dtype that cannot be merged (int, fp8, complex)

@@ -25,7 +25,7 @@ from lorafast.merging import kernel
 from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, _Files, _slice_segment, build_segments
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import normalize
-from lorafast.merging.targets import NameIndex, Target, WeightSpec, preflight
+from lorafast.merging.targets import NameIndex, Target, WeightSpec, prefixes_used, preflight
 from lorafast.tensors import TensorFile, TensorReadError, torch_dtype
 
 ProgressFn = Callable[[int, int], None]
@@ -41,10 +41,13 @@ def merge_file(
     safe: bool = True,
     metadata: dict[str, str] | None = None,
     progress: ProgressFn | None = None,
+    allow_prefix: bool = False,
 ) -> dict[str, Any]:
     """Write `out`: the `base` safetensors checkpoint with the adapters merged in. Returns a summary dict.
 
     The base metadata is kept, plus `lorafast.merged` (JSON: the adapters and strengths) and any `metadata`.
+    Names go by the rule `check` uses: a module found only below another prefix raises `MergeError` code
+    `prefix_only` unless `allow_prefix=True`; the summary's `prefixes` then names each prefix taken.
     """
     import torch
 
@@ -65,7 +68,9 @@ def merge_file(
                 specs[name] = WeightSpec(e.shape, torch_dtype(e.dtype))
             except TensorReadError:
                 continue  # a dtype torch cannot hold: copied as bytes, never a target
-        targets = {t.key: t for t in preflight(sources, {None: NameIndex(specs)})}
+        planned = preflight(sources, {None: NameIndex(specs)}, allow_prefix=allow_prefix)
+        prefixes = prefixes_used(planned)
+        targets = {t.key: t for t in planned}
         order = sorted(tf.tensors.values(), key=lambda e: e.begin)
         header, data_len = _header(order, tf.metadata, sources, metadata)
         total = data_len
@@ -114,6 +119,7 @@ def merge_file(
         "bytes": total,
         "seconds": time.perf_counter() - started,
         "peak_workspace_bytes": ws.peak_bytes,
+        "prefixes": prefixes,
     }
 
 

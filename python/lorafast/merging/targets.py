@@ -12,7 +12,7 @@ does not fit, an unsupported variant or dtype all fail here, naming the module a
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,7 @@ class Term:
     rank: int
     experts: int = 1
     slot: tuple[int, int, int] | None = None  # form "expert_slot": (expert, part, parts) inside a fused weight
+    prefix: tuple[str, str] | None = None  # (adapter's, base's) prefix of a prefix-only match (allow_prefix=True)
 
     @property
     def label(self) -> str:
@@ -117,80 +118,156 @@ class Target:
 # Matching adapter module names to tensor names
 
 
+@dataclass(frozen=True)
+class NameMatch:
+    """Where an adapter module path lands among a model's weight names, by the one rule `merge` and `check` share.
+
+    `weight`: the weight the path names exactly (the engines' rule: vLLM, SGLang and PEFT load nothing else).
+    Else `prefixed`: the one weight that has the same path below another prefix (`language_model.model.layers.0…`
+    for `model.layers.0…`), with `ours` the adapter's prefix and `theirs` the base's in its place ("" for none).
+    `ambiguous`: several weights do so equally well. All empty: the base has no such module at all.
+    """
+
+    weight: str | None = None
+    prefixed: str | None = None
+    ours: str = ""
+    theirs: str = ""
+    ambiguous: tuple[str, ...] = ()
+
+    @property
+    def prefix_hint(self) -> str | None:
+        """The prefix that would fix a suffix-only match, in words; None when there is none."""
+        if self.prefixed is None:
+            return None
+        ours = f"'{self.ours}.'" if self.ours else "no prefix"
+        theirs = f"'{self.theirs}.'" if self.theirs else "no prefix"
+        return f"the adapter's paths start with {ours} where the base has {theirs}"
+
+
+def is_kohya(key: str) -> bool:
+    """A module key in kohya's flattened form, matched as such: a kohya key (`lora_unet_down_blocks_0_…`), or a
+    path of one component (kohya names kept by a conversion to PEFT: `base_model.model.down_blocks_0_…`)."""
+    for p in ("peft_model.base_model.model.", "base_model.model."):
+        key = key.removeprefix(p)
+    return key.startswith(_KOHYA_PREFIXES) or "." not in strip_prefixes(key)
+
+
+#: a prefix-only match must agree on at least this many trailing name components (`N.self_attn.q_proj.weight`)
+_MIN_TAIL = 4
+
+
+class NameTable:
+    """The weight names of one model (or pipeline component) and the one name rule (`match`) that `merge` and
+    `check` both apply to them. Torch-free. `hidden` names are matched exactly but never offered as a prefix-only
+    match (check hides stored names that transformers renames on load, so hints name the loaded form)."""
+
+    def __init__(self, names: Iterable[str], hidden: Collection[str] = ()) -> None:
+        self.names: Collection[str] = names if isinstance(names, (Mapping, set, frozenset)) else set(names)
+        self.hidden = hidden
+        self._tails: dict[int, dict[str, list[str]]] = {}
+        self._flat: dict[str, dict[str, list[str]]] = {}
+
+    def match(self, path: str, suffix: str, kohya: bool = False) -> NameMatch:
+        """`<path><suffix>` among the names. Exact: the path as given, then without PEFT's `base_model.model.`,
+        then also without a pipeline component prefix (`strip_prefixes`); a kohya path by its flattened form
+        (`down_blocks_0_…` = `down_blocks.0.…` with `_` for `.`). Else prefix-only: the one name that agrees with
+        the path on its last components (at least four, or the whole path when shorter) below another prefix:
+        the most components in common, then the shortest prefix (a Llava wrapper's `model.language_model.` before
+        its `model.vision_tower.encoder.`); a tie is `ambiguous`.
+        """
+        bare = strip_prefixes(path)
+        peft = path
+        for pre in ("peft_model.base_model.model.", "base_model.model."):
+            peft = peft.removeprefix(pre)
+        for p in dict.fromkeys((path, peft, bare)):
+            if p + suffix in self.names:
+                return NameMatch(p + suffix)
+        if kohya:
+            return self._match_flat(bare, suffix)
+        return self._match_tail(bare, suffix)
+
+    def _match_tail(self, path: str, suffix: str) -> NameMatch:
+        name = path + suffix
+        parts = name.split(".")
+        j = min(_MIN_TAIL, len(parts))
+        table = self._tails.get(j)
+        if table is None:
+            table = {}
+            for n in self.names:
+                if n not in self.hidden:
+                    cp = n.split(".")
+                    if len(cp) >= j:
+                        table.setdefault(".".join(cp[-j:]), []).append(n)
+            self._tails[j] = table
+        best: list[str] = []
+        best_key = (0, 0)
+        best_len = 0
+        for c in table.get(".".join(parts[-j:]), ()):
+            cp = c.split(".")
+            k = 0
+            while k < min(len(cp), len(parts)) and cp[-1 - k] == parts[-1 - k]:
+                k += 1
+            key = (k, -(len(cp) - k))  # the longest common tail, then the shortest prefix in front of it
+            if key > best_key or not best:
+                best, best_key, best_len = [c], key, k
+            elif key == best_key:
+                best.append(c)
+        if not best:
+            return NameMatch()
+        if len(best) > 1:
+            return NameMatch(ambiguous=tuple(sorted(best)))
+        cp = best[0].split(".")
+        return NameMatch(None, best[0], ".".join(parts[: len(parts) - best_len]), ".".join(cp[: len(cp) - best_len]))
+
+    def _match_flat(self, path: str, suffix: str) -> NameMatch:
+        table = self._flat.get(suffix)
+        if table is None:
+            table = {}
+            for n in self.names:
+                if n.endswith(suffix):
+                    table.setdefault(n[: len(n) - len(suffix)].replace(".", "_"), []).append(n)
+            self._flat[suffix] = table
+        flat = path.replace(".", "_")
+        hits = table.get(flat, [])
+        if len(hits) == 1:
+            return NameMatch(hits[0])
+        if len(hits) > 1:
+            return NameMatch(ambiguous=tuple(sorted(hits)))
+        keys = [k for k in table if k.endswith("_" + flat) and not any(n in self.hidden for n in table[k])]
+        found = [n for k in keys for n in table[k]]
+        if len(found) == 1:  # `<prefix>.<path>` with `_` for `.`: the prefix is as long in the dotted name
+            return NameMatch(None, found[0], "", found[0][: len(found[0]) - len(suffix) - len(flat) - 1])
+        return NameMatch(ambiguous=tuple(sorted(found))) if found else NameMatch()
+
+
 class NameIndex:
-    """Tensor names of one model (or component), and the rules that map adapter module paths onto them."""
+    """Tensor names of one model (or component) with their specs, and the name rule (`NameTable.match`)."""
 
     def __init__(self, specs: Mapping[str, WeightSpec]) -> None:
         self.specs = specs
+        self.table = NameTable(specs)
         self._parents: dict[str, list[str]] | None = None
-        self._flat: dict[str, dict[str, list[str]]] = {}
+        self._parent_table: NameTable | None = None
 
-    def find(self, module_name: str, suffix: str) -> str | None:
-        """The tensor `<module path><suffix>` for an adapter module path, or None.
+    def match(self, module_name: str, suffix: str, kohya: bool = False) -> NameMatch:
+        """`NameTable.match` on the tensor names."""
+        return self.table.match(module_name, suffix, kohya)
 
-        Tried in order: the exact path; the path with leading components dropped (an adapter made on
-        `LlamaForCausalLM`, merged into its inner `LlamaModel`); a unique tensor whose name ends with the path (the
-        other way round); kohya's underscore form (`lora_unet_down_blocks_0_...`). Several hits raise.
-        """
-        hit = self._match(self.specs, module_name, suffix)
-        bare = strip_prefixes(module_name)
-        if hit is None and bare != module_name:
-            hit = self._match(self.specs, bare, suffix)
-        return hit
-
-    def find_module(self, module_name: str) -> str | None:
-        """The module path (a parent of some tensor) for an adapter module path, by the same rules."""
-        if self._parents is None:
+    def match_module(self, module_name: str) -> NameMatch:
+        """The same rule on module paths (the parents of tensors)."""
+        if self._parent_table is None:
             self._parents = {}
             for n in self.specs:
                 if "." in n:
                     self._parents.setdefault(n.rsplit(".", 1)[0], []).append(n)
-        return self._match(self._parents, module_name, "", table="<module>")
+            self._parent_table = NameTable(self._parents)
+        return self._parent_table.match(module_name, "")
 
     def children(self, module_path: str) -> list[str]:
         """Direct tensors of a module path (`<path>.<leaf>`)."""
-        self.find_module(module_path)  # builds the parent table
+        self.match_module(module_path)  # builds the parent table
         assert self._parents is not None
         return list(self._parents.get(module_path, []))
-
-    def _match(self, names: Mapping[str, Any], module_name: str, suffix: str, table: str | None = None) -> str | None:
-        exact = module_name + suffix
-        if exact in names:
-            return exact
-        parts = module_name.split(".")
-        for i in range(1, len(parts) - 1):
-            cand = ".".join(parts[i:]) + suffix
-            if cand in names:
-                return cand
-        tail = "." + exact
-        hits = [n for n in names if n.endswith(tail)]
-        if len(hits) == 1:
-            return hits[0]
-        if len(hits) > 1:
-            raise _Ambiguous(hits)
-        key = table or suffix
-        flat_table = self._flat.get(key)
-        if flat_table is None:
-            flat_table = {}
-            for n in names:
-                if n.endswith(suffix):
-                    flat_table.setdefault(n[: len(n) - len(suffix)].replace(".", "_"), []).append(n)
-            self._flat[key] = flat_table
-        flat = module_name.replace(".", "_")
-        hits = list(flat_table.get(flat, []))
-        if not hits:
-            hits = [n for k, ns in flat_table.items() if k.endswith("_" + flat) for n in ns]
-        if len(hits) == 1:
-            return hits[0]
-        if len(hits) > 1:
-            raise _Ambiguous(hits)
-        return None
-
-
-class _Ambiguous(Exception):
-    def __init__(self, names: list[str]) -> None:
-        super().__init__(names)
-        self.names = names
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,16 +376,13 @@ def _plan_target_parameters(m: LoraModule, spec: WeightSpec) -> tuple[str | None
     return None, f"lora_A {list(a)} / lora_B {list(b)} do not fit expert weight {list(spec.shape)}", r
 
 
-def _tp_candidates(index: NameIndex, m: LoraModule) -> list[str]:
+def _tp_candidates(index: NameIndex, m: LoraModule, find: _Find) -> list[str]:
     """The 3-D parameters a target_parameters module may wrap: `<experts>.<leaf>` first, then its siblings."""
     path = re.sub(r"\.base_layer\b", "", m.name)
     owner = path
     if m.leaf and m.leaf != "experts" and path.endswith("." + m.leaf):
         owner = path[: -len(m.leaf) - 1]
-    try:
-        parent = index.find_module(owner)
-    except _Ambiguous:
-        return []
+    parent = find(index.match_module(owner))
     if parent is None:
         return []
     kids = [n for n in index.children(parent) if len(index.specs[n].shape) == 3]
@@ -323,29 +397,82 @@ class _Problem(Exception):
         self.why = why
 
 
-def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, int, int]:
-    """(weight name, form, rank, experts) for one module, or `_Problem`."""
+_Find = Callable[[NameMatch], "str | None"]
+
+
+@dataclass
+class _Resolved:
+    weight: str
+    form: str
+    rank: int
+    experts: int
+    prefix: NameMatch | None = None  # the prefix-only match taken (allow_prefix=True)
+
+
+def _resolve(src: Source, m: LoraModule, index: NameIndex, allow_prefix: bool = False) -> _Resolved:
+    """The weight, form, rank and experts of one module, or `_Problem`.
+
+    Names go by `NameTable.match`, exact matches first. A module that only a prefix-only match reaches is refused
+    (code `prefix_only`, naming the prefix), unless `allow_prefix`; then that match is taken and returned."""
+    kohya = is_kohya(m.key)
+    seen: list[NameMatch] = []
+
+    def exact(hit: NameMatch) -> str | None:
+        if hit.prefixed is not None or hit.ambiguous:
+            seen.append(hit)
+        return hit.weight
+
     try:
-        if m.kind == "target_parameters":
-            cands = _tp_candidates(index, m)
-            last = "no 3-D expert parameter matches this module"
-            for c in cands:
-                form, last, rank = _plan_target_parameters(m, index.specs[c])
-                if form is not None:
-                    bad = _check_weight(index.specs[c])
-                    if bad:
-                        raise _Problem(bad[0], f"weight {c!r}: {bad[1]}")
-                    return c, form, rank, index.specs[c].shape[0]
-            raise _Problem("shape_mismatch" if cands else "missing_module", last)
-        weight = index.find(m.name, ".weight")
-        if weight is None and m.kind == "stacked_3d":
-            weight = index.find(m.name, "")  # a fused expert parameter (`experts.gate_up_proj`)
-        if weight is None and m.kind in ("expert_2d", "stacked_3d"):
-            fused = _fused_expert(m, index)
-            if fused is not None:
-                return fused
-    except _Ambiguous as amb:
-        raise _Problem("ambiguous_module", f"several weights match: {amb.names[:4]}") from None
+        return _resolve_with(src, m, index, exact, kohya)
+    except _Problem as p:
+        if p.code != "missing_module" or not seen:
+            raise
+        missing = p
+    hit = seen[0]
+    if not allow_prefix:
+        if hit.prefixed is None:
+            raise missing from None
+        raise _Problem("prefix_only", f"no weight is named by this module's path, only {hit.prefixed!r} below another "
+                       f"prefix: {hit.prefix_hint}; rename the adapter's keys, or pass allow_prefix=True "
+                       "(--allow-prefix) to merge there") from None  # fmt: skip
+    if hit.ambiguous:
+        raise _Problem("ambiguous_module", f"several weights match below other prefixes: {list(hit.ambiguous[:4])}")
+    taken: list[NameMatch] = []
+
+    def prefixed(found: NameMatch) -> str | None:
+        if found.weight is None and found.prefixed is not None:
+            taken.append(found)
+            return found.prefixed
+        if found.ambiguous and found.weight is None:
+            raise _Problem(
+                "ambiguous_module", f"several weights match below other prefixes: {list(found.ambiguous[:4])}"
+            )
+        return found.weight
+
+    got = _resolve_with(src, m, index, prefixed, kohya)
+    got.prefix = taken[0] if taken else None
+    return got
+
+
+def _resolve_with(src: Source, m: LoraModule, index: NameIndex, find: _Find, kohya: bool) -> _Resolved:
+    if m.kind == "target_parameters":
+        cands = _tp_candidates(index, m, find)
+        last = "no 3-D expert parameter matches this module"
+        for c in cands:
+            form, last, rank = _plan_target_parameters(m, index.specs[c])
+            if form is not None:
+                bad = _check_weight(index.specs[c])
+                if bad:
+                    raise _Problem(bad[0], f"weight {c!r}: {bad[1]}")
+                return _Resolved(c, form, rank, index.specs[c].shape[0])
+        raise _Problem("shape_mismatch" if cands else "missing_module", last)
+    weight = find(index.match(m.key, ".weight", kohya))
+    if weight is None and m.kind == "stacked_3d":
+        weight = find(index.match(m.key, "", kohya))  # a fused expert parameter (`experts.gate_up_proj`)
+    if weight is None and m.kind in ("expert_2d", "stacked_3d"):
+        fused = _fused_expert(m, index, find)
+        if fused is not None:
+            return fused
     if weight is None:
         raise _Problem("missing_module", "no weight in the model matches this module")
     spec = index.specs[weight]
@@ -361,7 +488,7 @@ def _resolve(src: Source, m: LoraModule, index: NameIndex) -> tuple[str, str, in
         experts = 1
     if form is None:
         raise _Problem("shape_mismatch", f"weight {weight!r}: {why}")
-    return weight, form, m.rank or 0, experts
+    return _Resolved(weight, form, m.rank or 0, experts)
 
 
 _STACKED_EXPERT = re.compile(r"^(.*\.experts)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
@@ -381,7 +508,7 @@ def expert_slot(m: LoraModule) -> tuple[str, str, int, int, int] | None:
     return hit.group(1), fused, expert, part or 0, 1 if part is None else 2
 
 
-def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] | None:
+def _fused_expert(m: LoraModule, index: NameIndex, find: _Find) -> _Resolved | None:
     """(weight, form, rank, experts) for a numbered expert module (form "expert_slot") or a 3-D stack of one
     projection ("stacked_slot") whose model keeps its experts fused; None when the model has no such weight."""
     slot = expert_slot(m)
@@ -394,7 +521,7 @@ def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] 
             raise _Problem("shape_mismatch", f"stacked factors {list(a)} / {list(b)} are not one stack of experts")
         experts, a, b = a[0], a[1:], b[1:]
     for path in dict.fromkeys((owner, owner.replace(".block_sparse_moe.", ".mlp."))):  # Mixtral's v5 rename
-        weight = index.find(f"{path}.{fused}", "")
+        weight = find(index.match(f"{path}.{fused}", ""))
         if weight is None:
             continue
         spec = index.specs[weight]
@@ -407,7 +534,7 @@ def _fused_expert(m: LoraModule, index: NameIndex) -> tuple[str, str, int, int] 
         bad = _check_weight(spec)
         if bad:
             raise _Problem(bad[0], f"weight {weight!r}: {bad[1]}")
-        return weight, "expert_slot" if e >= 0 else "stacked_slot", a[0], spec.shape[0]
+        return _Resolved(weight, "expert_slot" if e >= 0 else "stacked_slot", a[0], spec.shape[0])
     return None
 
 
@@ -424,11 +551,17 @@ def _tp_module(src: Source, m: LoraModule, weight: str, rank: int) -> LoraModule
 
 
 def preflight(
-    sources: list[Source], indexes: Mapping[str | None, NameIndex], *, allow_dora: bool = True
+    sources: list[Source],
+    indexes: Mapping[str | None, NameIndex],
+    *,
+    allow_dora: bool = True,
+    allow_prefix: bool = False,
 ) -> list[Target]:
     """Resolve every adapter module of every source onto a weight; raise one `MergeError` listing all problems.
 
-    `indexes` maps a component name to its `NameIndex` (`None` for a plain model or state dict).
+    `indexes` maps a component name to its `NameIndex` (`None` for a plain model or state dict). Names go by
+    `NameTable.match`, the rule `check` uses: a module that exists only below another prefix fails with code
+    `prefix_only` (naming the prefix), unless `allow_prefix`; the prefix then taken is in `Term.prefix`.
     """
     problems: list[tuple[str, str, str, str]] = []  # (code, module, adapter, message)
     targets: dict[str, Target] = {}
@@ -463,19 +596,22 @@ def preflight(
             if m.dtype is not None and m.dtype not in FLOAT_FACTOR_DTYPES:
                 fail("dtype", m, src, f"factor dtype {m.dtype} is not a float type")
                 continue
-            found: list[tuple[str | None, NameIndex, str, str, int, int]] = []
+            found: list[tuple[str | None, NameIndex, _Resolved]] = []
             first: _Problem | None = None
             for comp in _components_of(m, comps):
                 index = indexes[comp]
                 try:
-                    found.append((comp, index, *_resolve(src, m, index)))
+                    found.append((comp, index, _resolve(src, m, index, allow_prefix)))
                 except _Problem as p:
-                    first = first or p
+                    if first is None or (first.code == "missing_module" and p.code != "missing_module"):
+                        first = p
             if not found:
                 assert first is not None
                 fail(first.code, m, src, first.why)
                 continue
-            for comp, index, weight, form, rank, experts in found:
+            for comp, index, got in found:
+                weight, form, rank, experts = got.weight, got.form, got.rank, got.experts
+                renamed = (got.prefix.ours, got.prefix.theirs) if got.prefix is not None else None
                 spec = index.specs[weight]
                 scaled = _tp_module(src, m, weight, rank) if m.kind == "target_parameters" else m
                 coef = src.coefficient(scaled)
@@ -491,7 +627,7 @@ def preflight(
                         break
                     form = "dora"
                 slot = expert_slot(m)[2:] if form in ("expert_slot", "stacked_slot") else None  # type: ignore[index]
-                add(comp, weight, spec, Term(src, m, form, coef, rank, experts, slot))
+                add(comp, weight, spec, Term(src, m, form, coef, rank, experts, slot, renamed))
                 if m.bias_key is not None:
                     bias = weight.removesuffix(".weight") + ".bias"
                     out_dim = stack_shape(spec.shape)[2 if form == "AtBt" else 1]
@@ -503,7 +639,7 @@ def preflight(
                         why = f"bias {bias!r} has shape {list(bspec.shape)}, expected [{out_dim}]"
                         fail("shape_mismatch", m, src, why)
                         break
-                    add(comp, bias, bspec, Term(src, m, "bias", coef, rank))
+                    add(comp, bias, bspec, Term(src, m, "bias", coef, rank, prefix=renamed))
     if problems:
         code, mod, adapter, message = problems[0]
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
@@ -515,6 +651,25 @@ def preflight(
             problems=tuple(p[3] for p in problems),
         )
     return list(targets.values())
+
+
+def prefixes_used(targets: list[Target]) -> list[dict[str, Any]]:
+    """The prefix-only matches taken (allow_prefix=True): per adapter and (adapter prefix, base prefix), the
+    number of modules merged that way. Each is also logged as a warning on the `lorafast.merge` logger."""
+    import logging
+
+    counts: dict[tuple[str, str, str], set[str]] = {}
+    for t in targets:
+        for term in t.terms:
+            if term.prefix is not None:
+                counts.setdefault((term.source.nickname, *term.prefix), set()).add(term.module.key)
+    out = [{"adapter": a, "adapter_prefix": ours, "base_prefix": theirs, "modules": len(mods)}
+           for (a, ours, theirs), mods in counts.items()]  # fmt: skip
+    log = logging.getLogger("lorafast.merge")
+    for row in out:
+        log.warning("adapter %r: %d modules merged with prefix %r replaced by %r (allow_prefix=True)",
+                    row["adapter"], row["modules"], row["adapter_prefix"], row["base_prefix"])  # fmt: skip
+    return out
 
 
 def _check_weight(spec: WeightSpec) -> tuple[str, str] | None:
