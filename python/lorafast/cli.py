@@ -16,8 +16,14 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
-_PLUGINS = ("lorafast.planner", "lorafast.groups", "lorafast.merging.cli", "lorafast.compat.cli", "lorafast.checker",
-            "lorafast.converting.cli")
+_PLUGINS = (
+    "lorafast.planner",
+    "lorafast.groups",
+    "lorafast.merging.cli",
+    "lorafast.compat.cli",
+    "lorafast.checker",
+    "lorafast.converting.cli",
+)
 
 
 def _print_json(obj: Any) -> None:
@@ -136,8 +142,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             d.pop("modules")
         _print_json(d)
     else:
-        print(f"{adapter.path}\n  format {adapter.format.value}, peft_type {adapter.peft_type}, "
-              f"{adapter.num_tensors} tensors, {len(adapter.modules)} modules, rank {adapter.rank}")  # fmt: skip
+        print(
+            f"{adapter.path}\n  format {adapter.format.value}, peft_type {adapter.peft_type}, "
+            f"{adapter.num_tensors} tensors, {len(adapter.modules)} modules, rank {adapter.rank}"
+        )
         print(f"  moe layout {adapter.moe_layout.value}, experts {adapter.num_experts}, layers {len(adapter.layers)}")
         print(f"  targets {', '.join(adapter.target_modules)}; flags {', '.join(sorted(adapter.flags)) or '-'}")
         for p in adapter.problems:

@@ -450,9 +450,12 @@ def _peft_moe_2d(rng: random.Random, d: _Dims, style: str) -> _Sample:
         layers, experts, base = 32, 8, "mistralai/Mixtral-8x7B-v0.1"
         targets = [*_ATTN, "w1", "w2", "w3"]
     cfg = _peft_config(
-        r=r, lora_alpha=_pick_alpha(rng, r), target_modules=sorted(targets), base_model_name_or_path=base,
+        r=r,
+        lora_alpha=_pick_alpha(rng, r),
+        target_modules=sorted(targets),
+        base_model_name_or_path=base,
         task_type="CAUSAL_LM",
-    )  # fmt: skip
+    )
     key = ("moe2d", style, d.hidden, layers, experts, r, dtype)
     return _Sample(
         key,
@@ -482,9 +485,12 @@ def _peft_moe_3d(rng: random.Random, d: _Dims, shared_outer: bool) -> _Sample:
     dtype = rng.choice(("BF16", "BF16", "F32"))
     layers, experts = 48, rng.choice((8, 16, 32))
     cfg = _peft_config(
-        r=r, lora_alpha=_pick_alpha(rng, r), target_modules=sorted([*_ATTN, "gate_up_proj", "down_proj"]),
-        base_model_name_or_path="Qwen/Qwen3-30B-A3B", task_type="CAUSAL_LM",
-    )  # fmt: skip
+        r=r,
+        lora_alpha=_pick_alpha(rng, r),
+        target_modules=sorted([*_ATTN, "gate_up_proj", "down_proj"]),
+        base_model_name_or_path="Qwen/Qwen3-30B-A3B",
+        task_type="CAUSAL_LM",
+    )
     key = ("moe3d", shared_outer, d.hidden, layers, experts, r, dtype)
     return _Sample(
         key,
@@ -512,10 +518,13 @@ def _peft_moe_target_parameters(rng: random.Random, d: _Dims) -> _Sample:
     dtype = rng.choice(("BF16", "F32"))
     layers, experts = 48, rng.choice((8, 16))
     cfg = _peft_config(
-        r=r, lora_alpha=_pick_alpha(rng, r), target_modules=sorted(_ATTN),
+        r=r,
+        lora_alpha=_pick_alpha(rng, r),
+        target_modules=sorted(_ATTN),
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-        base_model_name_or_path="Qwen/Qwen3-30B-A3B", task_type="CAUSAL_LM",
-    )  # fmt: skip
+        base_model_name_or_path="Qwen/Qwen3-30B-A3B",
+        task_type="CAUSAL_LM",
+    )
     key = ("moetp", d.hidden, layers, experts, r, dtype)
     return _Sample(
         key,

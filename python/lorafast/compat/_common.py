@@ -84,6 +84,7 @@ class Collector:
     ) -> None:
         self.add(CompatProblem(code, str(error), error, adapter_id, adapter_name, stage, True))
 
-    def warn(self, code: str, message: str, *, stage: str, adapter_id: str | None = None,
-             adapter_name: str | None = None) -> None:  # fmt: skip
+    def warn(
+        self, code: str, message: str, *, stage: str, adapter_id: str | None = None, adapter_name: str | None = None
+    ) -> None:
         self.add(CompatProblem(code, message, None, adapter_id, adapter_name, stage, False))

@@ -137,8 +137,10 @@ def load_to_buffer(uid: str, weights: LoadedWeights, r: Any, pool: Pool, modules
                 else:
                     dest[target] = shape
             elif is_shared and expert:
-                raise ValueError(f"Cannot load LoRA weight {name!r}: layer {layer_id} has no matching target for "
-                                 "indexed shared-expert weights.")  # fmt: skip
+                raise ValueError(
+                    f"Cannot load LoRA weight {name!r}: layer {layer_id} has no matching target for "
+                    "indexed shared-expert weights."
+                )
             elif expert:
                 target = f"{target}_moe"
                 if temp_a[target] is None:
@@ -186,20 +188,24 @@ def load_to_buffer(uid: str, weights: LoadedWeights, r: Any, pool: Pool, modules
                     rows = shape[0]
                     _load(_view(pool.lm_head_b[target], 0, (None, rows), (None, r)), shape)
             elif target == "lm_head" and "lm_head" in name and (is_a or is_b):
-                raise AssertionError(f"Failed to load lm_head LoRA weight: {name}, this is only expected to happen on "
-                                     "non-last PP stages.")  # fmt: skip
+                raise AssertionError(
+                    f"Failed to load lm_head LoRA weight: {name}, this is only expected to happen on "
+                    "non-last PP stages."
+                )
 
 
 def _copy(side: str, name: str, w: Any, buffer: Shape, r: Any, max_r: Any, shared_outer: bool) -> None:
     """The A (or B) copy loop body for one buffer of one layer."""
     c = _stacked(name)
     if name not in _MOE_BUFFERS:
-        view = _view(buffer, 0, (None, r * c), (None, None)) if side == "A" else _view(buffer, 0, (None, None),
-                                                                                          (None, r))  # fmt: skip
+        view = (
+            _view(buffer, 0, (None, r * c), (None, None)) if side == "A" else _view(buffer, 0, (None, None), (None, r))
+        )
         _load(view, w)
         return
-    outer = ("gate_up_proj_moe", "gate_up_proj_shared_moe") if side == "A" else ("down_proj_moe",
-                                                                                 "down_proj_shared_moe")  # fmt: skip
+    outer = (
+        ("gate_up_proj_moe", "gate_up_proj_shared_moe") if side == "A" else ("down_proj_moe", "down_proj_shared_moe")
+    )
     if shared_outer and name in outer:
         label = "gate_up_proj_moe lora_A" if side == "A" else "down_proj_moe lora_B"
         if w is None or (isinstance(w, dict) and not w):
@@ -213,8 +219,9 @@ def _copy(side: str, name: str, w: Any, buffer: Shape, r: Any, max_r: Any, share
                 raise ValueError(MSG_SHARED_OUTER_DICT.format(buffer=label.split()[0], ab=side, n=len(w)))
             rep = next(iter(w.values()))
         else:
-            raise ValueError(f"Unexpected weight format for shared outer {label}: type=<class 'torch.Tensor'>, "
-                             f"shape={size_repr(w)}")  # fmt: skip
+            raise ValueError(
+                f"Unexpected weight format for shared outer {label}: type=<class 'torch.Tensor'>, shape={size_repr(w)}"
+            )
         if side == "B":
             _load(_view(buffer, 0, 0, (None, None), (None, r)), rep)
             return

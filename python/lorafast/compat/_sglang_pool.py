@@ -21,8 +21,9 @@ from lorafast.compat._sglang_names import (
 )
 
 Shape = tuple[Any, ...]
-_ATTN_TP = frozenset({"qkv_proj", "qkvr", "q_b_proj", "kv_b_proj", "o_proj", "out_proj", "wo_ud", "in_proj",
-                      "in_proj_qkvz"})  # fmt: skip
+_ATTN_TP = frozenset(
+    {"qkv_proj", "qkvr", "q_b_proj", "kv_b_proj", "o_proj", "out_proj", "wo_ud", "in_proj", "in_proj_qkvz"}
+)
 _ROW = ("o_proj", "out_proj", "down_proj", "down_proj_moe", "down_proj_shared_moe", "wo_ud")
 _REPLICATED = ("fused_qkv_a_proj_with_mqa", "fc1_latent_proj", "fc2_latent_proj", "indexer.wq_b", "indexer.wk",
                "indexer.weights_proj")  # fmt: skip
@@ -96,8 +97,10 @@ def base_model_tree(cfg: Mapping[str, Any]) -> list[Module]:
 
 
 def _mlp(prefix: str, layer: int, hidden: int, inter: int) -> list[Module]:
-    return [Module(f"{prefix}.gate_up_proj", "merged", layer, hidden, [inter, inter]),
-            Module(f"{prefix}.down_proj", "row", layer, inter, [hidden])]  # fmt: skip
+    return [
+        Module(f"{prefix}.gate_up_proj", "merged", layer, hidden, [inter, inter]),
+        Module(f"{prefix}.down_proj", "row", layer, inter, [hidden]),
+    ]
 
 
 def _mla_attention(c: Cfg, pre: str, layer: int) -> list[Module]:
@@ -113,8 +116,11 @@ def _mla_attention(c: Cfg, pre: str, layer: int) -> list[Module]:
     else:
         out.append(Module(f"{pre}.self_attn.q_proj", "column", layer, hidden, [heads * qk]))
         out.append(Module(f"{pre}.self_attn.kv_a_proj_with_mqa", "replicated", layer, hidden, [kv_a]))
-    out.append(Module(f"{pre}.self_attn.kv_b_proj", "column", layer, c.kv_lora_rank,
-                      [heads * (c.qk_nope_head_dim + c.v_head_dim)]))  # fmt: skip
+    out.append(
+        Module(
+            f"{pre}.self_attn.kv_b_proj", "column", layer, c.kv_lora_rank, [heads * (c.qk_nope_head_dim + c.v_head_dim)]
+        )
+    )
     out.append(Module(f"{pre}.self_attn.o_proj", "row", layer, heads * c.v_head_dim, [hidden]))
     return out
 
@@ -186,10 +192,14 @@ def zeros(shape: Shape) -> Shape:
     for pos, d in enumerate(shape):
         if type(d) is not int:
             if pos == 0:
-                raise TypeError(f"zeros(): argument 'size' (position 1) must be tuple of ints, but found element "
-                                f"of type {type(d).__name__} at pos 0")  # fmt: skip
-            raise TypeError(f"zeros(): argument 'size' failed to unpack the object at pos {pos + 1} with error "
-                            f"\"type must be tuple of ints,but got {type(d).__name__}\"")  # fmt: skip
+                raise TypeError(
+                    f"zeros(): argument 'size' (position 1) must be tuple of ints, but found element "
+                    f"of type {type(d).__name__} at pos 0"
+                )
+            raise TypeError(
+                f"zeros(): argument 'size' failed to unpack the object at pos {pos + 1} with error "
+                f'"type must be tuple of ints,but got {type(d).__name__}"'
+            )
     return tuple(shape)
 
 
@@ -213,8 +223,12 @@ def build_pool(cfg: Mapping[str, Any], tree: list[Module], target_modules: set[s
     """`LoRAMemoryPool.__init__` -> `init_buffers` at TP 1, raising what it raises."""
     c = Cfg(cfg)
     n = max_loras_per_batch
-    num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or getattr(
-        c, "n_routed_experts", None) or 1  # fmt: skip
+    num_experts = (
+        getattr(c, "num_experts", None)
+        or getattr(c, "num_local_experts", None)
+        or getattr(c, "n_routed_experts", None)
+        or 1
+    )
     pool = Pool(target_modules, max_lora_rank, num_experts)
     linears: dict[tuple[str, int], Module] = {}
     for m in tree:
@@ -242,8 +256,12 @@ def build_pool(cfg: Mapping[str, Any], tree: list[Module], target_modules: set[s
             if local is not None:
                 input_dim = local
         if "moe" in name:
-            return (n, expert_dim(name, ("gate_up_proj_moe", "gate_up_proj_shared_moe")), max_lora_rank * mult,
-                    input_dim)  # fmt: skip
+            return (
+                n,
+                expert_dim(name, ("gate_up_proj_moe", "gate_up_proj_shared_moe")),
+                max_lora_rank * mult,
+                input_dim,
+            )
         return (n, max_lora_rank * mult, input_dim)
 
     def b_shape(name: str, layer: int) -> Shape:
@@ -256,8 +274,9 @@ def build_pool(cfg: Mapping[str, Any], tree: list[Module], target_modules: set[s
             return (n, expert_dim(name, ("down_proj_moe", "down_proj_shared_moe")), output_dim, max_lora_rank)
         return (n, output_dim, max_lora_rank)
 
-    has_shared = (getattr(c, "shared_expert_intermediate_size", None) is not None
-                  and c.shared_expert_intermediate_size > 0) or (getattr(c, "n_shared_experts", 0) or 0) > 0  # fmt: skip
+    has_shared = (
+        getattr(c, "shared_expert_intermediate_size", None) is not None and c.shared_expert_intermediate_size > 0
+    ) or (getattr(c, "n_shared_experts", 0) or 0) > 0
     has_moe = any(m.kind == "moe" for m in tree)
     layers = range(c.num_hidden_layers)
 
@@ -289,8 +308,9 @@ def build_pool(cfg: Mapping[str, Any], tree: list[Module], target_modules: set[s
     return pool
 
 
-def lora_modules(tree: list[Module], target_modules: set[str], num_layers: int) -> tuple[list[dict[str, Module]],
-                                                                                         bool, bool]:  # fmt: skip
+def lora_modules(
+    tree: list[Module], target_modules: set[str], num_layers: int
+) -> tuple[list[dict[str, Module]], bool, bool]:
     """`init_lora_modules`: the wrapped modules of each layer, and whether embed_tokens / lm_head are wrapped."""
     per_layer: list[dict[str, Module]] = [{} for _ in range(num_layers)]
     embed = lm_head = False

@@ -370,14 +370,19 @@ def load_adapter_weights(
         return LoadedWeights(view.lora_id, layers, embedding, added)
     try:
         loaded = route_weights(
-            view, target_modules=target_modules, num_hidden_layers=num_layers,
+            view,
+            target_modules=target_modules,
+            num_hidden_layers=num_layers,
             lora_added_tokens_size=lora_added_tokens_size,
-        )  # fmt: skip
+        )
         for layer_id in sorted(loaded.layers):
             loaded.layers[layer_id] = _normalize_layer_cached(
-                loaded.layers[layer_id], layer_id, rank=rank, inkling_shared_experts=n_shared,
+                loaded.layers[layer_id],
+                layer_id,
+                rank=rank,
+                inkling_shared_experts=n_shared,
                 non_gated=layer_id in non_gated_moe_layers,
-            )  # fmt: skip
+            )
     except Exception:
         _ADAPTER_CACHE.put(key, _FAILED, len(view.tensors))  # errors name this adapter: recomputed, never replayed
         raise

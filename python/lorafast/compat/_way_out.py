@@ -54,9 +54,12 @@ def way_out(adapters: Sequence[tuple[str, str]], problems: Sequence[Mapping[str,
     if not shared:
         return []
     q = shlex.quote
-    lines = ["", "way out:",
-             f"  split the set across {servers} servers:  lorafast groups {' '.join(q(p) for p in paths)}",
-             "  or convert the shared-outer adapters to per-expert weights (exact) and serve all on 1 server:"]  # fmt: skip
+    lines = [
+        "",
+        "way out:",
+        f"  split the set across {servers} servers:  lorafast groups {' '.join(q(p) for p in paths)}",
+        "  or convert the shared-outer adapters to per-expert weights (exact) and serve all on 1 server:",
+    ]
     converted = {p: p.rstrip("/") + "-stacked_3d" for p in shared}
     for src, out in converted.items():
         lines.append(f"    lorafast convert {q(src)} --to stacked_3d --out {q(out)}")

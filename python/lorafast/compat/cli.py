@@ -38,8 +38,9 @@ def _cmd(args: argparse.Namespace) -> int:
     else:
         paths = [item.split("=", 1)[-1] for item in args.adapters]
         expected = args.expected_modules.split(",") if args.expected_modules else None
-        vplan = vllm.preflight(paths, max_lora_rank=args.max_lora_rank or 16, expected_lora_modules=expected,
-                               collect=True)  # fmt: skip
+        vplan = vllm.preflight(
+            paths, max_lora_rank=args.max_lora_rank or 16, expected_lora_modules=expected, collect=True
+        )
         report = {
             "max_rank": vplan.max_rank,
             "suggested_max_lora_rank": vplan.suggested_max_lora_rank,

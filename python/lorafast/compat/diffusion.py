@@ -228,8 +228,12 @@ def _config(adapter: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any]
 _KOHYA_H3_KEY = re.compile(
     r"^lora_unet_blocks_(\d+)_(attn_qkv_proj|attn_out_proj|mlp_fc1|mlp_fc2)\.(lora_down|lora_up|alpha)(?:\.weight)?$"
 )
-_KOHYA_H3_MODULES = {"attn_qkv_proj": "attn.qkv_proj", "attn_out_proj": "attn.out_proj", "mlp_fc1": "mlp.fc1",
-                     "mlp_fc2": "mlp.fc2"}  # fmt: skip
+_KOHYA_H3_MODULES = {
+    "attn_qkv_proj": "attn.qkv_proj",
+    "attn_out_proj": "attn.out_proj",
+    "mlp_fc1": "mlp.fc1",
+    "mlp_fc2": "mlp.fc2",
+}
 _KOHYA_H3_SUFFIXES = {"lora_down": "lora_A", "lora_up": "lora_B", "alpha": "alpha"}
 
 
@@ -649,8 +653,10 @@ def _convert_with_diffusers(state: Mapping[str, Tensor], fmt: LoRAFormat) -> dic
                 raise TypeError(f"Converter returned {type(out)}")
         except Exception:  # SGLang tries the next candidate, then keeps the input
             continue
-        return {k: Tensor(tuple(v.shape), v.item() if v.device.type != "meta" and v.numel() == 1 else None)
-                for k, v in out.items()}  # fmt: skip
+        return {
+            k: Tensor(tuple(v.shape), v.item() if v.device.type != "meta" and v.numel() == 1 else None)
+            for k, v in out.items()
+        }
     return dict(state)
 
 

@@ -47,7 +47,7 @@ __all__ = [
     "preflight",
     "smallest_max_lora_rank",
     "validate_legal",
-]  # fmt: skip
+]
 
 #: `LoRAConfig.max_lora_rank: Literal[...]` in `vllm/config/lora.py` (0.30.0 and 0.33.0).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -134,8 +134,9 @@ class WeightsMapper:
         def keep(d: Mapping[str, str | None] | None) -> dict[str, str | None]:
             return {k: v for k, v in (d or {}).items() if v is not None}
 
-        return WeightsMapper(keep(self.orig_to_new_substr), keep(self.orig_to_new_prefix),
-                             keep(self.orig_to_new_suffix))  # fmt: skip
+        return WeightsMapper(
+            keep(self.orig_to_new_substr), keep(self.orig_to_new_prefix), keep(self.orig_to_new_suffix)
+        )
 
 
 def _map(name: str, weights_mapper: Any) -> str:
@@ -242,8 +243,9 @@ def _peft_helper_from_dict(config: Any, engine_version: str | None) -> PEFTHelpe
     return PEFTHelper(fields, scaling)
 
 
-def peft_helper(path: str, max_position_embeddings: int | None = None, *,
-                engine_version: str | None = None) -> PEFTHelper:  # fmt: skip
+def peft_helper(
+    path: str, max_position_embeddings: int | None = None, *, engine_version: str | None = None
+) -> PEFTHelper:
     """`PEFTHelper.from_local_dir`: reads `adapter_config.json` as vLLM does (same exceptions)."""
     with open(os.path.join(path, "adapter_config.json")) as f:
         config = json.load(f)
@@ -326,8 +328,9 @@ def validate_legal(adapter: Any, max_lora_rank: int = 16, *, engine_version: str
 # --- LoRAModel.from_local_checkpoint -----------------------------------------------------------------------
 
 
-def _unexpected_modules(names: Iterable[str], expected: Any, modules_to_save: Any, weights_mapper: Any,
-                        engine_version: str | None) -> list[str]:  # fmt: skip
+def _unexpected_modules(
+    names: Iterable[str], expected: Any, modules_to_save: Any, weights_mapper: Any, engine_version: str | None
+) -> list[str]:
     unexpected: list[str] = []
     for key in names:
         if _is_base_embedding(key) or "base_layer" in key:
@@ -635,9 +638,11 @@ def preflight(
     """
     col = Collector(collect)
     if max_lora_rank not in VLLM_MAX_LORA_RANKS:
-        col.fail("vllm_max_lora_rank_value", ValueError(
-            f"lorafast: vLLM accepts --max-lora-rank in {list(VLLM_MAX_LORA_RANKS)}, not {max_lora_rank}"
-        ), stage="config")  # fmt: skip
+        col.fail(
+            "vllm_max_lora_rank_value",
+            ValueError(f"lorafast: vLLM accepts --max-lora-rank in {list(VLLM_MAX_LORA_RANKS)}, not {max_lora_rank}"),
+            stage="config",
+        )
     ranks = []
     for view in resolve_adapters(adapters):
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
@@ -650,8 +655,9 @@ def preflight(
             if not view.tensors and not view.has_weights:
                 raise ValueError(f"{view.path} doesn't contain tensors")
             if expected_lora_modules is not None:
-                check_unexpected_modules(view, expected_lora_modules, weights_mapper=weights_mapper,
-                                         engine_version=engine_version)  # fmt: skip
+                check_unexpected_modules(
+                    view, expected_lora_modules, weights_mapper=weights_mapper, engine_version=engine_version
+                )
         except (ValueError, TypeError, AttributeError) as exc:
             col.fail("vllm_load", exc, stage="load", **ids)
     need = int(max(ranks, default=0))

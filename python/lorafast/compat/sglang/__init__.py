@@ -71,4 +71,4 @@ __all__ = [
     "resolve_adapters",
     "validate_new_adapter",
     "validate_peft_features",
-]  # fmt: skip
+]

@@ -50,8 +50,9 @@ def _moe_intermediate(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
 
 
-def get_default_hidden_dim(module_name: str, base_config: Mapping[str, Any], layer: int = 0,
-                           lora_added_tokens_size: int = 0) -> tuple[int, int]:  # fmt: skip
+def get_default_hidden_dim(
+    module_name: str, base_config: Mapping[str, Any], layer: int = 0, lora_added_tokens_size: int = 0
+) -> tuple[int, int]:
     """`(in_dim, out_dim)` of a LoRA target in a base model with no `get_hidden_dim` of its own."""
     cfg = base_config
     hidden = int(cfg["hidden_size"])
@@ -163,8 +164,10 @@ def plan_buffers(
 def _buffer_plans(pool: _pool.Pool, itemsize: int) -> list[BufferPlan]:
     """The pool's buffers as BufferPlans (layers with equal shapes grouped), in SGLang's allocation order."""
     plans = []
-    for kind, a_side, b_side in (("embed_tokens", pool.embedding_a, pool.embedding_b),
-                                 ("lm_head", pool.lm_head_a, pool.lm_head_b)):  # fmt: skip
+    for kind, a_side, b_side in (
+        ("embed_tokens", pool.embedding_a, pool.embedding_b),
+        ("lm_head", pool.lm_head_a, pool.lm_head_b),
+    ):
         if kind in a_side:
             plans.append(BufferPlan(kind, a_side[kind], b_side[kind], (), itemsize))
     for name, a_layers in pool.a.items():

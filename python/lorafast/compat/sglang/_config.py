@@ -53,8 +53,7 @@ def _lora_config(view: AdapterView, base_vocab_size: int | None = None, col: Col
         message = f"Failed to parse added_tokens.json: {view.added_tokens_error}"
         logger.warning(message)
         if col is not None:
-            col.warn("sglang_added_tokens_json", message, stage="load", adapter_id=view.lora_id,
-                     adapter_name=view.name)  # fmt: skip
+            col.warn("sglang_added_tokens_json", message, stage="load", adapter_id=view.lora_id, adapter_name=view.name)
     elif view.added_tokens:
         # Ids below the base vocabulary are "fake" added tokens and dropped.
         added = sum(1 for v in view.added_tokens.values() if base_vocab_size is None or v >= base_vocab_size)
@@ -85,9 +84,11 @@ def predict_loaded_weights(
     shared = _load_weights(view, base_config=_text_config(base_config))
     # A private copy: the normalized dicts are cached and shared between adapters of the same structure.
     return LoadedWeights(
-        shared.lora_id, {i: dict(w) for i, w in shared.layers.items()}, dict(shared.embedding),
+        shared.lora_id,
+        {i: dict(w) for i, w in shared.layers.items()},
+        dict(shared.embedding),
         dict(shared.added_tokens),
-    )  # fmt: skip
+    )
 
 
 def _load_weights(
@@ -105,9 +106,12 @@ def _load_weights(
     else:
         target_modules, rank = NO_CONFIG, None
     return load_adapter_weights(
-        view, target_modules=target_modules, rank=rank if isinstance(rank, int) else None,
-        base_config=base_config, lora_added_tokens_size=lora_added_tokens_size,
-    )  # fmt: skip
+        view,
+        target_modules=target_modules,
+        rank=rank if isinstance(rank, int) else None,
+        base_config=base_config,
+        lora_added_tokens_size=lora_added_tokens_size,
+    )
 
 
 def _memo(memo: dict[Any, Any] | None, key: Any, compute: Any) -> Any:

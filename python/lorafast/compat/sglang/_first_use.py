@@ -91,8 +91,9 @@ class _Slot:
     experts: dict[int, tuple[int, ...] | None] | None = None
 
 
-def _classify(weights: LoadedWeights, target_modules: set[str], has_shared_moe: bool = False
-              ) -> dict[int, dict[tuple[str, str], _Slot]]:  # fmt: skip
+def _classify(
+    weights: LoadedWeights, target_modules: set[str], has_shared_moe: bool = False
+) -> dict[int, dict[tuple[str, str], _Slot]]:
     """Per layer: (buffer name, "A"/"B") -> what SGLang stages for that buffer (§9.3.2)."""
     out: dict[int, dict[tuple[str, str], _Slot]] = {}
     match = _matcher(target_modules)
@@ -211,8 +212,7 @@ def check_expert_layout(
     return col.problems
 
 
-def _fit_findings(slots: dict[int, dict[tuple[str, str], _Slot]], r: int | None,
-                  plans: list[BufferPlan]) -> list[str]:  # fmt: skip
+def _fit_findings(slots: dict[int, dict[tuple[str, str], _Slot]], r: int | None, plans: list[BufferPlan]) -> list[str]:
     """Weights that cannot be copied into the planned buffers (SGLang asserts at first use); text after the
     `LoRA adapter '<id>': ` prefix."""
     by_name: dict[tuple[str, int], BufferPlan] = {}
@@ -283,8 +283,9 @@ class _FirstUse:
     is replayed again so that each problem gets its own exception object.
     """
 
-    def __init__(self, pool: _pool.Pool, tree: list[_pool.Module], targets: set[str], strict: bool,
-                 shared_outer: bool) -> None:  # fmt: skip
+    def __init__(
+        self, pool: _pool.Pool, tree: list[_pool.Module], targets: set[str], strict: bool, shared_outer: bool
+    ) -> None:
         layers = 1 + max((m.layer for m in tree if m.layer is not None), default=-1)
         self.pool, self.strict, self.shared_outer = pool, strict, shared_outer
         self.plans = _buffer_plans(pool, 2)
@@ -301,8 +302,9 @@ class _FirstUse:
             return hit[2], hit[3], hit[4]
         targets = self.pool.target_modules
         skipped = _skipped_names(weights, targets)
-        error = first_use_error(uid, weights, r, self.pool, self.modules, self.lm_head, strict=self.strict,
-                                shared_outer=self.shared_outer)  # fmt: skip
+        error = first_use_error(
+            uid, weights, r, self.pool, self.modules, self.lm_head, strict=self.strict, shared_outer=self.shared_outer
+        )
         fit: list[str] = []
         if error is None and self.plans:
             fit = _fit_findings(_classify(weights, targets), r if isinstance(r, int) else None, self.plans)
@@ -314,8 +316,9 @@ class _FirstUse:
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         skipped, fails, fit = self._replay(view.lora_id, weights, config.r)
         if skipped and not self.strict:
-            message = MSG_SKIPPED.format(uid=view.lora_id, n=len(skipped), targets=sorted(self.pool.target_modules),
-                                         names=skipped)  # fmt: skip
+            message = MSG_SKIPPED.format(
+                uid=view.lora_id, n=len(skipped), targets=sorted(self.pool.target_modules), names=skipped
+            )
             logger.warning(message)
             col.warn("sglang_skipped_weights", message, stage="first_use", **ids)
         if fails:

@@ -139,8 +139,9 @@ def _load_one(
     config.lora_alpha / config.r  # LoRAAdapter.scaling: a string r or a zero r fails here, as in SGLang
     if not view.has_weights:
         raise RuntimeError(MSG_NO_WEIGHTS.format(path=view.path))
-    weights = _load_weights(view, config=config, base_config=base_config,
-                            lora_added_tokens_size=config.lora_added_tokens_size)  # fmt: skip
+    weights = _load_weights(
+        view, config=config, base_config=base_config, lora_added_tokens_size=config.lora_added_tokens_size
+    )
     return config, weights
 
 
@@ -199,8 +200,9 @@ def preflight(
     for view in views:
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         if view.lora_id in seen_ids:
-            col.fail("sglang_duplicate_id", AssertionError(MSG_ID_LOADED.format(lora_id=view.lora_id)),
-                     stage="load", **ids)  # fmt: skip
+            col.fail(
+                "sglang_duplicate_id", AssertionError(MSG_ID_LOADED.format(lora_id=view.lora_id)), stage="load", **ids
+            )
             continue
         try:
             config, weights = _load_one(view, index, base_config=cfg, max_loras_per_batch=max_loras_per_batch, col=col)

@@ -66,9 +66,13 @@ def _init_lora_shapes(
             return _pool.auto_detect(tree, supported_lora_modules)  # a fresh set each time, as SGLang walks it
         if not auto_cache:
             if base_model_modules is None:
-                col.fail("sglang_needs_base_model", ValueError(
-                    "lorafast: resolving target_modules 'all'/'all-linear' needs base_model_modules or base_config"
-                ), stage="startup")  # fmt: skip
+                col.fail(
+                    "sglang_needs_base_model",
+                    ValueError(
+                        "lorafast: resolving target_modules 'all'/'all-linear' needs base_model_modules or base_config"
+                    ),
+                    stage="startup",
+                )
                 auto_cache.append(set())
             else:
                 auto_cache.append(auto_detect_lora_target_modules(base_model_modules))
@@ -91,8 +95,12 @@ def _init_lora_shapes(
                     continue
                 resolved |= auto_detect()
                 continue
-            col.fail("sglang_target_modules_string", ValueError(MSG_UNRECOGNIZED_STRING.format(tm=tm)),
-                     stage="startup", **ids)  # fmt: skip
+            col.fail(
+                "sglang_target_modules_string",
+                ValueError(MSG_UNRECOGNIZED_STRING.format(tm=tm)),
+                stage="startup",
+                **ids,
+            )
             continue
         if not isinstance(tm, list):
             col.fail("sglang_target_modules_type", ValueError(MSG_ONLY_LIST), stage="startup", **ids)
@@ -101,16 +109,17 @@ def _init_lora_shapes(
         if target_modules is not None:
             if not adapter_tm.issubset(resolved):
                 message = MSG_NOT_SUBSET.format(
-                    name=view.name, missing=sorted(adapter_tm - resolved), have=sorted(resolved),
+                    name=view.name,
+                    missing=sorted(adapter_tm - resolved),
+                    have=sorted(resolved),
                     union=sorted(resolved | adapter_tm),
-                )  # fmt: skip
+                )
                 col.fail("sglang_target_modules_not_included", ValueError(message), stage="startup", **ids)
         else:
             resolved |= adapter_tm
     indexer = resolved & DSA_INDEXER_LORA_NAMES
     if indexer and dsa_indexer_fusion:
-        col.fail("sglang_dsa_indexer_fusion", ValueError(MSG_DSA_FUSION.format(names=sorted(indexer))),
-                 stage="startup")  # fmt: skip
+        col.fail("sglang_dsa_indexer_fusion", ValueError(MSG_DSA_FUSION.format(names=sorted(indexer))), stage="startup")
     rank = max_lora_rank if max_lora_rank is not None else max([c.r for _, c in entries], default=0)
     added = next((c.lora_added_tokens_size for _, c in entries if c.lora_added_tokens_size > 0), 0)
     return resolved, rank, added
