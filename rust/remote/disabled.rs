@@ -37,3 +37,7 @@ pub fn inspect_urls(
 ) -> Vec<Result<AdapterResult, Error>> {
     urls.iter().map(|u| Err(unsupported(u))).collect()
 }
+
+pub fn read_range(url: &str, _: std::ops::Range<u64>, _: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    Err(unsupported(url))
+}

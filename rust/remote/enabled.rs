@@ -126,6 +126,23 @@ pub fn inspect_urls(
     })
 }
 
+/// Bytes `range` of one object (clipped to its end) and the object's size: the small reads of
+/// `read_base` (safetensors headers, `config.json`, shard indexes) with the scan's stores, retries
+/// and error codes.
+pub fn read_range(url: &str, range: std::ops::Range<u64>, ropts: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    let remote = Remote::new(ropts);
+    let urls = [url.to_owned()];
+    let mut out = run(Some(1), &urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
+        let got = async {
+            let loc = remote.loc(url)?;
+            remote.get_range(&loc, range).await
+        };
+        vec![got.await.map(|(bytes, size)| (bytes.to_vec(), size))]
+    });
+    out.pop()
+        .unwrap_or_else(|| Err(Error::adapter(url, "internal", "read_range lost its result")))
+}
+
 fn join_error(url: &str, e: &tokio::task::JoinError) -> Error {
     Error::adapter(url, "internal", format!("reading this adapter panicked: {e}"))
 }

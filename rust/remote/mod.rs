@@ -185,6 +185,11 @@ pub fn inspect_many(
     )
 }
 
+/// Bytes `range` of the object at `url` (clipped to its end) and the object's size.
+pub fn read_range(url: &str, range: std::ops::Range<u64>, ropts: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    imp::read_range(url, range, ropts)
+}
+
 #[cfg(not(feature = "remote"))]
 mod disabled;
 #[cfg(not(feature = "remote"))]
