@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -330,13 +331,67 @@ def _filter_duplicates(files: list[str], folder: str) -> list[str]:
     return [f for f in files if f in in_index]
 
 
+#: (header bytes, file size) -> `{name: shape}` of a header that parsed and validated. The parse is a function of
+#: exactly those two (`parse_header(bytes, file_size)`), and adapters trained from one recipe have byte-identical
+#: headers, so each distinct header is parsed once. Emptied when the keys pass `_HEADER_CACHE_BUDGET` bytes.
+_HEADER_CACHE: dict[tuple[bytes, int], dict[str, Shape | None]] = {}
+_HEADER_CACHE_BUDGET = 64 << 20
+_header_cache_used = 0
+_SPECULATIVE = 64 << 10
+_MAX_CACHED_HEADER = 4 << 20
+
+
+def _raw_header(file: str) -> tuple[bytes, int] | None:
+    """(header bytes, file size) of a regular file, or None when anything is unusual (the core then reads it
+    and raises what it raises)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < 8:
+            return None
+        data = os.pread(fd, _SPECULATIVE + 8, 0)
+        if len(data) < 8:
+            return None
+        n = int.from_bytes(data[:8], "little")
+        if n > _MAX_CACHED_HEADER or 8 + n > st.st_size:
+            return None
+        if len(data) < 8 + n:
+            data += os.pread(fd, 8 + n - len(data), len(data))
+            if len(data) < 8 + n:
+                return None
+        return data[8 : 8 + n], st.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _read_names_and_shapes(file: str) -> dict[str, Shape | None]:
     """`{name: shape}` of one file's header, in name order (`safe_open(...).keys()` order)."""
-    entries = _core.read_header(file, "pread")["tensors"]  # [(name, dtype, shape, offsets)], names unique
+    global _header_cache_used
+    key = _raw_header(file)
+    if key is not None:
+        cached = _HEADER_CACHE.get(key)
+        if cached is not None:
+            return dict(cached)
+    header = _core.read_header(file, "pread")  # errors are raised here, never cached
+    entries = header["tensors"]  # [(name, dtype, shape, offsets)], names unique
     entries.sort()
     if entries and type(entries[0][2]) is tuple:
-        return {entry[0]: entry[2] for entry in entries}
-    return {entry[0]: _shape(entry[2]) for entry in entries}
+        table = {entry[0]: entry[2] for entry in entries}
+    else:
+        table = {entry[0]: _shape(entry[2]) for entry in entries}
+    # Stored only when the core read the same header (the file did not change in between).
+    if key is not None and header.get("header_size") == len(key[0]) and header.get("file_size") == key[1]:
+        if _header_cache_used + len(key[0]) > _HEADER_CACHE_BUDGET:
+            _HEADER_CACHE.clear()
+            _header_cache_used = 0
+        _HEADER_CACHE[key] = dict(table)
+        _header_cache_used += len(key[0])
+    return table
 
 
 def _header_tables(files: Iterable[str]) -> dict[str, dict[str, Shape | None]]:
