@@ -69,3 +69,22 @@ def test_same_structure_gets_own_first_use_problems(tmp_path: Path, case: str) -
         found += [p for p in together.problems if p.stage == "first_use" and p.adapter_id == name]
     errors = [p.error for p in found if p.fatal]
     assert len({id(e) for e in errors}) == len(errors)  # each problem raises its own exception
+
+
+def test_header_parsed_once_per_distinct_header(tmp_path: Path) -> None:
+    """Identical headers share one parse; a rewritten file, or a broken one, is read again."""
+    from lorafast.compat._inputs import AdapterView
+
+    a = _peft(tmp_path, "a", _attn(), ["q_proj", "v_proj"])
+    b = _peft(tmp_path, "b", _attn(), ["q_proj", "v_proj"])
+    va, vb = AdapterView.from_path(a), AdapterView.from_path(b)
+    assert va.tensors == vb.tensors and va.tensors is not vb.tensors
+    _peft(tmp_path / "b2", "b", {k: (s[0], 2 * s[1]) for k, s in _attn().items()}, ["q_proj", "v_proj"])
+    (Path(b) / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "b2" / "b" / "adapter_model.safetensors").read_bytes()
+    )
+    assert AdapterView.from_path(b).tensors == {k: (s[0], 2 * s[1]) for k, s in _attn().items()}
+    weights = Path(a) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-2])  # same header, data cut short: the core's error again
+    assert AdapterView.from_path(a).load_error is not None
+    assert AdapterView.from_path(b).load_error is None
