@@ -107,6 +107,24 @@ pub enum ModuleKind {
 }
 
 impl ModuleKind {
+    /// Every kind's name, variants in `Variant` order (exported to Python as `MODULE_KINDS`).
+    pub const NAMES: [&'static str; 14] = [
+        "linear",
+        "conv",
+        "embedding",
+        "expert_2d",
+        "stacked_3d",
+        "target_parameters",
+        "loha",
+        "lokr",
+        "oft",
+        "boft",
+        "ia3",
+        "glora",
+        "diff",
+        "incomplete",
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             ModuleKind::Linear => "linear",
@@ -1246,6 +1264,34 @@ fn f16_to_f64(h: u16) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn module_kind_names_are_listed() {
+        use crate::names::Variant;
+        let variants = [
+            Variant::Loha,
+            Variant::Lokr,
+            Variant::Oft,
+            Variant::Boft,
+            Variant::Ia3,
+            Variant::Glora,
+            Variant::Diff,
+        ];
+        let kinds = [
+            ModuleKind::Linear,
+            ModuleKind::Conv,
+            ModuleKind::Embedding,
+            ModuleKind::Expert2d,
+            ModuleKind::Stacked3d,
+            ModuleKind::TargetParameters,
+            ModuleKind::Incomplete,
+        ]
+        .into_iter()
+        .chain(variants.into_iter().map(ModuleKind::Variant));
+        let names: Vec<&str> = kinds.map(ModuleKind::name).collect();
+        assert_eq!(names.len(), ModuleKind::NAMES.len());
+        assert!(names.iter().all(|n| ModuleKind::NAMES.contains(n)), "{names:?}");
+    }
 
     #[test]
     fn half_precision() {

@@ -126,6 +126,17 @@ struct Context {
     source: io::Error,
 }
 
+/// The `&'static str` of a known error code (a header rule, an adapter or a torch code), for codes read
+/// back from Python or from an index; None for any other text.
+pub fn known_code(code: &str) -> Option<&'static str> {
+    HEADER_ERROR_CODES
+        .iter()
+        .chain(ADAPTER_ERROR_CODES)
+        .chain(crate::torch::TORCH_ERROR_CODES)
+        .find(|k| **k == code)
+        .copied()
+}
+
 /// The codes of failed adapters besides the header rules, in documentation order (exported to
 /// Python as `ADAPTER_ERROR_CODES`). Remote-only codes come last.
 pub const ADAPTER_ERROR_CODES: &[&str] = &[

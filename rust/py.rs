@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
-use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
+use crate::error::{known_code, Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
 use crate::header::{self, Dtype, ReadMode};
 use crate::remote::{self, RemoteOptions};
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
@@ -1080,17 +1080,6 @@ fn discover_targets(
     })
 }
 
-/// The `&'static str` of an error code that crossed into Python and back.
-fn static_code(code: &str) -> &'static str {
-    HEADER_ERROR_CODES
-        .iter()
-        .chain(ADAPTER_ERROR_CODES)
-        .chain(torch::TORCH_ERROR_CODES)
-        .find(|k| **k == code)
-        .copied()
-        .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
-}
-
 /// Loads `discover_targets` items (a shard of them); failed items stay failed rows, in place.
 #[pyfunction]
 #[pyo3(signature = (items, threads = None, mode = "pread", content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
@@ -1117,11 +1106,18 @@ fn scan_targets(
                     weights: w.into(),
                     config: config.map(PathBuf::from),
                 }),
-                (_, code) => Err(Error::adapter(
-                    PathBuf::from(path),
-                    static_code(code.as_deref().unwrap_or("internal")),
-                    message.unwrap_or_default(),
-                )),
+                (_, code) => {
+                    let code = code.as_deref().unwrap_or("internal");
+                    // A code that crossed into Python and back is one of the core's; any other text is a bug.
+                    let (code, message) = match known_code(code) {
+                        Some(known) => (known, message.unwrap_or_default()),
+                        None => (
+                            "internal",
+                            format!("unknown error code {code:?}: {}", message.unwrap_or_default()),
+                        ),
+                    };
+                    Err(Error::adapter(PathBuf::from(path), code, message))
+                }
             })
             .collect();
         Ok(fill_rows(found, |t| {
@@ -1238,6 +1234,8 @@ mod _core {
         m.add("FORMATS", super::Format::NAMES.to_vec())?;
         m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;
         m.add("FLAGS", super::flags::NAMES.to_vec())?;
+        m.add("MODULE_KINDS", crate::classify::ModuleKind::NAMES.to_vec())?;
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("DTYPES", super::Dtype::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
         m.add(
             "build_profile",

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, MoeLayout, Problem, PROBLEM_CODES};
-use crate::error::{Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
+use crate::error::{known_code, Error};
 use crate::header::Dtype;
 use crate::names::Variant;
 use crate::scan::{AdapterResult, Target};
@@ -90,16 +90,6 @@ fn value_path(v: &Value) -> Result<PathBuf, String> {
         }
         _ => Err(bad("path")),
     }
-}
-
-/// A `&'static str` code from the known lists (codes are static in the core).
-fn static_str(code: &str, lists: &[&[&'static str]]) -> &'static str {
-    lists
-        .iter()
-        .flat_map(|l| l.iter())
-        .find(|k| **k == code)
-        .copied()
-        .unwrap_or_else(|| Box::leak(code.to_owned().into_boxed_str()))
 }
 
 /// Writes `$v` as JSON into the `Vec<u8>` `$buf` (serde; no intermediate `Value`).
@@ -307,8 +297,13 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
             if f.len() != 3 {
                 return Err(bad("problem"));
             }
+            let code = string(&f[0])?;
             Ok(Problem {
-                code: static_str(&string(&f[0])?, &[PROBLEM_CODES, &["too_many_problems"]]),
+                code: PROBLEM_CODES
+                    .iter()
+                    .find(|k| **k == code)
+                    .copied()
+                    .ok_or_else(|| bad("problem code"))?,
                 message: string(&f[1])?,
                 tensor: opt_str(&f[2])?,
             })
@@ -354,10 +349,7 @@ pub fn decode_row(
         if f.len() != 3 {
             return Err(bad("error"));
         }
-        let code = static_str(
-            &string(&f[1])?,
-            &[HEADER_ERROR_CODES, ADAPTER_ERROR_CODES, crate::torch::TORCH_ERROR_CODES],
-        );
+        let code = known_code(&string(&f[1])?).ok_or_else(|| bad("error code"))?;
         return Ok(Err(Error::adapter(value_path(&f[0])?, code, string(&f[2])?)));
     }
     let metadata = match get(&v, "metadata") {

@@ -25,7 +25,7 @@ LISTS: dict[str, tuple[Any, Any]] = {
     "TORCH_ERROR_CODES": (_core.TORCH_ERROR_CODES, types.TorchErrorCode),
     "PROBLEM_CODES": (_core.PROBLEM_CODES, types.ProblemCode),
     "FLAGS": (_core.FLAGS, types.Flag),
-    "MODULE_KINDS": (getattr(_core, "MODULE_KINDS", None), types.ModuleKind),
+    "MODULE_KINDS": (_core.MODULE_KINDS, types.ModuleKind),
     "MERGE_FORMS": (None, types.MergeForm),
 }
 

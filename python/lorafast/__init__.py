@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _core
 from .errors import AdapterError, HeaderError, InternalError, LorafastError
 from .types import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
 
-__version__ = "0.1.0"
+__version__: str = _core.__version__  # Cargo.toml's version, the one source (pyproject takes it too)
 
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {

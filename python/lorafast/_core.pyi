@@ -10,9 +10,11 @@ __all__ = [
     "FLAGS",
     "FORMATS",
     "HEADER_ERROR_CODES",
+    "MODULE_KINDS",
     "MOE_LAYOUTS",
     "PROBLEM_CODES",
     "TORCH_ERROR_CODES",
+    "__version__",
     "MappedFile",
     "ScanResult",
     "_debug_panic_on",
@@ -38,6 +40,8 @@ TORCH_ERROR_CODES: list[str]
 FORMATS: list[str]
 MOE_LAYOUTS: list[str]
 FLAGS: list[str]
+MODULE_KINDS: list[str]
+__version__: str
 DTYPES: list[str]
 build_profile: str
 

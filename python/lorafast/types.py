@@ -144,7 +144,7 @@ ADAPTER_ERROR_CODES: tuple[AdapterErrorCode, ...] = tuple(_core.ADAPTER_ERROR_CO
 TORCH_ERROR_CODES: tuple[TorchErrorCode, ...] = tuple(_core.TORCH_ERROR_CODES)  # type: ignore[arg-type]
 PROBLEM_CODES: tuple[ProblemCode, ...] = tuple(_core.PROBLEM_CODES)  # type: ignore[arg-type]
 FLAGS: tuple[Flag, ...] = tuple(_core.FLAGS)  # type: ignore[arg-type]
-MODULE_KINDS: tuple[ModuleKind, ...] = get_args(ModuleKind)
+MODULE_KINDS: tuple[ModuleKind, ...] = tuple(_core.MODULE_KINDS)  # type: ignore[arg-type]
 MERGE_FORMS: tuple[MergeForm, ...] = get_args(MergeForm)
 
 __all__ = [
