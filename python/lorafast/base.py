@@ -7,7 +7,9 @@ scheme (`fp8`, `int4`, `mxfp4`, ...), never read as plain matrices of the packed
 
 Local headers go through the Rust reader (`_core.read_header`, validated like every other header). URLs
 (`http(s)://`, `hf://org/repo[@rev]/path`) are fetched with range requests: only headers and JSON files, the
-header bytes written into a sparse temporary file of the object's size so the same validator checks them.
+header bytes written into a sparse temporary file of the object's size so the same validator checks them. Object
+stores (`s3://`, `gs://`, `az://`) go the same way through the Rust remote layer that `scan` uses
+(`_core.read_url_range`, with `storage_options` and `timeout`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import _core
-from .errors import HeaderError, _CodedError
+from .errors import AdapterError, HeaderError, _CodedError
 
 PathLike = str | os.PathLike[str]
 
@@ -49,7 +51,8 @@ _FILE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
 
 class BaseModelError(_CodedError):
     """A base checkpoint cannot be read: `code` is one of `missing_file`, `missing_shard`, `bad_index`,
-    `missing_config`, `bad_config`, `no_weights`; `path` names the file."""
+    `missing_config`, `bad_config`, `no_weights`, `unsupported_url`, or for an object store the remote layer's
+    (`timeout`, `connection_error`, `remote_error`, `store_config`, ...); `path` names the file."""
 
 
 class Weight(NamedTuple):
@@ -209,6 +212,37 @@ class _Http:
         return []
 
 
+#: Largest JSON file (`config.json`, a shard index) read from an object store.
+_MAX_JSON_BYTES = 16 << 20
+
+
+class _Store(_Http):
+    """An object store folder or object (`s3://`, `gs://`, `az://`), read through the Rust remote layer
+    (`_core.read_url_range`): the stores, credentials, retries and error codes `scan` uses. Headers are read as
+    from a web server (two range requests at most), JSON files whole up to 16 MiB."""
+
+    def __init__(self, url: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> None:
+        from .scanner import _storage_items
+
+        self.root = url
+        self.headers = {}
+        self.timeout = 10.0 if timeout is None else timeout  # the remote layer's default
+        self.options = _storage_items(storage_options)
+        self._missing = set()
+
+    def _get(self, rel: str, rng: tuple[int, int] | None = None) -> tuple[bytes, int | None]:
+        url = self.join(rel) if rel else self.root
+        start, end = rng if rng is not None else (0, _MAX_JSON_BYTES + 1)
+        try:
+            body, size = _core.read_url_range(url, start, end, self.options, self.timeout)
+        except AdapterError as e:  # the remote layer's codes (timeout, connection_error, ...), for a base
+            raise BaseModelError(str(e), str(e.code), url) from None
+        if rng is None and size > _MAX_JSON_BYTES:
+            raise BaseModelError(f"{url}: {size} bytes is too large for a JSON file (at most {_MAX_JSON_BYTES})",
+                                 "bad_config", url)  # fmt: skip
+        return bytes(body), size
+
+
 def _http_root(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, dict[str, str]]:
     headers = {str(k): str(v) for k, v in (storage_options or {}).get("headers", {}).items()}
     if url.startswith("hf://"):
@@ -236,13 +270,18 @@ def _http_root(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str
     return url, headers
 
 
+_STORE_SCHEMES = ("s3://", "gs://", "az://", "abfs://", "abfss://", "adl://", "azure://")
+
+
 def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> _Local | _Http:
     if path.startswith(("http://", "https://", "hf://")):
         return _Http(path, timeout, storage_options)
+    if path.startswith(_STORE_SCHEMES):
+        return _Store(path, timeout, storage_options)
     if "://" in path:
         scheme = path.split("://", 1)[0]
         raise BaseModelError(
-            f"read_base reads local paths, http(s):// and hf:// URLs; {scheme}:// bases are not supported yet",
+            f"read_base reads local paths and http(s)://, hf://, s3://, gs:// and az:// URLs, not {scheme}://",
             "unsupported_url",
             path,
         )
@@ -257,7 +296,8 @@ def read_base(
     path_or_url: PathLike, *, storage_options: Mapping[str, Any] | None = None, timeout: float | None = None
 ) -> BaseModel:
     """Read a base checkpoint header-only: a `.safetensors` file, a sharded checkpoint folder (or its index
-    file), a diffusers pipeline folder, or a single-file diffusion checkpoint.
+    file), a diffusers pipeline folder, or a single-file diffusion checkpoint. Local, `http(s)://`, `hf://`, or in
+    an object store (`s3://`, `gs://`, `az://`; `storage_options` as for `scan`, e.g. `endpoint`, `region`).
 
     Raises `BaseModelError` (missing shard, index naming absent files, missing config, ...) or `HeaderError`
     for a malformed shard, each naming the file; `FileNotFoundError` when the path does not exist.
@@ -268,7 +308,7 @@ def read_base(
         raise FileNotFoundError(2, f"no such base model: {path}", path)
     if path.endswith(".index.json"):
         folder, index = path.rsplit("/", 1) if isinstance(src, _Http) else os.path.split(path)
-        sub = _Http(folder, timeout, storage_options) if isinstance(src, _Http) else _Local(folder)
+        sub = type(src)(folder, timeout, storage_options) if isinstance(src, _Http) else _Local(folder)
         return _read_model(sub, index_name=index)
     if not src.is_dir():
         return _read_single(src, path)
@@ -281,7 +321,7 @@ def _read_single(src: _Local | _Http, path: str) -> BaseModel:
     folder, name = (path.rsplit("/", 1) if isinstance(src, _Http) else os.path.split(path)) or ("", path)
     sub: _Local | _Http = src
     if isinstance(src, _Http):
-        sub = _Http.__new__(_Http)
+        sub = type(src).__new__(type(src))
         sub.__dict__.update(src.__dict__, root=folder)
     else:
         sub = _Local(folder or ".")
@@ -351,7 +391,7 @@ def _read_pipeline(src: _Local | _Http) -> BaseModel:
 def _sub(src: _Local | _Http, name: str) -> _Local | _Http:
     if isinstance(src, _Local):
         return _Local(src.join(name))
-    sub = _Http.__new__(_Http)
+    sub = type(src).__new__(type(src))
     sub.__dict__.update(src.__dict__, root=src.join(name), _missing=set())
     return sub
 
