@@ -1,13 +1,20 @@
-"""Remote scan throughput: lorafast.scan of an S3 bucket against boto3 loops, on a loopback S3 server.
+"""Remote scans at network speed: lorafast against boto3 / huggingface_hub loops, behind a latency proxy.
 
-Writes 2,000 dense PEFT adapters (448 tensors each, the header fits the first 64 KiB range), puts
-them into moto's S3 server on 127.0.0.1, then times, in this one run:
-  lorafast.scan("s3://bench/")  list + config + ranged header reads, full validation and classification;
-  B1 a Python loop: list_objects_v2, then per adapter get_object(config) + get_object(Range=...) + json.loads;
-  B2 the same loop on 32 threads.
-Prints adapters/s, the ratios, and the CPU seconds of the S3 server and of this client per run:
-moto is a Python server, so on a small machine it, not the client, bounds the fastest method.
-Usage: python benches/bench_remote.py [-n 2000] [--repeat 3]
+Writes N small-header adapters (one .safetensors of 16 tensors each: a ~2 KB header, 128 KiB of data, so a
+64 KiB first read is all data past the header), and serves them on loopback from
+  s3:   moto's S3 app (as tests/servers.py MotoS3 runs it, but behind an HTTP/1.1 keep-alive server), and
+  http: the range server of tests/servers.py, with keep-alive, laid out as the Hub's resolve URLs,
+each in a subprocess, behind benches/netproxy.py (an asyncio TCP proxy on 127.0.0.1 that adds the round trip
+time, a handshake round trip per new connection, and a bandwidth limit per direction). For each store and
+RTT, in the same run:
+  lorafast.scan(..., concurrency=C)          list (s3) + one ranged GET per adapter, full validation
+  B1 sequential loop                          s3: boto3 get_object(Range=0-65535) + json.loads;
+                                              http: huggingface_hub HfApi.parse_safetensors_file_metadata
+  B2 the same on a thread pool of C threads   (boto3 with max_pool_connections=C; one hf session per thread)
+The bound is C / RTT adapters/s (one request per adapter). Client CPU is this process's CPU time
+(time.process_time: every thread, lorafast's tokio workers included) per adapter; server and proxy CPU are
+read from /proc so a saturated server is visible. Only 127.0.0.1 is used.
+Usage: python benches/bench_remote.py [-n 600] [--rtt-ms 20 80] [--mbit 200] [-c 16] [--stores s3 http]
 """
 
 from __future__ import annotations
@@ -15,22 +22,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import struct
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lorafast
+from lorafast.testing import write_safetensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
-from bench_scan import make_dense  # noqa: E402
-from servers import MotoS3  # noqa: E402
+sys.path[:0] = [os.path.join(HERE, "..", "tests")]
+from servers import files_under  # noqa: E402
 
 BUCKET = "bench"
+HOST = "127.0.0.1"
+WEIGHTS = "adapter_model.safetensors"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -39,13 +51,184 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def make_fleet(root: str, n: int) -> list[str]:
+    """n single-file adapters `bench/aNNNNN/resolve/main/adapter_model.safetensors`; returns the repo ids."""
+    repos = []
+    for i in range(n):
+        repo = f"{BUCKET}/a{i:05d}"
+        folder = os.path.join(root, repo, "resolve", "main")
+        os.makedirs(folder)
+        tensors = {}
+        for layer in range(4):
+            for m in ("q_proj", "v_proj"):
+                key = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+                tensors[f"{key}.lora_A.weight"] = ("BF16", (8, 512))
+                tensors[f"{key}.lora_B.weight"] = ("BF16", (512, 8))
+        write_safetensors(os.path.join(folder, WEIGHTS), tensors)
+        repos.append(repo)
+    return repos
+
+
 def max_rank(header: dict[str, Any]) -> int:
     return max((v["shape"][0] for k, v in header.items() if k.endswith("lora_A.weight")), default=0)
 
 
-def read_adapter(client: Any, folder: str) -> int:
-    json.loads(client.get_object(Bucket=BUCKET, Key=f"{folder}/adapter_config.json")["Body"].read())
-    key = f"{folder}/adapter_model.safetensors"
+# ------------------------------------------------------------------ servers and the proxy
+
+
+class Child:
+    """A subprocess that prints its port first and stops when its stdin closes."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"{args[0]} did not start: {line!r}")
+        self.port = int(line)
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def stop(self) -> str:
+        out = ""
+        try:
+            out = self.proc.communicate(timeout=10)[0] or ""
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return out
+
+
+def serve_http(root: str) -> None:
+    """Child mode: tests/servers.py's range server over `root`, HTTP/1.1 keep-alive, until stdin closes."""
+    from servers import RangeServer, _Handler, _Server
+
+    class KeepAlive(_Handler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms delayed-ACK stall
+
+    _Server.request_queue_size = 1024  # the listen backlog (5 by default drops bursts of connects)
+    server = RangeServer(root)
+    server.httpd.RequestHandlerClass = KeepAlive
+    print(server.httpd.server_address[1], flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+def serve_s3() -> None:
+    """Child mode: moto's S3 app behind a threaded HTTP/1.1 keep-alive server, until stdin closes.
+
+    moto's own server (werkzeug's development server) closes every connection after one response,
+    which no real S3 endpoint does; behind the proxy that would add a handshake round trip to every
+    request of every method.
+    """
+    import io
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from moto.server import DomainDispatcherApplication, create_backend_app
+
+    app = DomainDispatcherApplication(create_backend_app)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def handle_wsgi(self) -> None:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                body = b""
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+            else:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            path, _, query = self.path.partition("?")
+            environ: dict[str, Any] = {
+                "REQUEST_METHOD": self.command,
+                "PATH_INFO": urllib.parse.unquote(path),
+                "QUERY_STRING": query,
+                "RAW_URI": self.path,
+                "REQUEST_URI": self.path,
+                "SERVER_NAME": HOST,
+                "SERVER_PORT": str(self.server.server_address[1]),
+                "SERVER_PROTOCOL": "HTTP/1.1",
+                "REMOTE_ADDR": HOST,
+                "CONTENT_LENGTH": str(len(body)),
+                "CONTENT_TYPE": self.headers.get("Content-Type", ""),
+                "wsgi.input": io.BytesIO(body),
+                "wsgi.errors": sys.stderr,
+                "wsgi.url_scheme": "http",
+                "wsgi.version": (1, 0),
+                "wsgi.multithread": True,
+                "wsgi.multiprocess": False,
+                "wsgi.run_once": False,
+            }
+            for k, v in self.headers.items():
+                if k.lower() not in ("content-type", "content-length"):
+                    environ["HTTP_" + k.upper().replace("-", "_")] = v
+            started: list[Any] = []
+
+            def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+                started[:] = [status, headers]
+                return lambda data: None
+
+            result = app(environ, start_response)
+            try:
+                data = b"".join(result)
+            finally:
+                getattr(result, "close", lambda: None)()
+            status, headers = started
+            code, _, reason = status.partition(" ")
+            self.send_response(int(code), reason)
+            head = self.command == "HEAD"
+            for k, v in headers:
+                if k.lower() not in ("connection", "transfer-encoding") and (head or k.lower() != "content-length"):
+                    self.send_header(k, v)
+            if not head:
+                self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = handle_wsgi
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 1024
+
+    httpd = Server((HOST, 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    print(httpd.server_address[1], flush=True)
+    sys.stdin.read()
+    httpd.shutdown()
+
+
+class Proxy(Child):
+    def __init__(self, upstream: int, rtt_ms: float, mbit: float) -> None:
+        script = os.path.join(HERE, "netproxy.py")
+        super().__init__([script, "--upstream-port", str(upstream), "--rtt-ms", str(rtt_ms), "--mbit", str(mbit)])
+
+    def stats(self) -> tuple[int, int, int]:
+        """(connections accepted, bytes up, bytes down) so far."""
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        a, up, down = self.proc.stdout.readline().split()
+        return int(a), int(up), int(down)
+
+
+# ------------------------------------------------------------------ the methods
+
+
+def s3_read(client: Any, key: str) -> int:
     body = client.get_object(Bucket=BUCKET, Key=key, Range="bytes=0-65535")["Body"].read()
     (n,) = struct.unpack("<Q", body[:8])
     if 8 + n > len(body):
@@ -53,72 +236,169 @@ def read_adapter(client: Any, folder: str) -> int:
     return max_rank(json.loads(body[8 : 8 + n]))
 
 
-def list_folders(client: Any) -> list[str]:
+def s3_keys(client: Any) -> list[str]:
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
-    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
-    return sorted(k.rsplit("/", 1)[0] for k in keys if k.endswith("/adapter_config.json"))
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".safetensors"))
 
 
-def boto3_loop(server: MotoS3) -> int:
-    client = server.client()
-    return sum(1 for folder in list_folders(client) if read_adapter(client, folder) >= 0)
-
-
-def boto3_threads(server: MotoS3) -> int:
+def s3_client(endpoint: str, pool: int) -> Any:
+    import boto3
     from botocore.config import Config
 
-    client = server.client(config=Config(max_pool_connections=32))  # boto3 clients are thread-safe
-    with ThreadPoolExecutor(32) as pool:
-        return sum(1 for r in pool.map(lambda f: read_adapter(client, f), list_folders(client)) if r >= 0)
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(max_pool_connections=pool, retries={"max_attempts": 1}),
+    )
+
+
+def hf_read(api: Any, repo: str) -> int:
+    meta = api.parse_safetensors_file_metadata(repo, WEIGHTS)
+    return max(t.shape[0] for k, t in meta.tensors.items() if k.endswith("lora_A.weight"))
+
+
+class Case:
+    """One store behind one proxy: the methods to time."""
+
+    def __init__(self, store: str, port: int, repos: list[str], concurrency: int, seq_n: int) -> None:
+        self.store, self.repos, self.c = store, repos, concurrency
+        self.seq_n = min(seq_n, len(repos))
+        self.endpoint = f"http://{HOST}:{port}"
+
+    def lorafast(self) -> int:
+        endpoint = self.endpoint
+        if self.store == "s3":
+            opts = {"endpoint": endpoint, "region": "us-east-1", "aws_access_key_id": "testing"}
+            opts["aws_secret_access_key"] = "testing"
+            report = lorafast.scan(f"s3://{BUCKET}/", storage_options=opts, concurrency=self.c)
+        else:
+            urls = [f"{endpoint}/ok/{r}/resolve/main/{WEIGHTS}" for r in self.repos]
+            report = lorafast.scan(urls, concurrency=self.c)
+        assert not report.errors, report.errors[:3]
+        assert set(report.columns()["rank"].tolist()) == {8}
+        return len(report)
+
+    def sequential(self) -> int:
+        if self.store == "s3":
+            client = s3_client(self.endpoint, 1)
+            keys = s3_keys(client)[: self.seq_n]
+            return sum(1 for k in keys if s3_read(client, k) == 8)
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=f"{self.endpoint}/ok", token=False)
+        return sum(1 for r in self.repos[: self.seq_n] if hf_read(api, r) == 8)
+
+    def threads(self) -> int:
+        with ThreadPoolExecutor(self.c) as pool:
+            if self.store == "s3":
+                client = s3_client(self.endpoint, self.c)  # boto3 clients are thread-safe
+                return sum(1 for r in pool.map(lambda k: s3_read(client, k), s3_keys(client)) if r == 8)
+            from huggingface_hub import HfApi
+
+            api = HfApi(endpoint=f"{self.endpoint}/ok", token=False)
+            return sum(1 for r in pool.map(lambda repo: hf_read(api, repo), self.repos) if r == 8)
+
+
+def timed(fn: Callable[[], int], server: Child, proxy: Proxy | None) -> dict[str, float]:
+    pid = server.proc.pid
+    s0, p0 = cpu_seconds(pid), proxy.cpu() if proxy else 0.0
+    k0 = proxy.stats() if proxy else (0, 0, 0)
+    c0, t0 = time.process_time(), time.perf_counter()
+    count = fn()
+    wall, client = time.perf_counter() - t0, time.process_time() - c0
+    k1 = proxy.stats() if proxy else (0, 0, 0)
+    return {
+        "count": count,
+        "wall": wall,
+        "rate": count / wall,
+        "client_ms": 1e3 * client / count,
+        "server_cpu": cpu_seconds(pid) - s0,
+        "proxy_cpu": (proxy.cpu() - p0) if proxy else 0.0,
+        "conns": k1[0] - k0[0],
+        "kib_down": (k1[2] - k0[2]) / 1024 / count,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("-n", type=int, default=2000)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("-n", type=int, default=600)
+    ap.add_argument("-c", "--concurrency", type=int, default=16)
+    ap.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0, 80.0])
+    ap.add_argument("--mbit", type=float, default=200.0, help="proxy bandwidth per direction")
+    ap.add_argument("--seq-n", type=int, default=30, help="adapters the sequential loop reads")
+    ap.add_argument("--stores", nargs="+", default=["s3", "http"], choices=["s3", "http"])
+    ap.add_argument("--serve-http", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-s3", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    print(f"lorafast {lorafast.__version__}, core build: {lorafast._core.build_profile}, cpus: {os.cpu_count()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        make_dense(tmp, args.n)
-        print(f"wrote {args.n} adapters in {time.perf_counter() - t:.1f}s")
-        server = MotoS3()
-        try:
-            t = time.perf_counter()
-            objects = server.upload(BUCKET, tmp)
-            print(f"uploaded {objects} objects to moto on 127.0.0.1 in {time.perf_counter() - t:.1f}s\n")
-            opts = server.storage_options
+    if args.serve_http:
+        return serve_http(args.serve_http)
+    if args.serve_s3:
+        return serve_s3()
+    import huggingface_hub
 
-            def lorafast_scan() -> int:
-                report = lorafast.scan(f"s3://{BUCKET}/", storage_options=opts)
-                assert not report.errors, report.errors[:3]
-                return len(report)
-
-            methods: list[tuple[str, Callable[[], int]]] = [
-                ("lorafast.scan (s3://, 64 in flight)", lorafast_scan),
-                ("B1 boto3 loop: get_object(Range) + json.loads", lambda: boto3_loop(server)),
-                ("B2 boto3 on 32 threads", lambda: boto3_threads(server)),
-            ]
-            rows = []
-            for name, fn in methods:
-                best, cpu, client = float("inf"), 0.0, 0.0
-                for _ in range(args.repeat):
-                    c0, p0, t0 = cpu_seconds(server.proc.pid), cpu_seconds(os.getpid()), time.perf_counter()
-                    count = fn()
-                    elapsed = time.perf_counter() - t0
-                    if elapsed < best:
-                        best, cpu = elapsed, cpu_seconds(server.proc.pid) - c0
-                        client = cpu_seconds(os.getpid()) - p0
-                    assert count == args.n, (name, count)
-                rows.append((name, args.n / best, best, cpu, client))
-        finally:
-            server.stop()
-    base = rows[0][1]
     print(
-        f"{'method':48} {'adapters/s':>11} {'seconds':>8} {'server cpu s':>13} {'client cpu s':>13} {'lorafast x':>11}"
+        f"lorafast {lorafast.__version__} (core build: {lorafast._core.build_profile}), "
+        f"huggingface_hub {huggingface_hub.__version__}, cpus: {os.cpu_count()}; "
+        f"{args.n} adapters, concurrency {args.concurrency}, {args.mbit:g} Mbit/s each way"
     )
-    for name, rate, secs, cpu, client in rows:
-        print(f"{name:48} {rate:11.0f} {secs:8.2f} {cpu:13.2f} {client:13.2f} {base / rate:11.2f}")
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="lf-bench-remote-")
+    try:
+        repos = make_fleet(tmp, args.n)
+        for store in args.stores:
+            if store == "s3":
+                server: Any = Child([os.path.abspath(__file__), "--serve-s3"])
+                client = s3_client(f"http://{HOST}:{server.port}", 8)
+                client.create_bucket(Bucket=BUCKET)
+                for full, key in files_under(os.path.join(tmp, BUCKET)):
+                    with open(full, "rb") as f:
+                        client.put_object(Bucket=BUCKET, Key=key.replace("/resolve/main", ""), Body=f.read())
+            else:
+                server = Child([os.path.abspath(__file__), "--serve-http", tmp])
+            base_port = server.port
+            try:
+                # Server capacity with no proxy: the most any method can reach here.
+                direct = Case(store, base_port, repos, args.concurrency, args.seq_n)
+                direct.lorafast()  # warm-up (lazy imports, the server's first requests)
+                r = timed(direct.lorafast, server, None)
+                rows.append((store, 0.0, "lorafast, no proxy (server capacity)", r, 0.0))
+                for rtt in args.rtt_ms:
+                    proxy = Proxy(base_port, rtt, args.mbit)
+                    try:
+                        case = Case(store, proxy.port, repos, args.concurrency, args.seq_n)
+                        bound = args.concurrency / (rtt / 1e3)
+                        for name, fn in [
+                            (f"lorafast.scan, concurrency={args.concurrency}", case.lorafast),
+                            ("B1 sequential " + ("boto3" if store == "s3" else "huggingface_hub"), case.sequential),
+                            (f"B2 {args.concurrency} threads", case.threads),
+                        ]:
+                            r = timed(fn, server, proxy)
+                            rows.append((store, rtt, name, r, bound))
+                            print_row(rows[-1])
+                    finally:
+                        proxy.stop()
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(f"{'store':5} {'rtt':>4} {'method':40} {'adapters/s':>10} {'% bound':>8} {'client ms/adapter':>17} "
+          f"{'server cpu s':>12} {'proxy cpu s':>11} {'conns':>5} {'KiB/adapter':>11}")  # fmt: skip
+    for row in rows:
+        print_row(row)
+
+
+def print_row(row: tuple[str, float, str, dict[str, float], float]) -> None:
+    store, rtt, name, r, bound = row
+    pct = f"{100 * r['rate'] / bound:7.0f}%" if bound else f"{'':8}"
+    print(
+        f"{store:5} {rtt:4.0f} {name:40} {r['rate']:10.0f} {pct} {r['client_ms']:17.3f} "
+        f"{r['server_cpu']:12.2f} {r['proxy_cpu']:11.2f} {r['conns']:5.0f} {r['kib_down']:11.1f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

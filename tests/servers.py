@@ -31,7 +31,7 @@ from lorafast.testing import write_safetensors
 sys.path.insert(0, os.path.dirname(__file__))
 from malformed import write_corpus
 
-#: Bytes the core asks for first (rust/remote/mod.rs SPECULATIVE_BYTES).
+#: Bytes the core asks for first in a store (rust/remote/mod.rs SPECULATIVE_BYTES); later first reads fit its headers.
 SPECULATIVE_BYTES = 64 << 10
 
 

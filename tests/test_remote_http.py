@@ -6,6 +6,7 @@ import json
 import os
 
 import lorafast
+import lorafast.testing
 import pytest
 from lorafast.errors import AdapterError
 from servers import SPECULATIVE_BYTES, RangeServer, build_fleet, long_kohya, long_peft, normalized
@@ -45,14 +46,40 @@ def test_http_scan_equals_local_scan_with_range_requests_only(site):
     by_path: dict[str, list[str]] = {}
     for path, rng in gets:
         by_path.setdefault(path, []).append(rng)
-    # One speculative range per weights file; a second one only for headers longer than it.
+
+    # One speculative range per weights file, from its start and at most 64 KiB (fewer once the store's
+    # headers are known to be short); a second one, from where it ended, only for a header longer than it.
+    def first_then_rest(ranges: list[str]) -> bool:
+        first_end = int(ranges[0].removeprefix("bytes=0-"))
+        rest_ok = all(r.startswith(f"bytes={first_end + 1}-") for r in ranges[1:])
+        return first_end < SPECULATIVE_BYTES and len(ranges) <= 2 and rest_ok
+
     long_file = "/ok/long/peft/adapter_model.safetensors"
-    assert by_path[long_file][0] == f"bytes=0-{SPECULATIVE_BYTES - 1}"
-    assert len(by_path[long_file]) == 2 and by_path[long_file][1].startswith(f"bytes={SPECULATIVE_BYTES}-")
+    assert len(by_path[long_file]) == 2 and first_then_rest(by_path[long_file])
     dense = [p for p in by_path if "peft_dense" in p and p.endswith(".safetensors")]
-    assert len(dense) > 5 and all(by_path[p] == [f"bytes=0-{SPECULATIVE_BYTES - 1}"] for p in dense)
+    assert len(dense) > 5 and all(first_then_rest(by_path[p]) for p in dense)
     # kohya alphas: range requests past the header (two requests) for the scalars' bytes.
     assert len(by_path["/ok/long/kohya.safetensors"]) >= 3
+
+
+def test_first_read_shrinks_to_the_headers_seen(tmp_path):
+    """After the first answer, a store of short headers is read in small first ranges, one request each."""
+    for i in range(6):
+        lorafast.testing.write_safetensors(
+            tmp_path / f"a{i}.safetensors",
+            {f"m.layers.{j}.q_proj.lora_{ab}.weight": ("F32", (4, 4096)) for j in range(3) for ab in "AB"},
+        )
+    server = RangeServer(str(tmp_path))
+    try:
+        urls = [f"{server.url}/ok/a{i}.safetensors" for i in range(6)]
+        report = lorafast.scan(urls, concurrency=1)
+        assert not report.errors and len(report) == 6
+        assert normalized(report, f"{server.url}/ok", str(tmp_path)) == normalized(lorafast.scan(
+            [str(tmp_path / f"a{i}.safetensors") for i in range(6)]))  # fmt: skip
+        ranges = [rng for method, _, rng in server.requests if method == "GET"]
+        assert ranges == [f"bytes=0-{SPECULATIVE_BYTES - 1}"] + ["bytes=0-4095"] * 5
+    finally:
+        server.stop()
 
 
 def test_server_that_ignores_range_still_gives_the_same_result(site):

@@ -89,10 +89,7 @@ pub fn load_urls(
                     r.unwrap_or_else(|e| Err(join_error(&url, &e)))
                 }
             });
-            futures_util::stream::iter(jobs)
-                .buffered(concurrency)
-                .collect::<Vec<_>>()
-                .await
+            in_input_order(jobs, concurrency).await
         })
     });
     rows
@@ -119,11 +116,21 @@ pub fn inspect_urls(
                 job.await.unwrap_or_else(|e| Err(join_error(&url, &e)))
             }
         });
-        futures_util::stream::iter(jobs)
-            .buffered(concurrency)
-            .collect::<Vec<_>>()
-            .await
+        in_input_order(jobs, concurrency).await
     })
+}
+
+/// Runs `jobs` with at most `limit` in flight, starting the next one as soon as any finishes, and
+/// returns their results in the input order. (`buffered` keeps a slot for every finished job
+/// queued behind a slower one, so one slow answer would hold back the whole window.)
+async fn in_input_order<T, F: std::future::Future<Output = T>>(jobs: impl Iterator<Item = F>, limit: usize) -> Vec<T> {
+    let mut out: Vec<(usize, T)> =
+        futures_util::stream::iter(jobs.enumerate().map(|(i, job)| async move { (i, job.await) }))
+            .buffer_unordered(limit)
+            .collect()
+            .await;
+    out.sort_unstable_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, t)| t).collect()
 }
 
 /// Bytes `range` of one object (clipped to its end) and the object's size: the small reads of

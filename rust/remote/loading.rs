@@ -4,17 +4,18 @@
 use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
 use object_store::ObjectStoreExt;
 use sha2::{Digest, Sha256};
 
+use super::first_read_size;
 use super::listing::join;
 use super::request::{changed, io_err, short};
 use super::shadow::Shadow;
 use super::stores::{Loc, Remote};
-use super::SPECULATIVE_BYTES;
 use crate::error::{Error, HeaderError};
 use crate::header::{parse_header, Header, MAX_HEADER_SIZE, N_LEN};
 use crate::names::{self, Role};
@@ -104,7 +105,10 @@ impl Remote {
             path: PathBuf::from(&loc.url),
             kind,
         };
-        let (first, size) = self.get_range(loc, 0..SPECULATIVE_BYTES).await?;
+        let longest = &loc.store.longest_header;
+        let (first, size) = self
+            .get_range(loc, 0..first_read_size(longest.load(Ordering::Relaxed)))
+            .await?;
         if size < N_LEN {
             return Err(header_err(HeaderError::HeaderTooSmall(size)));
         }
@@ -115,6 +119,7 @@ impl Remote {
         if n + N_LEN > size {
             return Err(header_err(HeaderError::InvalidHeaderLength { n, file_size: size }));
         }
+        longest.fetch_max(N_LEN + n, Ordering::Relaxed);
         let end = (N_LEN + n) as usize;
         if end <= first.len() {
             return Ok((first[8..end].to_vec(), size));

@@ -2,8 +2,9 @@
 //! `hf://org/repo[@revision]/path`, read through the `object_store` crate (feature `remote`).
 //!
 //! Only headers are fetched. The first request asks for the first [`SPECULATIVE_BYTES`] of the
-//! weights, which also tells the object's size (`Content-Range`); a second range request follows
-//! only when the header is longer. `adapter_config.json` is fetched whole (at most 16 MiB), in
+//! weights (fewer once the store's headers are known to be short: [`first_read_size`]), which also
+//! tells the object's size (`Content-Range`); a second range request follows only when the header
+//! is longer. `adapter_config.json` is fetched whole (at most 16 MiB), in
 //! parallel with the header. Kohya `.alpha` scalars, the only tensor data a scan reads, are
 //! fetched with small range requests (nearby ones merged) so that remote results equal local ones.
 //!
@@ -28,7 +29,27 @@ use crate::error::Error;
 use crate::scan::{self, is_url, AdapterResult, ScanOptions, Target};
 
 /// First range request: the header of almost every adapter fits (500 PEFT modules take ~60 KiB).
+/// Once a store has answered, its first reads shrink to fit the headers seen there (see
+/// [`first_read_size`]), so a fleet of small headers does not pay 64 KiB of tensor data each.
 pub const SPECULATIVE_BYTES: u64 = 64 << 10;
+/// The smallest first read: a few KiB more cost little next to the round trip.
+pub const MIN_SPECULATIVE_BYTES: u64 = 4 << 10;
+
+/// Bytes to ask for first, given the longest header (with its 8-byte length) seen in this store so
+/// far (0: none yet): a quarter more than that, in 4 KiB steps, between [`MIN_SPECULATIVE_BYTES`]
+/// and [`SPECULATIVE_BYTES`]. It only grows during a call, so a fleet of headers of one recipe
+/// costs one request each after the first answer, and a longer header than any seen costs one more
+/// request (as a header over 64 KiB always does).
+pub fn first_read_size(longest_seen: u64) -> u64 {
+    if longest_seen == 0 {
+        return SPECULATIVE_BYTES;
+    }
+    let want = longest_seen.saturating_add(longest_seen / 4);
+    want.div_ceil(4 << 10)
+        .saturating_mul(4 << 10)
+        .clamp(MIN_SPECULATIVE_BYTES, SPECULATIVE_BYTES)
+}
+
 /// Consecutive timeouts after which a store is given up for the rest of the call.
 pub const STALL_LIMIT: usize = 4;
 pub const DEFAULT_TIMEOUT_S: f64 = 10.0;

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +28,9 @@ pub(super) struct Store {
     pub(super) stalls: AtomicUsize,
     /// Set once the server answered a range request with the whole object.
     pub(super) ignores_range: AtomicBool,
+    /// The longest safetensors header (length prefix included) read from this store, 0 before the
+    /// first: it sizes the first range request of the next ones ([`super::first_read_size`]).
+    pub(super) longest_header: AtomicU64,
 }
 
 /// An object: its store, its key there and its URL (as shown in results).
@@ -181,6 +184,7 @@ impl Remote {
                             listable: !matches!(p.kind, Kind::Http | Kind::HuggingFace),
                             stalls: AtomicUsize::new(0),
                             ignores_range: AtomicBool::new(false),
+                            longest_header: AtomicU64::new(0),
                         })
                     })
                 })

@@ -96,3 +96,18 @@ fn merges_ranges() {
     let r = merge_ranges(&[0..8, 10..12, 100..108, 1000..1004], 50);
     assert_eq!(r, vec![0..12, 100..108, 1000..1004]);
 }
+
+#[test]
+fn first_read_fits_the_headers_seen() {
+    use super::{first_read_size, MIN_SPECULATIVE_BYTES, SPECULATIVE_BYTES};
+    assert_eq!(first_read_size(0), SPECULATIVE_BYTES); // nothing seen yet: the full 64 KiB
+    assert_eq!(first_read_size(8), MIN_SPECULATIVE_BYTES);
+    assert_eq!(first_read_size(3000), 4 << 10); // 3,750 bytes, in 4 KiB steps
+    assert_eq!(first_read_size(4000), 8 << 10); // 5,000
+    assert_eq!(first_read_size(57_000), SPECULATIVE_BYTES);
+    assert_eq!(first_read_size(10 << 20), SPECULATIVE_BYTES);
+    assert_eq!(first_read_size(u64::MAX), SPECULATIVE_BYTES);
+    for n in [1u64, 100, 4096, 20_000, 40_000, 52_000] {
+        assert!(first_read_size(n) >= n + n / 4 && first_read_size(n) % 4096 == 0, "{n}");
+    }
+}
