@@ -190,6 +190,7 @@ pub const PROBLEM_CODES: &[&str] = &[
     "invalid_config_field",
     "unknown_field",
     "misaligned_offset",
+    "non_tensor_value",
     "too_many_problems",
 ];
 

@@ -78,3 +78,41 @@ def test_codes_seen_in_results_are_listed(tmp_path: Path) -> None:
     assert kinds and kinds <= set(types.MODULE_KINDS), kinds - set(types.MODULE_KINDS)
     assert problems <= set(types.PROBLEM_CODES), problems - set(types.PROBLEM_CODES)
     assert flags and flags <= set(types.FLAGS), flags - set(types.FLAGS)
+
+
+def _rust_sources() -> list[str]:
+    return [p.read_text(encoding="utf-8") for p in sorted((ROOT / "rust").glob("**/*.rs"))]
+
+
+def test_codes_written_in_the_core_are_listed() -> None:
+    """The literal codes the Rust core writes (`Error::adapter(path, "code", ..)`, `problem("code", ..)`,
+    `code: "code"` of a header warning, which becomes a problem) are in their lists."""
+    adapter, problems = set(), set()
+    arg = r"(?:[^(),]|\((?:[^()]|\([^()]*\))*\))*"  # one argument, with calls nested two deep
+    for text in _rust_sources():
+        adapter |= set(re.findall(rf'Error::adapter\(\s*{arg},\s*"([a-z0-9_]+)"', text))
+        problems |= set(re.findall(r'\.problem\(\s*"([a-z0-9_]+)"', text))
+        problems |= set(re.findall(r'\bcode: "([a-z0-9_]+)"', text))
+    assert {"internal", "missing_weights", "timeout"} <= adapter  # the pattern still finds the calls
+    assert adapter <= set(types.ADAPTER_ERROR_CODES), adapter - set(types.ADAPTER_ERROR_CODES)
+    assert {"too_many_problems", "unknown_field"} <= problems
+    assert problems <= set(types.PROBLEM_CODES), problems - set(types.PROBLEM_CODES)
+
+
+def test_a_torch_warning_problem_survives_the_index(tmp_path: Path) -> None:
+    """`non_tensor_value` (a torch file's header warning) is a problem code an index row stores and reads back."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "fleet" / "bin"
+    folder.mkdir(parents=True)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    state = {f"{key}.lora_A.weight": torch.zeros(4, 16), f"{key}.lora_B.weight": torch.zeros(16, 4), "step": 3}
+    torch.save(state, folder / "adapter_model.bin")
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}))
+    assert [p.code for p in lorafast.inspect(folder).problems] == ["non_tensor_value"]
+    index = lorafast.Index(tmp_path / "fleet.db")
+    index.scan([tmp_path / "fleet"])
+    again = lorafast.Index(tmp_path / "fleet.db").scan([tmp_path / "fleet"])
+    assert again.reads == 0
+    assert [[p.code for p in a.problems] for a in again] == [["non_tensor_value"]]

@@ -85,6 +85,7 @@ ProblemCode = Literal[
     "invalid_config_field",
     "unknown_field",
     "misaligned_offset",
+    "non_tensor_value",
     "too_many_problems",
 ]
 """`Problem.code`: one inconsistency found in a readable adapter."""
