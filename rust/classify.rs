@@ -125,6 +125,21 @@ impl ModuleKind {
         "incomplete",
     ];
 
+    /// Every kind, in the order of [`ModuleKind::NAMES`].
+    pub fn all() -> impl Iterator<Item = ModuleKind> {
+        [
+            ModuleKind::Linear,
+            ModuleKind::Conv,
+            ModuleKind::Embedding,
+            ModuleKind::Expert2d,
+            ModuleKind::Stacked3d,
+            ModuleKind::TargetParameters,
+        ]
+        .into_iter()
+        .chain(Variant::ALL.into_iter().map(ModuleKind::Variant))
+        .chain([ModuleKind::Incomplete])
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ModuleKind::Linear => "linear",
@@ -1268,30 +1283,8 @@ mod tests {
 
     #[test]
     fn module_kind_names_are_listed() {
-        use crate::names::Variant;
-        let variants = [
-            Variant::Loha,
-            Variant::Lokr,
-            Variant::Oft,
-            Variant::Boft,
-            Variant::Ia3,
-            Variant::Glora,
-            Variant::Diff,
-        ];
-        let kinds = [
-            ModuleKind::Linear,
-            ModuleKind::Conv,
-            ModuleKind::Embedding,
-            ModuleKind::Expert2d,
-            ModuleKind::Stacked3d,
-            ModuleKind::TargetParameters,
-            ModuleKind::Incomplete,
-        ]
-        .into_iter()
-        .chain(variants.into_iter().map(ModuleKind::Variant));
-        let names: Vec<&str> = kinds.map(ModuleKind::name).collect();
-        assert_eq!(names.len(), ModuleKind::NAMES.len());
-        assert!(names.iter().all(|n| ModuleKind::NAMES.contains(n)), "{names:?}");
+        let names: Vec<&str> = ModuleKind::all().map(ModuleKind::name).collect();
+        assert_eq!(names, ModuleKind::NAMES);
     }
 
     #[test]

@@ -36,6 +36,17 @@ pub enum Variant {
 }
 
 impl Variant {
+    /// Every variant, in declaration order.
+    pub const ALL: [Variant; 7] = [
+        Variant::Loha,
+        Variant::Lokr,
+        Variant::Oft,
+        Variant::Boft,
+        Variant::Ia3,
+        Variant::Glora,
+        Variant::Diff,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Variant::Loha => "loha",

@@ -22,16 +22,6 @@ use crate::scan::{AdapterResult, Target};
 /// Bumped when the encoding changes: rows of another version are read again.
 pub const VERSION: u32 = 1;
 
-const VARIANTS: [Variant; 7] = [
-    Variant::Loha,
-    Variant::Lokr,
-    Variant::Oft,
-    Variant::Boft,
-    Variant::Ia3,
-    Variant::Glora,
-    Variant::Diff,
-];
-
 const FORMATS: [Format; 8] = [
     Format::Peft,
     Format::Diffusers,
@@ -51,20 +41,6 @@ const LAYOUTS: [MoeLayout; 6] = [
     MoeLayout::PeftTargetParameters,
     MoeLayout::Mixed,
 ];
-
-fn kinds() -> impl Iterator<Item = ModuleKind> {
-    [
-        ModuleKind::Linear,
-        ModuleKind::Conv,
-        ModuleKind::Embedding,
-        ModuleKind::Expert2d,
-        ModuleKind::Stacked3d,
-        ModuleKind::TargetParameters,
-        ModuleKind::Incomplete,
-    ]
-    .into_iter()
-    .chain(VARIANTS.into_iter().map(ModuleKind::Variant))
-}
 
 fn bad(what: &str) -> String {
     format!("stored row: bad {what}")
@@ -266,7 +242,7 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
             key: string(&f[0])?,
             name: string(&f[1])?,
             leaf: string(&f[2])?,
-            kind: by_name(kinds(), ModuleKind::name, &f[3])?,
+            kind: by_name(ModuleKind::all(), ModuleKind::name, &f[3])?,
             layer: opt_u32(&f[4])?,
             expert: opt_u32(&f[5])?,
             num_experts: opt_u64(&f[6])?,
@@ -326,7 +302,7 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
         flags: opt_u32(get(&v, "flags"))?.ok_or_else(|| bad("flags"))?,
         variants: array(get(&v, "variants"))?
             .iter()
-            .map(|x| by_name(VARIANTS, Variant::name, x))
+            .map(|x| by_name(Variant::ALL, Variant::name, x))
             .collect::<Result<_, _>>()?,
         full_weight_tensors: strings(get(&v, "full_weight_tensors"))?,
         problems,
