@@ -226,7 +226,7 @@ def _peft_helper_from_dict(config: Any, engine_version: str | None) -> PEFTHelpe
     missing = required - set(config.keys())
     if missing:
         raise ValueError(f"Missing required configuration fields: {missing}")
-    fields = {name: _DEFAULTS.get(name) for name in names}
+    fields: dict[str, Any] = {name: _DEFAULTS.get(name) for name in names}
     fields.update({k: v for k, v in config.items() if k in names})
     r = fields["r"]
     if r <= 0:
