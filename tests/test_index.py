@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from lorafast import _core
 from lorafast.sample import write_samples
-from test_scan import peft
+from lorafast.testing import write_attention_adapter as peft
 
 
 def same_report(got: lorafast.ScanReport, want: lorafast.ScanReport) -> None:

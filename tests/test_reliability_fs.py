@@ -21,7 +21,7 @@ import lorafast
 import pytest
 from lorafast import _core
 from lorafast.errors import AdapterError, InternalError, LorafastError
-from lorafast.testing import write_raw, write_safetensors
+from lorafast.testing import write_peft_adapter, write_raw, write_safetensors
 from servers import RangeServer
 
 #: Wall-clock bound for work done in a child interpreter: a hang fails the test instead of the suite.
@@ -34,11 +34,8 @@ def adapter(path, r=4):
 
 
 def peft(dir_, r=4):
-    os.makedirs(dir_, exist_ok=True)
-    adapter(os.path.join(dir_, "adapter_model.safetensors"), r)
-    with open(os.path.join(dir_, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": ["m"]}, f)
-    return os.fspath(dir_)
+    tensors = {"m.lora_A.weight": ("F16", (r, 8)), "m.lora_B.weight": ("F16", (8, r))}
+    return write_peft_adapter(dir_, tensors, r=r, lora_alpha=r, target_modules=["m"])
 
 
 def in_child(code: str, *args: str, timeout: float = CHILD_TIMEOUT):

@@ -9,8 +9,8 @@ import os
 
 import lorafast
 import pytest
+from lorafast.testing import write_attention_adapter as peft
 from lorafast.testing import write_raw, write_safetensors
-from test_scan import peft
 
 EXPERTS = "base_model.model.model.layers.0.mlp.experts"
 

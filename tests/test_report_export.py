@@ -14,8 +14,8 @@ import lorafast
 import numpy as np
 import pytest
 from lorafast.sample import write_samples
+from lorafast.testing import write_attention_adapter as peft
 from lorafast.testing import write_safetensors
-from test_scan import peft
 
 
 @pytest.fixture(scope="module")

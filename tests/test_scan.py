@@ -12,20 +12,8 @@ import numpy as np
 import pytest
 from lorafast.cli import main as cli_main
 from lorafast.scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK
-from lorafast.testing import write_peft_adapter, write_raw, write_safetensors
-
-
-def peft(dir_, r=8, layers=2, modules=("q_proj", "v_proj"), config=None, extra=None, dtype="BF16"):
-    """A PEFT adapter of attention modules `modules` on `layers` layers, rank `r` (alpha 2r)."""
-    tensors = {}
-    for layer in range(layers):
-        for m in modules:
-            key = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            tensors[f"{key}.lora_A.weight"] = (dtype, (r, 32))
-            tensors[f"{key}.lora_B.weight"] = (dtype, (32, r))
-    tensors.update(extra or {})
-    cfg = {"r": r, "lora_alpha": 2 * r, "target_modules": list(modules), **(config or {})}
-    return write_peft_adapter(dir_, tensors, **cfg)
+from lorafast.testing import write_attention_adapter as peft
+from lorafast.testing import write_raw, write_safetensors
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import lorafast
 import numpy as np
 import pytest
 from lorafast import _core
+from lorafast.testing import write_attention_adapter as peft
 from lorafast.testing import write_safetensors
-from test_scan import peft
 
 # Fields a scan row and a fresh inspect share (inspect also lists modules and metadata).
 SHARED = ("path", "weight_files", "config_path", "config_json", "format", "peft_type", "num_tensors", "dtypes",

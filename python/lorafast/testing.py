@@ -114,6 +114,28 @@ def write_peft_adapter(
     return os.fspath(folder)
 
 
+def write_attention_adapter(
+    folder: str | os.PathLike[str],
+    r: int = 8,
+    layers: int = 2,
+    modules: Sequence[str] = ("q_proj", "v_proj"),
+    config: Mapping[str, Any] | None = None,
+    extra: Mapping[str, TensorSpec] | None = None,
+    dtype: str = "BF16",
+) -> str:
+    """A PEFT adapter of attention `modules` on `layers` layers of a 32-wide model, rank `r`, alpha 2r; `extra`
+    tensors join the file and `config` updates its `adapter_config.json`."""
+    tensors: dict[str, TensorSpec] = {}
+    for layer in range(layers):
+        for m in modules:
+            key = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            tensors[f"{key}.lora_A.weight"] = (dtype, (r, 32))
+            tensors[f"{key}.lora_B.weight"] = (dtype, (32, r))
+    tensors.update(extra or {})
+    cfg = {"r": r, "lora_alpha": 2 * r, "target_modules": list(modules), **(config or {})}
+    return write_peft_adapter(folder, tensors, **cfg)
+
+
 def write_raw(path: str | os.PathLike[str], header: bytes, data_len: int = 0, n: int | None = None) -> None:
     """Write a file from a raw header (for malformed-file tests): 8-byte N, the header, `data_len` zero bytes."""
     with open(path, "wb") as f:
