@@ -108,9 +108,13 @@ class AdapterView:
 
     @classmethod
     def from_path(
-        cls, path: str | os.PathLike[str], *, name: str | None = None, adapter_id: str | None = None,
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        adapter_id: str | None = None,
         pinned: bool = False,
-    ) -> AdapterView:  # fmt: skip
+    ) -> AdapterView:
         """A view read straight from disk, headers only, choosing files the way SGLang's loader does.
 
         A folder: every `*.safetensors` in it (filtered by `model.safetensors.index.json` when present), in

@@ -409,8 +409,9 @@ def build_segments(
 
     def flush_slots() -> None:
         if slots:
-            L, R = expert_slot_factors([t for t, _, _ in slots], [x for _, x, _ in slots], [y for _, _, y in slots],
-                                       stack)  # fmt: skip
+            L, R = expert_slot_factors(
+                [t for t, _, _ in slots], [x for _, x, _ in slots], [y for _, _, y in slots], stack
+            )
             Ls.append(L)
             Rs.append(R)
             labels.append(slots[0][0].label + (f" (+{len(slots) - 1} experts)" if len(slots) > 1 else ""))
@@ -563,8 +564,11 @@ def _merge_all(
         with torch.no_grad():
             handle._restore_all()
             # Subtraction cannot undo a non-finite write (safe=False): say so instead of claiming a restore.
-            broken = [] if snapshot != "subtract" else [r.target.name for r in handle._records if r.done and
-                                                        not kernel.finite(r.view)]  # fmt: skip
+            broken = (
+                []
+                if snapshot != "subtract"
+                else [r.target.name for r in handle._records if r.done and not kernel.finite(r.view)]
+            )
         handle._records_release()
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt & co: weights restored, the interrupt goes on as it was

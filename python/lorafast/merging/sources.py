@@ -14,8 +14,12 @@ from lorafast.adapter import Adapter, LoraModule, peft_pattern_key
 from lorafast.merging.errors import MergeError
 
 #: pipeline components a request target covers (SGLang diffusion targets; "all" covers every component)
-_TARGET_COMPONENTS = {"all": None, "transformer": ("transformer",), "transformer_2": ("transformer_2",),
-                      "critic": ("critic",)}  # fmt: skip
+_TARGET_COMPONENTS = {
+    "all": None,
+    "transformer": ("transformer",),
+    "transformer_2": ("transformer_2",),
+    "critic": ("critic",),
+}
 
 
 @dataclass(frozen=True)
