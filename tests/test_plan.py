@@ -28,7 +28,7 @@ from lorafast.planner import (
     register_cli,
     resolve_merge_mode,
 )
-from lorafast.testing import write_safetensors
+from lorafast.testing import TensorSpec, write_peft_adapter, write_safetensors
 
 H = 16  # hidden size of the toy models
 
@@ -36,25 +36,15 @@ H = 16  # hidden size of the toy models
 def write_peft(folder: Path, modules: dict[str, int], *, r: int = 8, alpha: float = 16, dora: bool = False,
                **config: object) -> str:  # fmt: skip
     """A PEFT adapter folder: `modules` maps a module path (without base_model.model.) to its rank."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, object] = {}
+    tensors: dict[str, TensorSpec] = {}
     for name, rank in modules.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = ("F16", (rank, H))
         tensors[f"base_model.model.{name}.lora_B.weight"] = ("F16", (H, rank))
         if dora:
             tensors[f"base_model.model.{name}.lora_magnitude_vector"] = ("F16", (H,))
-    write_safetensors(folder / "adapter_model.safetensors", tensors)
-    cfg = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": alpha,
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
-    }
-    cfg.update(config)
-    if dora:
-        cfg["use_dora"] = True
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    targets = sorted({n.rsplit(".", 1)[-1] for n in modules})
+    cfg = {"r": r, "lora_alpha": alpha, "target_modules": targets, **config, **({"use_dora": True} if dora else {})}
+    return write_peft_adapter(folder, tensors, **cfg)
 
 
 def write_kohya(path: Path, alphas: dict[str, float | None], rank: int = 8) -> str:
