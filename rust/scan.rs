@@ -1,7 +1,7 @@
 //! Finding adapters on disk, loading one (config + header + classification), and the parallel
 //! bulk scan.
 //!
-//! Discovery rules (documented in the README):
+//! Discovery rules (documented in docs/scan.md):
 //! - a `.safetensors` file given directly is one adapter (a `.bin` / `.pt` / `.pth` one is read as
 //!   torch weights, `torch.rs`);
 //! - a folder with `adapter_config.json` is one PEFT adapter (weights: `adapter_model.safetensors`,

@@ -2,8 +2,8 @@
 documentation gives are the same set.
 
 The documented list is found by its anchor, the backquoted constant name (`lorafast.PROBLEM_CODES`,
-`lorafast.types.FLAGS`, ...), in README.md or any file under docs/: it is every backquoted name after the anchor
-up to the end of that sentence, bullet or paragraph.
+`lorafast.types.FLAGS`, ...), in the docs/ page that holds the list (`DOCS`): it is every backquoted name after
+the anchor up to the end of that sentence, bullet or paragraph. The README lists no codes; it links those pages.
 """
 
 from __future__ import annotations
@@ -29,18 +29,28 @@ LISTS: dict[str, tuple[Any, Any]] = {
     "MERGE_FORMS": (None, types.MergeForm),
 }
 
+#: constant name -> the docs/ page that lists its codes
+DOCS: dict[str, str] = {
+    "HEADER_ERROR_CODES": "errors.md",
+    "ADAPTER_ERROR_CODES": "errors.md",
+    "TORCH_ERROR_CODES": "errors.md",
+    "PROBLEM_CODES": "errors.md",
+    "FLAGS": "scan.md",
+    "MODULE_KINDS": "scan.md",
+    "MERGE_FORMS": "merge.md",
+}
 
-def _documents() -> str:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
-    return "\n\n".join(f.read_text(encoding="utf-8") for f in files if f.is_file())
+
+def _anchor(name: str) -> str:
+    return rf"`lorafast\.(?:types\.)?{name}`"
 
 
 def documented(name: str) -> set[str]:
-    """The backquoted names after the anchor `lorafast.NAME` or `lorafast.types.NAME`, to the end of its
-    sentence, bullet or paragraph (exception classes left out)."""
-    text = _documents()
-    found = re.search(rf"`lorafast\.(?:types\.)?{name}`", text)
-    assert found, f"no documentation names `lorafast.{name}` or `lorafast.types.{name}`"
+    """The backquoted names after the anchor `lorafast.NAME` or `lorafast.types.NAME` in its docs/ page, to the
+    end of its sentence, bullet or paragraph (exception classes left out)."""
+    text = (ROOT / "docs" / DOCS[name]).read_text(encoding="utf-8")
+    found = re.search(_anchor(name), text)
+    assert found, f"docs/{DOCS[name]} does not name `lorafast.{name}` or `lorafast.types.{name}`"
     rest = text[found.end() :]
     end = re.search(r"\.\s|\n- |\n\n", rest)
     names = re.findall(r"`([A-Za-z][A-Za-z0-9_]*)`", rest[: end.start() if end else len(rest)])
@@ -57,6 +67,14 @@ def test_code_list_is_one_set(name: str) -> None:
     if core is not None:
         assert tuple(core) == exported, f"{name} is not the core's list, in order"
     assert documented(name) == set(exported), f"the documented {name} differs"
+
+
+@pytest.mark.parametrize("name", sorted(LISTS))
+def test_code_list_has_one_home(name: str) -> None:
+    """Only the list's own page anchors it: no second copy in the README or another page can drift."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    homes = [f.relative_to(ROOT).as_posix() for f in files if re.search(_anchor(name), f.read_text(encoding="utf-8"))]
+    assert homes == [f"docs/{DOCS[name]}"], homes
 
 
 def test_top_level_tuples_are_the_types_tuples() -> None:

@@ -95,7 +95,7 @@ def test_preflight_agrees_with_sglang_0_5_23(oracle: tuple[dict[str, Any], dict[
         else:
             disagreements.append(f"function {call}: sglang={value!r} lorafast={ours['functions'][i]!r}")
     summary = f"sglang {VERSION}: {agreed}/{total} outcomes agree, {len(missed_rejections)} rejections missed"
-    print(summary)  # shown with `pytest -s`: the agreement count the README quotes
+    print(summary)  # shown with `pytest -s`: the agreement count docs/compat.md quotes
     assert not missed_rejections, summary + "\n" + "\n".join(missed_rejections[:40])
     assert not disagreements, summary + "\n" + "\n".join(disagreements[:40])
 
