@@ -416,6 +416,18 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         memo_ok: configs.file.is_some_and(|c| c.last_only_hits("").is_some()),
         params: Vec::new(),
     };
+    // Modules that differ only in their layer (or expert) number get the same answers from the
+    // checks below, when nothing there reads the whole name (see `Template`): the first of them
+    // is resolved in full and remembered, the rest only add their layer and expert.
+    let templates_ok = !opts.keep_modules
+        && configs.components.is_empty()
+        && configs.file.map_or(true, |c| name_free(c, tally.memo_ok));
+    let mut templates: Vec<Template<'_>> = Vec::new();
+    let mut last_hit = usize::MAX;
+    if opts.keep_modules {
+        // One allocation for the records: grown by doubling, they would be copied about once more.
+        std::sync::Arc::make_mut(&mut out.modules).reserve_exact(groups.len());
+    }
     for (gi, g) in groups.iter().enumerate() {
         let shape = |i: Option<u32>| i.map(|i| header.shape(&tensors[i as usize]));
         let (a, b) = if g.emb_a.is_some() || g.emb_b.is_some() {
@@ -431,6 +443,60 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         };
         let parts = names::parts(g.key);
         let (layer, expert) = (parts.layer, parts.expert);
+        // A plain A/B module (never target parameters: those read the name) may match a template.
+        let probe = match (g.a, g.b, a_shape, b_shape) {
+            (Some(ia), Some(ib), Some(sa), Some(sb))
+                if templates_ok
+                    && g.variant.is_none()
+                    && g.emb_a.is_none()
+                    && g.emb_b.is_none()
+                    && !g.key.ends_with("experts.base_layer")
+                    && !g.key.ends_with(".experts") =>
+            {
+                let leaf = names::leaf_of(g.key, &parts, kohya_names);
+                Some(Template {
+                    leaf_tag: short_tag(leaf),
+                    leaf,
+                    last: parts.last,
+                    a_shape: sa,
+                    b_shape: sb,
+                    dtypes: (tensors[ia as usize].dtype, tensors[ib as usize].dtype),
+                    bits: u8::from(g.bias.is_some())
+                        | u8::from(g.magnitude.is_some()) << 1
+                        | u8::from(g.alpha.is_some()) << 2
+                        | u8::from(expert.is_some()) << 3
+                        // Read only for a 3-D factor (`Stacked3d`'s layout): a search per module costs.
+                        | u8::from(sa.len() == 3 && memchr::memmem::find(g.key.as_bytes(), b"experts").is_some()) << 4,
+                    rank: None,
+                    n_exp: None,
+                })
+            }
+            _ => None,
+        };
+        // Modules come in the same order in every layer: try the template after the last one hit first.
+        let found = probe.as_ref().and_then(|p| {
+            let next = last_hit.wrapping_add(1) % templates.len().max(1);
+            match templates.get(next) {
+                Some(t) if t.same_inputs(p) => Some(next),
+                _ => templates.iter().position(|t| t.same_inputs(p)),
+            }
+        });
+        if let Some(t) = found.map(|i| {
+            last_hit = i;
+            &templates[i]
+        }) {
+            if let Some(l) = layer {
+                layers.insert(l);
+            }
+            let mut n_exp = t.n_exp;
+            if let Some(e) = expert {
+                n_exp = Some(n_exp.unwrap_or(0).max(u64::from(e) + 1));
+            }
+            out.num_experts = out.num_experts.max(n_exp.unwrap_or(0));
+            out.rank = out.rank.max(t.rank.unwrap_or(0));
+            continue;
+        }
+        let problems_before = out.problems.len();
         let kind = if let Some(v) = g.variant {
             ModuleKind::Variant(v)
         } else if a.is_none() || b.is_none() {
@@ -578,6 +644,14 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             }
             _ => {}
         }
+        if let Some(mut t) = probe {
+            // Only a module that raised no problem: a problem's message names its module.
+            if out.problems.len() == problems_before && problems_before < MAX_PROBLEMS && templates.len() < 32 {
+                (t.rank, t.n_exp) = (rank, n_exp);
+                templates.push(t);
+                last_hit = templates.len() - 1;
+            }
+        }
         if let Some(e) = expert {
             n_exp = Some(n_exp.unwrap_or(0).max(u64::from(e) + 1));
         }
@@ -697,6 +771,61 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
     out.layers = layers.into_sorted();
     out.target_modules = leaves.list.into_iter().map(|(_, l)| l.to_owned()).collect();
     out
+}
+
+/// What the module loop reads of a plain A/B module besides its name, and what it concluded.
+/// Two modules with equal inputs whose names differ only where nothing reads them (the layer and
+/// expert numbers, when `name_free` holds) get the same kind, rank, flags, layout and target
+/// matches; the second then only adds its layer and expert.
+struct Template<'h> {
+    leaf_tag: u64,
+    leaf: &'h str,
+    last: &'h str,
+    a_shape: &'h [u64],
+    b_shape: &'h [u64],
+    dtypes: (Dtype, Dtype),
+    /// bias, magnitude, alpha present; an expert number; a 3-D A with "experts" in the key.
+    bits: u8,
+    rank: Option<u64>,
+    n_exp: Option<u64>,
+}
+
+impl Template<'_> {
+    #[inline]
+    fn same_inputs(&self, other: &Template<'_>) -> bool {
+        self.leaf_tag == other.leaf_tag
+            && self.bits == other.bits
+            && self.dtypes == other.dtypes
+            && same_dims(self.a_shape, other.a_shape)
+            && same_dims(self.b_shape, other.b_shape)
+            && same_tagged(self.leaf, other.leaf)
+            // `last` is usually `leaf` itself (the same bytes): then equal leaves are enough.
+            && ((same_str(self.last, self.leaf) && same_str(other.last, other.leaf)) || self.last == other.last)
+    }
+}
+
+/// The same slice (address and length), not merely equal text.
+#[inline]
+fn same_str(a: &str, b: &str) -> bool {
+    std::ptr::eq(a, b)
+}
+
+/// Equal shapes, element by element: shapes are short, and a slice compare calls `memcmp`.
+#[inline]
+fn same_dims(a: &[u64], b: &[u64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
+}
+
+/// Does nothing in the module loop read a module's whole name under this config? Ranks come from
+/// `r` alone (no `rank_pattern`) and targets from the last component alone (`memo_ok`: a list of
+/// dotless entries), from a pattern matching everything, or are not given.
+fn name_free(c: &LoraConfig, memo_ok: bool) -> bool {
+    c.rank_pattern.is_empty()
+        && match &c.target_modules {
+            None => true,
+            Some(TargetModules::List(_)) => memo_ok,
+            Some(TargetModules::Pattern(p)) => p == "all-linear" || p == "all",
+        }
 }
 
 /// Component prefix -> position, when there are too many components to try each per module
@@ -1280,6 +1409,76 @@ fn f16_to_f64(h: u16) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A header of `tensors` (name, shape; BF16) laid out in order, and its file size.
+    fn header_json(tensors: &[(String, Vec<u64>)]) -> (String, u64) {
+        let mut at = 0;
+        let entries: Vec<String> = tensors
+            .iter()
+            .map(|(name, shape)| {
+                let size = shape.iter().product::<u64>() * 2;
+                let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+                let entry = format!(
+                    "\"{name}\":{{\"dtype\":\"BF16\",\"shape\":[{}],\"data_offsets\":[{at},{}]}}",
+                    dims.join(","),
+                    at + size
+                );
+                at += size;
+                entry
+            })
+            .collect();
+        let json = format!("{{{}}}", entries.join(","));
+        let size = 8 + json.len() as u64 + at;
+        (json, size)
+    }
+
+    /// Modules that repeat per layer share their answers (`Template`), except where the name or a
+    /// problem decides: every problem is still reported for its own module, as `inspect` (which
+    /// keeps modules, so never uses templates) reports it.
+    #[test]
+    fn templates_give_what_a_module_by_module_pass_gives() {
+        let mut tensors = Vec::new();
+        for layer in 0..6u64 {
+            for (m, out) in [("q_proj", 64), ("v_proj", 16), ("mlp.experts.3.up_proj", 32)] {
+                let key = format!("base_model.model.model.layers.{layer}.{m}");
+                // Layer 2's q_proj B disagrees on the rank, layer 4's v_proj A has another rank.
+                let rb = if layer == 2 && m == "q_proj" { 4 } else { 8 };
+                let ra = if layer == 4 && m == "v_proj" { 16 } else { 8 };
+                tensors.push((format!("{key}.lora_A.weight"), vec![ra, 64]));
+                tensors.push((format!("{key}.lora_B.weight"), vec![out, rb]));
+            }
+        }
+        let (json, size) = header_json(&tensors);
+        let header = crate::header::parse_header(json.as_bytes(), size).unwrap();
+        for config in [
+            r#"{"r": 8, "target_modules": ["q_proj", "up_proj"]}"#,
+            r#"{"r": 8, "target_modules": "all-linear"}"#,
+            r#"{"r": 8, "target_modules": ["q_proj", "v_proj", "up_proj"], "rank_pattern": {"layers.1.q_proj": 4}}"#,
+            r#"{"r": 8, "target_modules": ".*q_proj"}"#,
+        ] {
+            let c = LoraConfig::from_json(config).unwrap();
+            let run = |keep_modules| {
+                let configs = Configs {
+                    file: Some(&c),
+                    components: &[],
+                };
+                classify(&header, configs, Path::new("x"), Options { keep_modules })
+            };
+            let (fast, full) = (run(false), run(true));
+            assert_eq!(fast.problems, full.problems, "{config}");
+            assert!(!fast.problems.is_empty(), "{config}");
+            assert_eq!(
+                (fast.rank, fast.num_experts, fast.flags, fast.moe_layout),
+                (full.rank, full.num_experts, full.flags, full.moe_layout)
+            );
+            assert_eq!(
+                (&fast.layers, &fast.target_modules),
+                (&full.layers, &full.target_modules)
+            );
+            assert_eq!(fast.layers, (0..6).collect::<Vec<u32>>());
+            assert_eq!(fast.num_experts, 4);
+        }
+    }
 
     #[test]
     fn module_kind_names_are_listed() {
