@@ -51,7 +51,13 @@ fn a_thousand_level_tree_is_walked_without_overflowing_a_stack() {
     }
     write_adapter(&dir.join("bottom.safetensors"));
     for threads in [Some(1), Some(2)] {
-        let rows = scan_paths(std::slice::from_ref(&root), true, ScanOptions::default(), threads, false);
+        let rows = scan_paths(
+            std::slice::from_ref(&root),
+            true,
+            ScanOptions::default(),
+            threads,
+            false,
+        );
         let paths: Vec<PathBuf> = rows.iter().map(|r| r.as_ref().unwrap().target.path.clone()).collect();
         // Depth-first order: each level's files before the folders below it.
         let mut expected = Vec::new();
@@ -85,7 +91,13 @@ fn special_entries_named_like_adapters_each_get_a_row() {
     // A symlinked folder is still not followed, whatever its name.
     fs::create_dir(root.join("real")).unwrap();
     std::os::unix::fs::symlink(root.join("real"), root.join("folder.safetensors")).unwrap();
-    let rows = scan_paths(std::slice::from_ref(&root), true, ScanOptions::default(), Some(2), false);
+    let rows = scan_paths(
+        std::slice::from_ref(&root),
+        true,
+        ScanOptions::default(),
+        Some(2),
+        false,
+    );
     let got: Vec<(String, &str)> = rows
         .iter()
         .map(|r| match r {
