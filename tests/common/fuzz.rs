@@ -1,13 +1,21 @@
 //! A fuzz driver on stable Rust: proptest generates inputs (seeded, so a default run is the same
 //! every time), each input is checked under `catch_unwind` and the counting allocator, and the
 //! saved inputs of `tests/fuzz-corpus/<harness>/` are replayed first. A failing input, shrunk,
-//! is written there as `crash-<hash>` so that every later run replays it.
+//! is written there as `crash-<hash>` so that every later run replays it. A watchdog thread,
+//! armed for each input, ends the process when one input runs over the hang limit, after saving
+//! that input as `hang-<hash>` (not shrunk: each try would take the whole limit).
 //!
 //! `LORAFAST_FUZZ_CASES` sets the generated inputs per harness (default: a short pass for
-//! `cargo test`); `LORAFAST_FUZZ_SEED` varies the inputs (`make fuzz` uses the clock).
+//! `cargo test`); `LORAFAST_FUZZ_SEED` varies the inputs (`make fuzz` uses the clock);
+//! `LORAFAST_FUZZ_HANG_SECS` the hang limit in seconds (default 5, fractions allowed);
+//! `LORAFAST_FUZZ_CORPUS` the corpus root (default `tests/fuzz-corpus`).
 
+use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use proptest::strategy::Strategy;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
@@ -29,9 +37,25 @@ fn seed() -> u64 {
         .unwrap_or(0x1f2e_3d4c_5b6a_7988)
 }
 
+/// Wall time one input may take: `LORAFAST_FUZZ_HANG_SECS` (seconds, > 0), or 5 s.
+pub fn hang_limit() -> Duration {
+    std::env::var("LORAFAST_FUZZ_HANG_SECS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
+        .filter(|limit| !limit.is_zero())
+        .unwrap_or(Duration::from_secs(5))
+}
+
+/// Where a harness's saved inputs live: `<root>/<harness>`, the root being
+/// `LORAFAST_FUZZ_CORPUS` or `tests/fuzz-corpus`.
 pub fn corpus_dir(harness: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fuzz-corpus")
+    std::env::var_os("LORAFAST_FUZZ_CORPUS")
+        .filter(|root| !root.is_empty())
+        .map_or_else(
+            || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-corpus"),
+            PathBuf::from,
+        )
         .join(harness)
 }
 
@@ -54,9 +78,120 @@ pub fn corpus(harness: &str) -> Vec<(String, Vec<u8>)> {
     files
 }
 
-/// Runs `check` on one input: a panic or a peak over 10x the input plus 64 MB is a failure.
-pub fn guarded(check: &dyn Fn(&[u8]) -> Result<(), String>, input: &[u8]) -> Result<(), String> {
+/// Saves `input` in the harness's corpus as `<kind>-<hash>`; returns the path and how the write went.
+fn save(harness: &str, kind: &str, input: &[u8]) -> (PathBuf, std::io::Result<()>) {
+    let dir = corpus_dir(harness);
+    let path = dir.join(format!("{kind}-{:016x}", fnv(input)));
+    let saved = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, input));
+    (path, saved)
+}
+
+#[derive(Default)]
+struct WatchState {
+    /// The input now running and when its time is up; `None` between inputs.
+    armed: Option<(Instant, Vec<u8>)>,
+    stop: bool,
+}
+
+struct Shared {
+    state: Mutex<WatchState>,
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A thread that ends the process when an armed input runs past the limit. Panicking would not
+/// do: the hung input holds the test's thread, so only the process can be ended. It saves the
+/// input as `hang-<hash>` first and writes why to stderr (not through `eprintln!`, which the
+/// test harness captures and would never print).
+pub struct Watchdog {
+    shared: Arc<Shared>,
+    limit: Duration,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watchdog {
+    pub fn start(harness: &str, limit: Duration) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(WatchState::default()),
+            wake: Condvar::new(),
+        });
+        let watched = Arc::clone(&shared);
+        let harness = harness.to_owned();
+        let thread = std::thread::Builder::new()
+            .name(format!("fuzz-watchdog-{harness}"))
+            .spawn(move || watch(&watched, &harness, limit))
+            .expect("start the fuzz watchdog thread");
+        Watchdog {
+            shared,
+            limit,
+            thread: Some(thread),
+        }
+    }
+
+    /// Starts the clock for `input`, which takes over from any input armed before.
+    pub fn arm(&self, input: &[u8]) {
+        self.shared.lock().armed = Some((Instant::now() + self.limit, input.to_vec()));
+        self.shared.wake.notify_one();
+    }
+
+    pub fn disarm(&self) {
+        self.shared.lock().armed = None;
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.wake.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn watch(shared: &Shared, harness: &str, limit: Duration) {
+    let mut state = shared.lock();
+    loop {
+        if state.stop {
+            return;
+        }
+        let Some((deadline, input)) = &state.armed else {
+            state = shared.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
+            continue;
+        };
+        let now = Instant::now();
+        if now >= *deadline {
+            let (path, saved) = save(harness, "hang", input);
+            let _ = writeln!(
+                std::io::stderr(),
+                "{harness}: an input ran over the hang limit of {:.3} s (LORAFAST_FUZZ_HANG_SECS); \
+                 input ({} bytes) saved as {} ({saved:?}); ending the test process",
+                limit.as_secs_f64(),
+                input.len(),
+                path.display(),
+            );
+            std::process::exit(1);
+        }
+        let wait = *deadline - now;
+        state = shared
+            .wake
+            .wait_timeout(state, wait)
+            .unwrap_or_else(PoisonError::into_inner)
+            .0;
+    }
+}
+
+/// Runs `check` on one input, armed on `watchdog`: a panic or a peak over 10x the input plus
+/// 64 MB is a failure, and a run over the hang limit ends the process.
+pub fn guarded(check: &dyn Fn(&[u8]) -> Result<(), String>, input: &[u8], watchdog: &Watchdog) -> Result<(), String> {
+    watchdog.arm(input);
     let outcome = catch_unwind(AssertUnwindSafe(|| peak_during(|| check(input))));
+    watchdog.disarm();
     match outcome {
         Ok((result, peak)) => {
             result?;
@@ -93,16 +228,18 @@ pub struct Ran {
     pub generated: u64,
 }
 
-/// Replays the corpus, then checks `cases` generated inputs. Panics (failing the test) with the
-/// input's saved path on the first failure.
+/// Replays the corpus, then checks `cases` generated inputs, each under the watchdog. Panics
+/// (failing the test) with the input's saved path on the first failure; ends the process on a
+/// hang.
 pub fn drive<S>(harness: &str, default_cases: u32, strategy: S, check: impl Fn(&[u8]) -> Result<(), String>) -> Ran
 where
     S: Strategy<Value = Vec<u8>>,
 {
     let check: &dyn Fn(&[u8]) -> Result<(), String> = &check;
+    let watchdog = Watchdog::start(harness, hang_limit());
     let saved = corpus(harness);
     for (name, bytes) in &saved {
-        if let Err(e) = guarded(check, bytes) {
+        if let Err(e) = guarded(check, bytes, &watchdog) {
             panic!("{harness}: corpus input {name} fails: {e}");
         }
     }
@@ -119,14 +256,12 @@ where
     let generated = std::cell::Cell::new(0u64);
     let result = runner.run(&strategy, |input| {
         generated.set(generated.get() + 1);
-        guarded(check, &input).map_err(TestCaseError::fail)
+        guarded(check, &input, &watchdog).map_err(TestCaseError::fail)
     });
     match result {
         Ok(()) => {}
         Err(TestError::Fail(reason, input)) => {
-            let dir = corpus_dir(harness);
-            let path = dir.join(format!("crash-{:016x}", fnv(&input)));
-            let saved = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, &input));
+            let (path, saved) = save(harness, "crash", &input);
             panic!("{harness}: {reason}; input saved as {} ({saved:?})", path.display());
         }
         Err(TestError::Abort(reason)) => panic!("{harness}: aborted: {reason}"),
