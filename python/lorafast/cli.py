@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
 _PLUGINS = (
     "lorafast.planner",
-    "lorafast.groups",
+    "lorafast.groups_cli",
     "lorafast.merging.cli",
     "lorafast.compat.cli",
     "lorafast.checker",
