@@ -809,6 +809,22 @@ def test_cli_preflight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert args.func(args) == 0
 
 
+def test_cli_engine_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from lorafast.compat.cli import register_cli
+
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    shared = peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS)
+    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json"])
+    assert args.func(args) == 0
+    capsys.readouterr()
+    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "next", "--json"])
+    with pytest.raises(ValueError, match="^not an engine version: 'next'$"):  # the version reaches sglang.preflight
+        args.func(args)
+
+
 def _write(root: Path, obj: Any) -> Path:
     path = root / "config.json"
     path.write_text(json.dumps(obj))

@@ -199,3 +199,36 @@ def test_bin_weights_read_without_running_the_pickle(tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="is not allowed") as info:
         vl.load_adapter(str(folder), supported_lora_modules=LLAMA)
     assert info.value.code == "unsafe_pickle" and not (tmp_path / "pwned").exists()
+
+
+def test_cli_engine_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from lorafast.compat.cli import register_cli
+
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    # modules_to_save ["score"]: 0.33.0 allows it (classification heads), 0.30.0 rejects it
+    head = peft(tmp_path, "head", ATTN, modules_to_save=["score"])
+    args = parser.parse_args(["preflight", "vllm", f"h={head}", "--engine-version", "0.30.0", "--json"])
+    assert args.func(args) == 1
+    (problem,) = json.loads(capsys.readouterr().out)["problems"]
+    assert problem["message"] == "vLLM only supports modules_to_save being None." and problem["adapter"] == "h"
+    args = parser.parse_args(["preflight", "vllm", f"h={head}", "--engine-version", "0.33.0", "--json"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == ["expected_modules", "moe_format", "classification_head"]
+
+
+def test_preflight_is_the_load_path(tmp_path: Path) -> None:
+    # A full `score` module on a model without a classification head: validate_legal passes (0.33), the
+    # manager's head check rejects it; preflight says what load_adapter raises.
+    head = peft(tmp_path, "head", {**ATTN, "base_model.model.score.weight": (3, 32)}, modules_to_save=["score"])
+    with pytest.raises(ValueError) as info:
+        vl.load_adapter(head, supported_lora_modules=LLAMA, engine_version="0.33.0")
+    plan = vl.preflight([head], supported_lora_modules=LLAMA, collect=True, engine_version="0.33.0")
+    assert not plan.ok and plan.skipped == () and [p.message for p in plan.problems] == [str(info.value)]
+    good = peft(tmp_path, "good", ATTN)
+    plan = vl.preflight({"g": good}, supported_lora_modules=LLAMA, engine_version="0.33.0")
+    assert plan.ok and plan.loras["g"] == vl.load_adapter(good, supported_lora_modules=LLAMA, engine_version="0.33.0")
+    view = AdapterView.from_tensors(ATTN, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, name="mem")
+    assert vl.preflight(view, supported_lora_modules=LLAMA).loras["mem"] == plan.loras["g"]

@@ -3,7 +3,9 @@
 Each case runs twice in child interpreters with the same PYTHONHASHSEED: once through vLLM's unmodified LoRA
 code from the unpacked wheel (tests/oracle/vllm_runner.py) and once through lorafast.compat.vllm
 (tests/oracle/lorafast_vllm_runner.py). The outcome (return summary, or exception type name and exact message)
-must agree for every case. A missing wheel is a failure (`make engines`), never a skip.
+must agree for every case, and so must `vllm.preflight`'s decision on each load case (ok, or the rejection's
+type and message), computed in the same child interpreter and compared with the same engine outcomes. A missing
+wheel is a failure (`make engines`), never a skip.
 """
 
 from __future__ import annotations
@@ -42,12 +44,20 @@ def _engine(version: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
         return engines.run("vllm_runner", "vllm", version, payload)["results"]
 
 
-def _lorafast(version: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+def _lorafast(version: str, payload: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any] | None]]:
+    """(load_adapter outcomes, preflight decisions) per case, from one child interpreter."""
     env = {**os.environ, "PYTHONHASHSEED": HASH_SEED}
-    proc = subprocess.run([sys.executable, str(RUNNER)], input=json.dumps({**payload, "engine_version": version}),
+    given = {**payload, "engine_version": version, "preflight": True}
+    proc = subprocess.run([sys.executable, str(RUNNER)], input=json.dumps(given),
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)["results"]
+    out = json.loads(proc.stdout)
+    return out["results"], out["preflight"]
+
+
+def _decision(outcome: dict[str, Any]) -> dict[str, Any]:
+    """An engine outcome as a preflight decision: accepted, or the rejection's type and text."""
+    return {"ok": True} if "ok" in outcome else outcome
 
 
 def test_compat_vllm_agrees_with_vllm(vllm_cases: list[dict[str, Any]]) -> None:
@@ -59,16 +69,26 @@ def test_compat_vllm_agrees_with_vllm(vllm_cases: list[dict[str, Any]]) -> None:
         ours = {v: pool.submit(_lorafast, v, payload) for v in VERSIONS}
         results = {v: (engine[v].result(), ours[v].result()) for v in VERSIONS}
     counts, disagreements = {}, []
-    for version, (theirs, mine) in results.items():
-        assert len(theirs) == len(mine) == len(vllm_cases)
-        agree = 0
-        for case, a, b in zip(vllm_cases, theirs, mine, strict=True):
+    for version, (theirs, (mine, decided)) in results.items():
+        assert len(theirs) == len(mine) == len(decided) == len(vllm_cases)
+        agree = agree_preflight = loads = 0
+        for case, a, b, d in zip(vllm_cases, theirs, mine, decided, strict=True):
+            where = case.get("path") or case.get("name")
             if a == b:
                 agree += 1
             else:
-                where = case.get("path") or case.get("name")
                 disagreements.append(f"vllm {version} {case['kind']} {where}\n  vllm:     {a}\n  lorafast: {b}")
-        counts[version] = f"{agree}/{len(vllm_cases)}"
+            if case["op"] != "load":
+                continue
+            # preflight's decision (accept, or the rejection's type and text) is _load_adapter's outcome
+            loads += 1
+            if d == _decision(a):
+                agree_preflight += 1
+            else:
+                disagreements.append(
+                    f"vllm {version} preflight {case['kind']} {where}\n  vllm:      {a}\n  preflight: {d}"
+                )
+        counts[version] = f"load {agree}/{len(vllm_cases)}, preflight {agree_preflight}/{loads}"
     assert len(vllm_cases) >= 500
     assert not disagreements, f"agreement per vLLM version: {counts}\n" + "\n".join(disagreements[:40])
 

@@ -2,7 +2,8 @@
 interpreter with the same PYTHONHASHSEED as the engine's, so that messages printing a set compare exactly.
 
 Payload: {"engine_version": "0.33.0", "cases": [...]} (the cases of vllm_runner.py); the result per case has
-the same shape as vllm_runner.py's.
+the same shape as vllm_runner.py's. With "preflight": true, "preflight" holds `vllm.preflight`'s decision per
+case as well (see `preflight_case`).
 """
 
 from __future__ import annotations
@@ -58,10 +59,41 @@ def run_case(case: dict[str, Any], version: str) -> dict[str, Any]:
         return {"error": [type(exc).__name__, str(exc)]}
 
 
+def preflight_case(case: dict[str, Any], version: str) -> dict[str, Any] | None:
+    """`vllm.preflight` on the case's adapter alone, under the same model: {"ok": true} or the rejection's
+    {"error": [type name, message]} (None for parse cases)."""
+    if case["op"] != "load":
+        return None
+    setup = case["setup"]
+    head = setup["classification_head"]
+    plan = vllm.preflight(
+        {case["lora_name"]: case["path"]},
+        max_lora_rank=case["max_lora_rank"],
+        supported_lora_modules=setup["supported"],
+        packed_modules_mapping=setup["packed"],
+        max_position_embeddings=setup["max_position_embeddings"],
+        vocab_size=setup["vocab_size"],
+        hf_to_vllm_mapper=mapper(setup["mapper"]),
+        moe_modules=setup["moe_modules"],
+        classification_head=None if head is None else vllm.ClassificationHead(**head),
+        is_pooling_model=setup["is_pooling_model"],
+        first_lora_int_id=case["lora_int_id"],
+        collect=True,
+        engine_version=version,
+    )
+    if plan.ok:
+        return {"ok": True}
+    (problem,) = plan.problems
+    return {"error": [problem.exc_type, problem.message]}
+
+
 def main() -> None:
     payload = json.load(sys.stdin)
     version = payload["engine_version"]
-    json.dump({"results": [run_case(case, version) for case in payload["cases"]]}, sys.stdout)
+    out: dict[str, Any] = {"results": [run_case(case, version) for case in payload["cases"]]}
+    if payload.get("preflight"):
+        out["preflight"] = [preflight_case(case, version) for case in payload["cases"]]
+    json.dump(out, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ supported).
   returns what vLLM builds (ranks, scalings, shapes) or raises what vLLM raises (same type name, same text);
 * `peft_helper` (`PEFTHelper.from_local_dir`/`from_dict`), `validate_legal`, `parse_fine_tuned_lora_name`,
   `expected_lora_modules`, `check_unexpected_modules`: the single steps;
-* `preflight`: the per-adapter checks for a whole set; `VLLM_MAX_LORA_RANKS`, `smallest_max_lora_rank`.
+* `preflight`: `load_adapter`'s code on every adapter of a set, problems collected per adapter;
+  `VLLM_MAX_LORA_RANKS`, `smallest_max_lora_rank`.
 
 Messages that print a Python set (the expected modules, the missing config fields) are built from the same
 strings in the same order as vLLM builds them, so the text equals vLLM's in the same interpreter.
@@ -23,12 +24,12 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lorafast.compat import _versions
-from lorafast.compat._common import Collector, CompatProblem
-from lorafast.compat._inputs import AdapterView, _read_names_and_shapes, resolve_adapters
+from lorafast.compat._common import Collector, CompatProblem, LoraRef, lora_id
+from lorafast.compat._inputs import AdapterView, _is_adapter, _read_names_and_shapes, _view_of, resolve_adapters
 
 __all__ = [
     "DEFAULT_PACKED_MODULES_MAPPING",
@@ -198,6 +199,9 @@ def expected_lora_modules(
     return set(out)
 
 
+_expected_modules = expected_lora_modules  # `preflight` has a parameter of that name
+
+
 def _is_base_embedding(name: str) -> bool:
     return name.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight"))
 
@@ -249,6 +253,10 @@ def peft_helper(
     """`PEFTHelper.from_local_dir`: reads `adapter_config.json` as vLLM does (same exceptions)."""
     with open(os.path.join(path, "adapter_config.json")) as f:
         config = json.load(f)
+    return _helper_from_config(config, max_position_embeddings, engine_version)
+
+
+def _helper_from_config(config: Any, max_position_embeddings: int | None, engine_version: str | None) -> PEFTHelper:
     config["vllm_max_position_embeddings"] = max_position_embeddings
     return _peft_helper_from_dict(config, engine_version)
 
@@ -540,6 +548,64 @@ def _check_classification_head(lora: VLLMLoRA, head: ClassificationHead | None, 
         )
 
 
+@dataclass(frozen=True)
+class _Model:
+    """What `_load_adapter` reads from the model and the worker (see `load_adapter`)."""
+
+    expected: Any
+    max_lora_rank: int
+    max_position_embeddings: int | None
+    vocab_size: int | None
+    mapper: Any
+    moe_modules: tuple[str, ...]
+    classification_head: ClassificationHead | None
+    is_pooling_model: bool
+    check_model: bool = True  # False: the model is not described; the model-dependent steps are skipped
+
+
+def _rename_mapper(hf_to_vllm_mapper: Any) -> Any:
+    mapper = hf_to_vllm_mapper.get_rename_mapper() if hasattr(hf_to_vllm_mapper, "get_rename_mapper") else None
+    return hf_to_vllm_mapper if mapper is None else mapper
+
+
+def _read_helper(path: str, lora_name: str, model: _Model, engine_version: str | None) -> tuple[str, PEFTHelper]:
+    """`_load_adapter` up to `PEFTHelper.from_local_dir`: the absolute path and the helper (vLLM's errors)."""
+    lora_path = path
+    if not os.path.isabs(lora_path) and os.path.exists(lora_path):  # get_adapter_absolute_path
+        lora_path = os.path.abspath(lora_path)
+    try:
+        helper = peft_helper(lora_path, model.max_position_embeddings, engine_version=engine_version)
+    except FileNotFoundError as exc:
+        raise LoRAAdapterNotFoundError(lora_name, path) from exc
+    return lora_path, helper
+
+
+def _load_rest(lora_path: str, helper: PEFTHelper, lora_int_id: int, model: _Model, engine_version: str | None,
+               tensors_of: Callable[[str], Mapping[str, tuple[int, ...] | None] | None] | None = None,
+               ) -> VLLMLoRA:  # fmt: skip
+    """`_load_adapter` after the helper: `validate_legal`, the weight file, the expected-module check,
+    `LoRAModel.from_lora_tensors` and (0.33) the manager's MoE-format and classification-head checks.
+    `tensors_of` replaces the folder's weight file for an in-memory adapter (`preflight` on an `AdapterView`)."""
+    _validate_legal(helper, model.max_lora_rank, engine_version)
+    tensors: Mapping[str, tuple[int, ...] | None] | None
+    if tensors_of is None:
+        found = _weights(lora_path)
+        tensors = None if found is None else found[0]
+    else:
+        tensors = tensors_of(lora_path)
+    if tensors is None:
+        raise ValueError(f"{lora_path} doesn't contain tensors")
+    if model.check_model:
+        unexpected = _unexpected_modules(tensors, model.expected, helper.modules_to_save, model.mapper, engine_version)
+        if unexpected:
+            raise _unexpected_error(lora_path, model.expected, unexpected)
+    lora = _build(tensors, helper, model.vocab_size, model.mapper, engine_version)
+    if _is_033(engine_version) and model.check_model:
+        _check_moe_format(lora, lora_int_id, model.moe_modules, model.is_pooling_model)
+        _check_classification_head(lora, model.classification_head, model.is_pooling_model)
+    return lora
+
+
 def load_adapter(
     path: str | os.PathLike[str],
     *,
@@ -564,31 +630,14 @@ def load_adapter(
     `WeightsMapper` or this module's; its renames are applied), `vocab_size`, `max_position_embeddings`,
     the MoE layers' names under 2-D wrappers (`moe_modules`) and the classification head.
     """
-    new = _is_033(engine_version)
-    lora_path = os.fspath(path)
-    name = os.path.basename(lora_path.rstrip("/")) if lora_name is None else lora_name
-    expected = expected_lora_modules(supported_lora_modules, packed_modules_mapping)
-    if not os.path.isabs(lora_path) and os.path.exists(lora_path):  # get_adapter_absolute_path
-        lora_path = os.path.abspath(lora_path)
-    try:
-        helper = peft_helper(lora_path, max_position_embeddings, engine_version=engine_version)
-    except FileNotFoundError as exc:
-        raise LoRAAdapterNotFoundError(name, os.fspath(path)) from exc
-    _validate_legal(helper, max_lora_rank, engine_version)
-    mapper = hf_to_vllm_mapper.get_rename_mapper() if hasattr(hf_to_vllm_mapper, "get_rename_mapper") else None
-    mapper = hf_to_vllm_mapper if mapper is None else mapper
-    found = _weights(lora_path)
-    if found is None:
-        raise ValueError(f"{lora_path} doesn't contain tensors")
-    tensors, _ = found
-    unexpected = _unexpected_modules(tensors, expected, helper.modules_to_save, mapper, engine_version)
-    if unexpected:
-        raise _unexpected_error(lora_path, expected, unexpected)
-    lora = _build(tensors, helper, vocab_size, mapper, engine_version)
-    if new:
-        _check_moe_format(lora, lora_int_id, moe_modules, is_pooling_model)
-        _check_classification_head(lora, classification_head, is_pooling_model)
-    return lora
+    given = os.fspath(path)
+    name = os.path.basename(given.rstrip("/")) if lora_name is None else lora_name
+    model = _Model(
+        expected_lora_modules(supported_lora_modules, packed_modules_mapping), max_lora_rank, max_position_embeddings,
+        vocab_size, _rename_mapper(hf_to_vllm_mapper), tuple(moe_modules), classification_head, is_pooling_model,
+    )  # fmt: skip
+    lora_path, helper = _read_helper(given, name, model, engine_version)
+    return _load_rest(lora_path, helper, lora_int_id, model, engine_version)
 
 
 # --- sets of adapters -------------------------------------------------------------------------------------
@@ -609,32 +658,83 @@ def smallest_max_lora_rank(adapters: Any, *, engine_version: str | None = None) 
 
 @dataclass(frozen=True)
 class VLLMPlan:
-    """The result of `preflight`: the rank the set needs and every problem found."""
+    """The result of `preflight`: the rank the set needs, every problem found, and what each adapter loads as.
+
+    `loras` maps each adapter's name to what `_load_adapter` builds for it (adapters vLLM rejects are absent).
+    `skipped` names the load steps that need the model and were not run because it was not described
+    (`supported_lora_modules` or `expected_lora_modules`); empty when the verdict is vLLM's whole load path.
+    """
 
     max_rank: int
     suggested_max_lora_rank: int | None
     problems: tuple[CompatProblem, ...]
+    loras: Mapping[str, VLLMLoRA] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return not any(p.fatal for p in self.problems)
 
 
+_MODEL_STEPS = ("expected_modules", "moe_format", "classification_head")
+
+
+def _entries(adapters: Any) -> list[tuple[str, str, str, AdapterView | None]]:
+    """(name, id, path, in-memory view or None) per adapter. Paths are not read here: vLLM's load path reads
+    them (its own weight-file choice); an Adapter or AdapterView whose path is not on disk is loaded from memory."""
+
+    def one(
+        obj: Any, name: str | None = None, adapter_id: str | None = None
+    ) -> tuple[str, str, str, AdapterView | None]:
+        if isinstance(obj, LoraRef) and obj.adapter is None:
+            return name or obj.name, adapter_id or obj.lora_id, obj.path, None
+        if isinstance(obj, (str, os.PathLike)):
+            path = os.fspath(obj)
+            name = name or os.path.basename(path.rstrip("/")).removesuffix(".safetensors")
+            return name, adapter_id or lora_id(name, path), path, None
+        if _is_adapter(obj) and os.path.exists(str(obj.path)):  # a scanned Adapter: vLLM reads its folder
+            path = str(obj.path)
+            name = name or obj.name
+            return name, adapter_id or lora_id(name, path), path, None
+        (view,) = resolve_adapters([obj]) if name is None else [_view_of(obj, name=name, adapter_id=adapter_id)]
+        on_disk = bool(view.path) and os.path.exists(view.path)
+        return view.name, view.lora_id, view.path, None if on_disk else view
+
+    if isinstance(adapters, (str, os.PathLike, AdapterView, LoraRef)) or _is_adapter(adapters):
+        return [one(adapters)]
+    if isinstance(adapters, Mapping):
+        return [one(value, str(key), str(key)) for key, value in adapters.items()]
+    return [one(item) for item in adapters]
+
+
 def preflight(
     adapters: Any,
     *,
     max_lora_rank: int = 16,
+    supported_lora_modules: Iterable[str] | None = None,
+    packed_modules_mapping: Mapping[str, list[str]] | None = None,
     expected_lora_modules: Any = None,
+    max_position_embeddings: int | None = None,
+    vocab_size: int | None = None,
+    hf_to_vllm_mapper: Any = None,
     weights_mapper: Any = None,
+    moe_modules: Iterable[str] = (),
+    classification_head: ClassificationHead | None = None,
+    is_pooling_model: bool = False,
+    first_lora_int_id: int = 1,
     collect: bool = False,
     engine_version: str | None = None,
 ) -> VLLMPlan:
-    """vLLM's per-adapter load checks for a whole set, in vLLM's order for each adapter:
-    `PEFTHelper.from_dict`, `validate_legal`, then (with `expected_lora_modules`) the name check.
+    """`WorkerLoRAManager._load_adapter` for every adapter of a set: each adapter is decided by the code of
+    `load_adapter` (config, `validate_legal`, weight file, expected modules, `from_lora_tensors`, and in 0.33
+    the MoE-format and classification-head checks), so a rejection has vLLM's exception type and text.
 
+    The model is described as for `load_adapter` (`supported_lora_modules`, `packed_modules_mapping`, ...), or
+    by `expected_lora_modules` (the expanded module set itself). Without either, the model-dependent steps are
+    skipped and listed in `VLLMPlan.skipped`. `weights_mapper` is an older name of `hf_to_vllm_mapper`.
+    Adapters get vLLM int ids `first_lora_int_id`, +1, ... in order (only the MoE-format message prints one).
     `max_lora_rank` outside `VLLM_MAX_LORA_RANKS` is reported first (vLLM's config validation rejects it).
     Raises the first error unless `collect=True`; then every problem is in `VLLMPlan.problems`.
-    For the whole load path of one adapter, with vLLM's exception for each failure, use `load_adapter`.
     """
     col = Collector(collect)
     if max_lora_rank not in VLLM_MAX_LORA_RANKS:
@@ -643,23 +743,42 @@ def preflight(
             ValueError(f"lorafast: vLLM accepts --max-lora-rank in {list(VLLM_MAX_LORA_RANKS)}, not {max_lora_rank}"),
             stage="config",
         )
-    ranks = []
-    for view in resolve_adapters(adapters):
-        ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
+    if supported_lora_modules is not None:
+        expected: Any = _expected_modules(supported_lora_modules, packed_modules_mapping)
+    elif expected_lora_modules is not None:
+        expected = expected_lora_modules if isinstance(expected_lora_modules, set) else set(expected_lora_modules)
+    else:
+        expected = None
+    model = _Model(
+        expected, max_lora_rank, max_position_embeddings, vocab_size,
+        _rename_mapper(hf_to_vllm_mapper if hf_to_vllm_mapper is not None else weights_mapper), tuple(moe_modules),
+        classification_head, is_pooling_model, check_model=expected is not None,
+    )  # fmt: skip
+    ranks: list[Any] = []
+    loras: dict[str, VLLMLoRA] = {}
+    for i, (name, adapter_id, path, view) in enumerate(_entries(adapters)):
         try:
-            config = dict(view.config or {})
-            config["vllm_max_position_embeddings"] = None
-            helper = _peft_helper_from_dict(config, engine_version)
+            if view is None:
+                lora_path, helper = _read_helper(path, name, model, engine_version)
+                tensors_of = None
+            else:
+                if view.config is None:
+                    raise LoRAAdapterNotFoundError(name, path)
+                lora_path = path
+                helper = _helper_from_config(dict(view.config), max_position_embeddings, engine_version)
+                tensors_of = _memory_tensors(view)
             ranks.append(max([helper.r, *(helper.fields.get("rank_pattern") or {}).values()]))
-            _validate_legal(helper, max_lora_rank, engine_version)
-            if not view.tensors and not view.has_weights:
-                raise ValueError(f"{view.path} doesn't contain tensors")
-            if expected_lora_modules is not None:
-                check_unexpected_modules(
-                    view, expected_lora_modules, weights_mapper=weights_mapper, engine_version=engine_version
-                )
-        except (ValueError, TypeError, AttributeError) as exc:
-            col.fail("vllm_load", exc, stage="load", **ids)
+            loras[name] = _load_rest(lora_path, helper, first_lora_int_id + i, model, engine_version, tensors_of)
+        except Exception as exc:  # whatever vLLM's load path raises is its verdict on this adapter
+            col.fail("vllm_load", exc, stage="load", adapter_id=adapter_id, adapter_name=name)
     need = int(max(ranks, default=0))
     suggested = next((value for value in VLLM_MAX_LORA_RANKS if value >= need), None)
-    return VLLMPlan(max_rank=need, suggested_max_lora_rank=suggested, problems=tuple(col.problems))
+    skipped = () if model.check_model else _MODEL_STEPS
+    return VLLMPlan(need, suggested, tuple(col.problems), loras, skipped)
+
+
+def _memory_tensors(view: AdapterView) -> Callable[[str], Mapping[str, tuple[int, ...] | None] | None]:
+    def tensors_of(_path: str) -> Mapping[str, tuple[int, ...] | None] | None:
+        return view.tensors if view.tensors or view.has_weights else None
+
+    return tensors_of

@@ -20,6 +20,7 @@ from lorafast.compat._sglang_names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
     KNOWN_LORA_TARGET_MODULES,
+    MSG_MIXED_SHARED_OUTER,
     PARAMS_MAPPING,
     STACKED_MULTIPLY,
     SUPPORTED_LORA_TARGET_MODULES,
@@ -31,7 +32,7 @@ from lorafast.compat._sglang_names import (
 from lorafast.compat.diffusion import detect_lora_format, normalize_peft_keys, validate_peft_features
 from lorafast.compat.sglang._buffers import BufferPlan, plan_buffers
 from lorafast.compat.sglang._config import predict_loaded_weights
-from lorafast.compat.sglang._detect import detect_shared_outer_loras
+from lorafast.compat.sglang._detect import detect_shared_outer_loras, shared_outer_verdicts
 from lorafast.compat.sglang._first_use import check_expert_layout, check_skipped_weights
 from lorafast.compat.sglang._paths import parse_lora_paths
 from lorafast.compat.sglang._preflight import SGLangPlan, preflight
@@ -42,6 +43,7 @@ __all__ = [
     "DSA_INDEXER_LORA_NAMES",
     "EMBEDDING_NAMES",
     "KNOWN_LORA_TARGET_MODULES",
+    "MSG_MIXED_SHARED_OUTER",
     "PARAMS_MAPPING",
     "STACKED_MULTIPLY",
     "SUPPORTED_LORA_TARGET_MODULES",
@@ -69,6 +71,7 @@ __all__ = [
     "predict_loaded_weights",
     "preflight",
     "resolve_adapters",
+    "shared_outer_verdicts",
     "validate_new_adapter",
     "validate_peft_features",
 ]

@@ -36,6 +36,13 @@ def _shared_flags(weights: LoadedWeights, legacy: bool) -> tuple[bool | None, fr
     return first, frozenset(seen)
 
 
+def shared_outer_verdicts(weights: LoadedWeights) -> frozenset[bool]:
+    """What one adapter says under `_detect_shared_outer_loras`'s rule: True for each shared-outer gate_up lora_A
+    (3-D, expert dim 1), False for each per-expert one (3-D with E > 1, or numbered 2-D `experts.N.`); empty when
+    no tensor counts. Both: SGLang rejects the adapter even alone (`MSG_MIXED_SHARED_OUTER`)."""
+    return _shared_flags(weights, legacy=False)[1]
+
+
 def _detect(loaded: list[LoadedWeights], *, legacy: bool, col: Collector, memo: dict[Any, Any] | None = None) -> bool:
     shared_outer: bool | None = None
     for weights in loaded:
