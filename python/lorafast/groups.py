@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import re
 import shlex
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +30,14 @@ from typing import TYPE_CHECKING, Any
 from lorafast.compat._common import CompatProblem, LoraRef
 from lorafast.compat._inputs import AdapterView
 from lorafast.compat._sglang_names import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
-from lorafast.compat.sglang import get_normalized_target_modules, predict_loaded_weights
+from lorafast.compat.sglang import (
+    MSG_MIXED_SHARED_OUTER,
+    get_normalized_target_modules,
+    predict_loaded_weights,
+    shared_outer_verdicts,
+)
 from lorafast.compat.sglang import preflight as sglang_preflight
+from lorafast.compat.sglang._config import _NUMBERED_EXPERT
 from lorafast.errors import LorafastError
 from lorafast.scanner import inspect, scan
 
@@ -61,11 +66,6 @@ SUPPORTED_LORA_TARGET_MODULES = frozenset({*_SUPPORTED_TARGETS, "all"})
 
 # Leaves SGLang's loader turns into gate_up_proj (Mixtral w1/w3 are renamed to gate/up first).
 _GATE_UP_LEAVES = frozenset({"gate_proj", "up_proj", "gate_up_proj", "w1", "w3"})
-_NUMBERED_EXPERT = re.compile(r"(?:shared_)?experts\.\d+\.")
-_MIXED_ERROR = (
-    "Mixed shared-outer LoRA formats detected across loaded adapters (conflict in adapter '{}'). All MoE adapters "
-    "must either all use shared outer experts (expert_dim=1) or all use per-expert weights."
-)
 
 
 class OuterLayout(str, Enum):
@@ -96,15 +96,7 @@ def _seen_from_loaded(adapter: Adapter | AdapterView) -> set[bool] | None:
         loaded = predict_loaded_weights(adapter)
     except Exception:
         return None
-    seen: set[bool] = set()
-    for _layer, name, shape in loaded.iter_layer_weights():
-        if "gate_up_proj" not in name or "lora_A" not in name or shape is None:
-            continue
-        if len(shape) == 3:
-            seen.add(shape[0] == 1)
-        elif _NUMBERED_EXPERT.search(name):
-            seen.add(False)
-    return seen
+    return set(shared_outer_verdicts(loaded))  # SGLang's rule, as compat.sglang's shared-outer detection runs it
 
 
 def outer_layout(adapter: Adapter, *, view: AdapterView | None = None) -> OuterLayout:
@@ -554,7 +546,9 @@ def _single_adapter_problem(
     path = str(adapter.path)
     if layout is OuterLayout.MIXED:
         ref = _lora_ref(name, adapter, view)
-        return Unservable(path, name, "mixed_shared_outer", _MIXED_ERROR.format(getattr(ref, "lora_id", name)))
+        return Unservable(
+            path, name, "mixed_shared_outer", MSG_MIXED_SHARED_OUTER.format(adapter_id=getattr(ref, "lora_id", name))
+        )
     targets = adapter_targets(adapter)
     if fixed_targets is not None and "all" not in fixed_targets and not targets <= fixed_targets:
         return Unservable(
