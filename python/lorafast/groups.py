@@ -39,11 +39,10 @@ from lorafast.compat.sglang import (
 from lorafast.compat.sglang import preflight as sglang_preflight
 from lorafast.compat.sglang._config import _NUMBERED_EXPERT
 from lorafast.errors import LorafastError
-from lorafast.scanner import inspect, scan
+from lorafast.groups_cli import register_cli as register_cli  # the CLI lives in groups_cli; kept importable here
+from lorafast.scanner import inspect
 
 if TYPE_CHECKING:
-    import argparse
-
     from lorafast.adapter import Adapter
 
 __all__ = [
@@ -625,58 +624,3 @@ def _make_group(
         notes=tuple(notes),
         served_target_modules=tuple(served),
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CLI
-
-
-def _run_cli(args: argparse.Namespace) -> int:
-    import sys
-
-    paths = list(args.paths)
-    source: Any = paths
-    try:
-        source = scan(paths)
-    except Exception as e:
-        print(f"warning: scan failed ({e}); inspecting paths one by one", file=sys.stderr)
-        source = paths
-    try:
-        result = plan_groups(
-            source,
-            max_lora_rank=args.max_lora_rank,
-            target_modules=args.target_modules,
-            max_per_group=args.max_per_group,
-            convert=args.convert,
-            convert_out=args.out,
-        )
-    except ValueError as e:
-        print(
-            json.dumps({"error": str(e)}) if args.json else f"error: {e}", file=sys.stdout if args.json else sys.stderr
-        )
-        return 1
-    print(result.to_json(indent=2) if args.json else result.explain())
-    return 0 if result.ok else 2
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add `lorafast groups` to the lorafast CLI."""
-    from lorafast.cli import positive_int  # argparse types: a bad count is a usage error (exit 2)
-
-    p = subparsers.add_parser(
-        "groups",
-        help="split adapters into the fewest SGLang servers that can each load their share",
-        description="Group adapters by MoE outer layout and base model, with SGLang server arguments per group.",
-    )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="adapter folders/files (or folders of adapters)")
-    p.add_argument("--max-lora-rank", type=positive_int, default=None, help="fixed server rank limit")
-    p.add_argument("--target-modules", nargs="+", default=None, help="fixed --lora-target-modules")
-    p.add_argument("--max-per-group", type=positive_int, default=None, help="at most this many adapters per server")
-    p.add_argument(
-        "--convert",
-        action="store_true",
-        help="convert shared-outer adapters to stacked 3-D (exact) where that saves a server",
-    )
-    p.add_argument("--out", default=None, metavar="DIR", help="with --convert: where the converted adapters go")
-    p.add_argument("--json", action="store_true", help="print the groups as JSON")
-    p.set_defaults(func=_run_cli)
