@@ -188,7 +188,7 @@ pub struct Problem {
     pub tensor: Option<String>,
 }
 
-/// Every problem code, in documentation order (the README's list; `lorafast.PROBLEM_CODES`).
+/// Every problem code, in documentation order (docs/errors.md; `lorafast.PROBLEM_CODES`).
 pub const PROBLEM_CODES: &[&str] = &[
     "missing_lora_a",
     "missing_lora_b",
