@@ -93,6 +93,8 @@ bench: build-release ## benchmarks (ratios against baselines measured in the sam
 	$(BIN)/python benches/bench_report.py
 	$(BIN)/python benches/bench_preflight.py
 	$(BIN)/python benches/bench_merge.py
+	$(BIN)/python benches/bench_convert.py
+	$(BIN)/python benches/bench_check.py
 
 .PHONY: bench-fleet
 bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
@@ -103,6 +105,7 @@ bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
 # pass, from a new seed each run; failing inputs are saved in tests/fuzz-corpus/.
 FUZZ_CASES ?= 100000
 .PHONY: fuzz
-fuzz: ## long fuzz pass: FUZZ_CASES inputs per harness (header, classify, names, config), new seed
+fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, names, config), new seed; then fuzz-python
 	LORAFAST_FUZZ_CASES=$(FUZZ_CASES) LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
 	  cargo test --no-default-features --test fuzz_header --test fuzz_classify --test fuzz_names --test fuzz_config -- --nocapture
+	$(MAKE) fuzz-python
