@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lorafast.base import Weight, renamed_on_load
 from lorafast.checker import check
 from lorafast.merging.targets import NameTable
 
@@ -48,6 +49,7 @@ def _base(path: Path, names: list[str]) -> Path:
 
 
 Q = "model.layers.0.self_attn.q_proj"
+WQ = "model.language_model.layers.0.self_attn.q_proj"
 #: (base weight names, adapter module path, the weight both must name, (adapter prefix, base prefix) or None: exact)
 CASES: dict[str, tuple[list[str], str, str | None, tuple[str, str] | None]] = {
     "exact": ([f"{Q}.weight", "lm_head.weight"], Q, f"{Q}.weight", None),
@@ -66,7 +68,18 @@ CASES: dict[str, tuple[list[str], str, str | None, tuple[str, str] | None]] = {
     "absent": (["model.layers.1.self_attn.q_proj.weight"], Q, None, ("", "")),
     # the exact weight wins over a longer name that ends with the path
     "exact_beats_suffix": ([f"{Q}.weight", f"language_model.{Q}.weight"], Q, f"{Q}.weight", None),
+    # an adapter made on the transformers-5 wrapper (`model.language_model.…`), on the wrapper's checkpoint file
+    # saved as `language_model.model.…` with its config.json beside it: both look the name up as transformers 5
+    # renames it on load (`base.renamed_on_load`), so it is exact; merge_file writes the stored tensor
+    "wrapper_file_loaded_names": ([f"language_model.{Q}.weight"], WQ, f"{WQ}.weight", None),
+    # the same file without its config: nothing says it is a wrapper, so only the stored names count
+    "wrapper_file_no_config": ([f"language_model.{Q}.weight"], WQ, f"language_model.{Q}.weight",
+                               ("model.language_model", "language_model.model")),
 }  # fmt: skip
+#: the cases whose base file has a Llava-style config.json beside it
+LLAVA_CONFIG = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+                "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}  # fmt: skip
+CONFIGS: dict[str, dict[str, Any]] = {"wrapper_file_loaded_names": LLAVA_CONFIG}
 
 
 def _said(prefix: str) -> str:
@@ -79,8 +92,15 @@ def test_check_and_merge_agree_on_names(case: str, tmp_path: Path) -> None:
     base = _base(tmp_path / "base.safetensors", names)
     adapter = _peft(tmp_path / "a", [module])
     out = tmp_path / "out.safetensors"
+    config = CONFIGS.get(case)
+    renamed: dict[str, str] = {}
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        renamed = renamed_on_load({n: Weight("F32", (N, N), str(base)) for n in names}, config)
+        assert renamed  # the config makes a difference
 
-    match = NameTable(names).match(module, ".weight")  # the one rule both go by
+    # the one rule both go by, on the names as stored and as loaded
+    match = NameTable([*names, *renamed], hidden=set(renamed.values())).match(module, ".weight")
     r = next(iter(check(adapter, base)))
     mod = r.modules[0]
     if prefixes is None:
@@ -88,7 +108,7 @@ def test_check_and_merge_agree_on_names(case: str, tmp_path: Path) -> None:
         assert r.verdict == "ok" and mod.status == "ok" and mod.weight == weight
         summary = merge_file(base, adapter, out)
         assert summary["targets"] == 1 and summary["prefixes"] == []
-        assert st.load_file(str(out))[weight].abs().sum() > 0
+        assert st.load_file(str(out))[renamed.get(weight, weight)].abs().sum() > 0  # the stored name
         return
     assert match.weight is None and match.prefixed == weight
     assert r.verdict == "no_match" and r.matched == 0

@@ -37,6 +37,11 @@ def bucket(tmp_path_factory: pytest.TempPathFactory) -> Any:
     adapter = cf.peft_adapter(llama, root / "a_llama", ["q_proj", "v_proj"])
     (site / "single").mkdir()
     write_safetensors(site / "single" / "model.safetensors", {"lin.weight": ("F32", (8, 8))})
+    # the adapter's module paths, at widths it does not fit: a shape mismatch
+    (site / "wide").mkdir()
+    write_safetensors(site / "wide" / "model.safetensors",
+                      {f"model.layers.{i}.self_attn.{m}.weight": ("F32", (48, 48)) for i in (0, 1)
+                       for m in ("q_proj", "v_proj")})  # fmt: skip
     # bad bases: a missing shard, a shard with a broken header, a folder without config.json
     shutil.copytree(site / "llama", site / "no_shard")
     index = json.loads((site / "no_shard" / "model.safetensors.index.json").read_text())
@@ -84,6 +89,33 @@ def test_check_against_s3_bases(bucket: Any) -> None:
     ok, wrapper = list(report)
     assert ok.verdict == "ok" and ok.matched == 4
     assert wrapper.verdict == "no_match" and "'model.language_model.'" in (wrapper.hint or "")  # the prefix case
+
+
+def test_cli_check_against_s3_bases(bucket: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafast.cli import main
+
+    opts = [f"--storage-option={k}={v}" for k, v in bucket["server"].storage_options.items()]
+    adapter = str(bucket["adapter"])
+    assert main(["check", "--base", f"s3://{BUCKET}/llama", adapter, *opts, "--timeout", "10"]) == 0
+    assert capsys.readouterr().out.startswith("ok ")
+    rc = main(["check", "--base", f"s3://{BUCKET}/wide/model.safetensors", adapter, *opts, "--json"])
+    cap = capsys.readouterr()
+    assert rc == 1, cap
+    assert json.loads(cap.out)["pairs"][0]["verdict"] == "shape_mismatch", cap
+    assert main(["check", "--base", f"s3://{BUCKET}/llava", adapter, *opts]) == 1
+    assert capsys.readouterr().out.startswith("no_match ")
+    # a store that cannot be reached (the last endpoint given wins): the remote code, naming the object, exit 1
+    assert main(["check", "--base", f"s3://{BUCKET}/llama", adapter, *opts,
+                 "--storage-option", "endpoint=http://127.0.0.1:9", "--timeout", "2"]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "[connection_error]" in err and f"s3://{BUCKET}/llama/" in err
+    # malformed options and timeouts are usage errors, exit 2, parsed as `scan` parses them
+    for bad in (["--storage-option", "endpoint"], ["--storage-option", "=x"], ["--timeout", "0"],
+                ["--timeout", "nan"]):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--base", f"s3://{BUCKET}/llama", adapter, *bad])
+        assert e.value.code == 2
+        assert "expected KEY=VALUE" in capsys.readouterr().err or bad[0] == "--timeout"
 
 
 def test_bad_s3_bases_name_the_object(bucket: Any) -> None:

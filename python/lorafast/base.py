@@ -92,6 +92,12 @@ class BaseModel:
         return view
 
     @property
+    def renamed_on_load(self) -> dict[str, str]:
+        """Loaded name -> stored name, for the weights that transformers 5 only renames on load (not the fused
+        experts): the names `check` looks up besides the stored ones, and `merge_file` too."""
+        return _renames(self.weights, self.loaded_weights)
+
+    @property
     def num_weights(self) -> int:
         return len(self.weights)
 
@@ -522,6 +528,18 @@ def _loaded_view(weights: Mapping[str, Weight], config: Mapping[str, Any] | None
     return view
 
 
+def renamed_on_load(weights: Mapping[str, Weight], config: Mapping[str, Any] | None) -> dict[str, str]:
+    """Loaded name -> stored name for the stored `weights` that transformers 5 renames on load (a Llava-style
+    wrapper's `language_model.model.` to `model.language_model.`, ...), given the model's `config`: the renames
+    in `BaseModel.loaded_weights`. Fused expert stacks are new weights, not renames, and are left out."""
+    return _renames(weights, _loaded_view(weights, config))
+
+
+def _renames(weights: Mapping[str, Weight], view: Mapping[str, Weight]) -> dict[str, str]:
+    stored = {id(w): n for n, w in weights.items()}
+    return {new: stored[id(w)] for new, w in view.items() if id(w) in stored}
+
+
 def _split_single_file(weights: dict[str, Weight], path: str) -> dict[str, BaseModel]:
     """Components of a single-file diffusion checkpoint, by key prefix; {} for anything else."""
     if not any(n.startswith(_ANY_SINGLE_FILE) for n in weights):
@@ -587,4 +605,4 @@ def _optional_json(src: _Local | _Http, rel: str) -> dict[str, Any] | None:
     return _json(src, rel, "bad_config") if src.exists(rel) else None
 
 
-__all__ = ["BaseModel", "BaseModelError", "Weight", "read_base"]
+__all__ = ["BaseModel", "BaseModelError", "Weight", "read_base", "renamed_on_load"]

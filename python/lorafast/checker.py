@@ -132,8 +132,7 @@ class _BaseIndex:
             c: {**m.weights, **m.loaded_weights} for c, m in models.items()
         }
         # stored names that transformers renames on load: hints name the loaded form
-        self._renamed = {c: {n for n, w in m.weights.items() if id(w) in {id(v) for v in m.loaded_weights.values()}}
-                         for c, m in models.items()}  # fmt: skip
+        self._renamed = {c: set(m.renamed_on_load.values()) for c, m in models.items()}
         self.denoiser = next((c for c in _DENOISERS if c in self.comps), None)
         self._tables: dict[str | None, NameTable] = {}
         self.cache: dict[Any, ModuleCheck] = {}
@@ -689,6 +688,8 @@ def check(
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
+    from .cli import key_value, seconds  # scan's own argument types: the same parsing and exit-2 errors
+
     p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
     p.add_argument("--base", action="append", default=[],
@@ -697,6 +698,9 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--engine-version", default=None, help="engine release whose rules apply (default: installed)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                   help="object store option for URL bases and adapters (endpoint, region, ...); repeatable")  # fmt: skip
+    p.add_argument("--timeout", type=seconds, default=None, help="seconds per remote request (default 10)")
     p.set_defaults(func=_cmd_check)
 
 
@@ -707,7 +711,8 @@ def _cmd_check(args: Any) -> int:
     if not args.base:
         return _cmd_identify(args)
     report = check(args.adapters, args.base, engine=args.engine, engine_version=args.engine_version,
-                   threads=args.threads)  # fmt: skip
+                   threads=args.threads, storage_options=dict(args.storage_option) or None,
+                   timeout=args.timeout)  # fmt: skip
     if args.json:
         sys.stdout.write(report.to_json(indent=2) + "\n")
         return 1 if report.failed else 0
@@ -732,7 +737,8 @@ def _cmd_identify(args: Any) -> int:
     from .families import identify
     from .scanner import scan
 
-    report = scan(args.adapters, threads=args.threads, progress=False)
+    report = scan(args.adapters, threads=args.threads, progress=False,
+                  storage_options=dict(args.storage_option) or None, timeout=args.timeout)  # fmt: skip
     out: list[dict[str, Any]] = []
     for adapter in report:
         ident = identify(adapter)

@@ -68,7 +68,8 @@ def merge_file(
                 specs[name] = WeightSpec(e.shape, torch_dtype(e.dtype))
             except TensorReadError:
                 continue  # a dtype torch cannot hold: copied as bytes, never a target
-        planned = preflight(sources, {None: NameIndex(specs)}, allow_prefix=allow_prefix)
+        index = NameIndex(specs, _renamed_on_load(base, tf))
+        planned = preflight(sources, {None: index}, allow_prefix=allow_prefix)
         prefixes = prefixes_used(planned)
         targets = {t.key: t for t in planned}
         order = sorted(tf.tensors.values(), key=lambda e: e.begin)
@@ -121,6 +122,21 @@ def merge_file(
         "peak_workspace_bytes": ws.peak_bytes,
         "prefixes": prefixes,
     }
+
+
+def _renamed_on_load(base: str, tf: TensorFile) -> dict[str, str]:
+    """Loaded name -> stored name for this file's weights, as `check` (`read_base`) sees the file: by the
+    `config.json` beside it (a Llava-style wrapper's `language_model.model.` is `model.language_model.` once
+    loaded). No config, or one that cannot be read: none, and names go by the stored names alone."""
+    from lorafast.base import BaseModelError, Weight, _Local, _optional_json, renamed_on_load
+
+    try:
+        config = _optional_json(_Local(os.path.dirname(os.path.abspath(base))), "config.json")
+    except (BaseModelError, OSError):
+        return {}
+    if not config:
+        return {}
+    return renamed_on_load({n: Weight(str(e.dtype), tuple(e.shape), base) for n, e in tf.tensors.items()}, config)
 
 
 def _header(

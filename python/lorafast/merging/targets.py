@@ -241,30 +241,45 @@ class NameTable:
 
 
 class NameIndex:
-    """Tensor names of one model (or component) with their specs, and the name rule (`NameTable.match`)."""
+    """Tensor names of one model (or component) with their specs, and the name rule (`NameTable.match`).
 
-    def __init__(self, specs: Mapping[str, WeightSpec]) -> None:
+    `renamed`: loaded name -> stored name for the weights transformers 5 renames on load (`base.renamed_on_load`,
+    the mapping `check` uses). Their loaded names match as well, and resolve to the stored weight; as in `check`,
+    a stored name that is renamed on load is never offered as a prefix-only match."""
+
+    def __init__(self, specs: Mapping[str, WeightSpec], renamed: Mapping[str, str] | None = None) -> None:
         self.specs = specs
-        self.table = NameTable(specs)
+        self.renamed = {new: old for new, old in (renamed or {}).items() if old in specs and new not in specs}
+        names: Mapping[str, Any] = {**specs, **self.renamed} if self.renamed else specs
+        self.table = NameTable(names, hidden=frozenset(self.renamed.values()))
         self._parents: dict[str, list[str]] | None = None
         self._parent_table: NameTable | None = None
 
+    def _stored(self, hit: NameMatch) -> NameMatch:
+        """A match on loaded names, as the stored names it stands for."""
+        if not self.renamed:
+            return hit
+        get = self.renamed.get
+        return replace(hit, weight=hit.weight and get(hit.weight, hit.weight),
+                       prefixed=hit.prefixed and get(hit.prefixed, hit.prefixed),
+                       ambiguous=tuple(get(n, n) for n in hit.ambiguous))  # fmt: skip
+
     def match(self, module_name: str, suffix: str, kohya: bool = False) -> NameMatch:
-        """`NameTable.match` on the tensor names."""
-        return self.table.match(module_name, suffix, kohya)
+        """`NameTable.match` on the tensor names (stored and loaded), as stored names."""
+        return self._stored(self.table.match(module_name, suffix, kohya))
 
     def match_module(self, module_name: str) -> NameMatch:
         """The same rule on module paths (the parents of tensors)."""
         if self._parent_table is None:
             self._parents = {}
-            for n in self.specs:
+            for n in (*self.specs, *self.renamed):
                 if "." in n:
-                    self._parents.setdefault(n.rsplit(".", 1)[0], []).append(n)
+                    self._parents.setdefault(n.rsplit(".", 1)[0], []).append(self.renamed.get(n, n))
             self._parent_table = NameTable(self._parents)
         return self._parent_table.match(module_name, "")
 
     def children(self, module_path: str) -> list[str]:
-        """Direct tensors of a module path (`<path>.<leaf>`)."""
+        """Direct tensors of a module path (`<path>.<leaf>`), as stored names."""
         self.match_module(module_path)  # builds the parent table
         assert self._parents is not None
         return list(self._parents.get(module_path, []))
