@@ -255,8 +255,8 @@ impl Field {
     }
 }
 
-/// The config fields lorafast reads, in `Fields` slot order.
-const KNOWN: [&str; 19] = [
+/// The config fields lorafast reads, in `Fields` slot order (public so the config fuzz harness draws from it).
+pub const KNOWN: [&str; 19] = [
     "peft_type",
     "r",
     "lora_alpha",

@@ -15,26 +15,8 @@ use serde_json::Value;
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-const KEYS: &[&str] = &[
-    "peft_type",
-    "r",
-    "lora_alpha",
-    "alpha",
-    "use_rslora",
-    "use_dora",
-    "rank_pattern",
-    "alpha_pattern",
-    "target_modules",
-    "target_parameters",
-    "base_model_name_or_path",
-    "modules_to_save",
-    "lora_bias",
-    "init_lora_weights",
-    "alora_invocation_tokens",
-    "layer_replication",
-    "use_bdlora",
-    "use_qalora",
-    "trainable_token_indices",
+/// Keys beyond the fields the reader knows (`config::KNOWN`): component-scoped fields and near misses.
+const EXTRA_KEYS: &[&str] = &[
     "unet.r",
     "unet.lora_alpha",
     "text_encoder.target_modules",
@@ -49,6 +31,11 @@ const KEYS: &[&str] = &[
     "a.b.r",
     "a.b.alpha",
 ];
+
+/// Every key the generator draws: the reader's own field list, then the extras.
+fn keys() -> Vec<&'static str> {
+    _core::config::KNOWN.iter().chain(EXTRA_KEYS).copied().collect()
+}
 
 const PATTERN_KEYS: &[&str] = &[
     "q_proj",
@@ -102,7 +89,7 @@ fn value_strategy() -> impl Strategy<Value = String> {
 }
 
 fn config_like() -> impl Strategy<Value = String> {
-    let key = prop_oneof![4 => prop::sample::select(KEYS).prop_map(str::to_owned), 1 => "[a-z_.]{0,8}"];
+    let key = prop_oneof![4 => prop::sample::select(keys()).prop_map(str::to_owned), 1 => "[a-z_.]{0,8}"];
     (prop::collection::vec((key, value_strategy()), 0..10), any::<bool>()).prop_map(|(entries, spaced)| {
         let sep = if spaced { ", \n  " } else { "," };
         let body: Vec<String> = entries
