@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,8 +58,6 @@ def unpacked(name: str, version: str) -> Path:
     try:
         os.rename(tmp, dest)
     except OSError:  # another process won the race; use its copy
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
