@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 #: Modules that add their own subcommands through `register_cli(subparsers)`.
 _PLUGINS = (
-    "lorafast.planner",
+    "lorafast.planner.cli",
     "lorafast.groups_cli",
     "lorafast.merging.cli",
     "lorafast.compat.cli",

@@ -1,0 +1,157 @@
+"""`lorafast plan`: plan a `set_lora` call from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from lorafast.compat.diffusion import LORA_MERGE_MODES, PIPELINE_MODULES, VALID_TARGETS
+from lorafast.planner.replay import plan
+from lorafast.planner.requests import LoraRequest
+from lorafast.planner.state import PipelineState
+
+if TYPE_CHECKING:
+    import argparse
+
+
+def _parse_adapter_spec(spec: str) -> LoraRequest:
+    """`NICK[=PATH][:STRENGTH][@TARGET]`, parsed from the right so paths may hold ':' or '@'."""
+    target = "all"
+    head, sep, tail = spec.rpartition("@")
+    if sep and tail in VALID_TARGETS:
+        spec, target = head, tail
+    strength = 1.0
+    head, sep, tail = spec.rpartition(":")
+    if sep:
+        try:
+            strength = float(tail)
+            spec = head
+        except ValueError:
+            pass
+    nickname, sep, path = spec.partition("=")
+    if not nickname:
+        raise ValueError(f"bad --adapter {spec!r}: expected NICK=PATH[:STRENGTH][@TARGET]")
+    return LoraRequest(nickname, path or None, strength, target)
+
+
+def _parse_alpha(spec: str) -> tuple[str, float]:
+    nickname, sep, value = spec.partition("=")
+    if not sep:
+        raise ValueError(f"bad --alpha {spec!r}: expected NICK=ALPHA")
+    return nickname, float(value)
+
+
+def _parse_base_weights(spec: str) -> tuple[str, str]:
+    module, sep, path = spec.partition("=")
+    if not sep or module not in PIPELINE_MODULES or not path:
+        raise ValueError(
+            f"bad --base-weights {spec!r}: expected MODULE=FILE.safetensors, MODULE one of {PIPELINE_MODULES}"
+        )
+    return module, path
+
+
+def _sharded_arg(value: list[str] | None) -> bool | dict[str, bool]:
+    """`--sharded` alone: every module; `--sharded transformer_2`: only those; absent: none."""
+    if value is None:
+        return False
+    return True if not value else dict.fromkeys(value, True)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+
+    try:
+        requests = [_parse_adapter_spec(s) for s in args.adapter]
+        alphas = dict(_parse_alpha(s) for s in args.alpha or [])
+        requests = [replace(r, alpha=alphas.get(r.nickname, r.alpha)) for r in requests]
+        current = None
+        if args.state:
+            with open(args.state, encoding="utf-8") as f:
+                data = json.load(f)
+            current = PipelineState.from_dict(data.get("next_state", data))
+        p = plan(
+            requests,
+            merge_mode=args.merge_mode,
+            current=current,
+            weights_sharded=_sharded_arg(args.sharded),
+            resolve=args.resolve,
+            tolerance=args.tolerance,
+            modules=args.modules,
+            engine_version=args.engine_version,
+            quantized=_sharded_arg(args.quantized),
+            base_weights=dict(_parse_base_weights(s) for s in args.base_weights or []),
+        )
+        if p.unreadable and not args.allow_unreadable:  # a plan for files that are not there would mislead
+            path, error = next(iter(p.unreadable.items()))
+            raise ValueError(
+                f"cannot read adapter {path!r}: {error} ({len(p.unreadable)} unreadable; "
+                "--allow-unreadable plans them with unknown scales)"
+            )
+    except ValueError as e:  # SGLang's own errors and PlanError: say why, exit 1
+        if args.json:
+            print(json.dumps({"error": str(e), "type": type(e).__name__, "notes": getattr(e, "__notes__", [])}))
+        else:
+            print(f"error: {e}", file=sys.stderr)
+            for note in getattr(e, "__notes__", []):
+                print(note, file=sys.stderr)
+        return 1
+    print(p.to_json(indent=2) if args.json else p.explain())
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add `lorafast plan` to the lorafast CLI."""
+    p = subparsers.add_parser(
+        "plan",
+        help="plan a set_lora call: what is merged, dynamic, skipped or unmerged",
+        description="Plan an SGLang diffusion set_lora call without touching weights.",
+    )
+    p.add_argument(
+        "--adapter",
+        "-a",
+        action="append",
+        required=True,
+        metavar="NICK=PATH[:STRENGTH][@TARGET]",
+        help="an adapter to apply (repeat, in order); NICK alone reuses an adapter loaded in --state",
+    )
+    p.add_argument("--alpha", action="append", metavar="NICK=ALPHA", help="lora_alpha override for one adapter")
+    p.add_argument(
+        "--merge-mode", choices=LORA_MERGE_MODES, default=None, help="default: the state's server mode (auto)"
+    )
+    p.add_argument(
+        "--sharded",
+        nargs="*",
+        choices=PIPELINE_MODULES,
+        metavar="MODULE",
+        help="weights are FSDP-sharded (DTensor): all modules, or only those named",
+    )
+    p.add_argument(
+        "--quantized",
+        nargs="*",
+        choices=PIPELINE_MODULES,
+        metavar="MODULE",
+        help="weights are quantized and cannot take a merged delta (SGLang 0.5.23): all modules, or those named",
+    )
+    p.add_argument(
+        "--base-weights",
+        action="append",
+        metavar="MODULE=FILE",
+        help="a component's base weights (safetensors), for SGLang 0.5.23's auto-merge rounding-loss rule",
+    )
+    p.add_argument(
+        "--engine-version",
+        metavar="VERSION",
+        help="the SGLang version whose set_lora rules to follow (default: the installed one, else the newest)",
+    )
+    p.add_argument("--resolve", action="store_true", help="plan targets SGLang would reject as merges")
+    p.add_argument("--tolerance", type=float, default=0.0, help="float tolerance for the skip rule (default: exact)")
+    p.add_argument("--modules", nargs="+", choices=PIPELINE_MODULES, help="pipeline components (default: transformer)")
+    p.add_argument("--state", metavar="JSON", help="current pipeline state (a PipelineState or a previous plan --json)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--allow-unreadable",
+        action="store_true",
+        help="plan adapters that cannot be read here (e.g. Hub ids SGLang downloads) with unknown scales",
+    )
+    p.set_defaults(func=_run_cli)
