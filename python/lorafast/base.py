@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import _core
+from .adapter import _SGLANG_W_RENAMES
 from .errors import AdapterError, HeaderError, _CodedError
 
 PathLike = str | os.PathLike[str]
@@ -61,7 +62,8 @@ class Weight(NamedTuple):
     builds 100,000 of them."""
 
     dtype: str
-    shape: tuple[int, ...] | None  # None: the logical shape is not in the header (bitsandbytes 4-bit)
+    shape: tuple[int, ...] | None
+    """None: the logical shape is not in the header (bitsandbytes 4-bit)."""
     file: str
     quantized: str | None = None
     stored_shape: tuple[int, ...] | None = None
@@ -73,13 +75,15 @@ class BaseModel:
     `<component>.<name>` and `components` the components themselves."""
 
     path: str
-    kind: str  # checkpoint | sharded | pipeline | single_file_diffusion
+    kind: str
+    """"checkpoint", "sharded", "pipeline" or "single_file_diffusion"."""
     weights: dict[str, Weight]
     config: dict[str, Any] | None = None
     architecture: str | None = None
     components: dict[str, BaseModel] = field(default_factory=dict)
     files: tuple[str, ...] = ()
-    quantization: str | None = None  # the scheme when any weight is quantized
+    quantization: str | None = None
+    """The scheme when any weight is quantized."""
 
     @property
     def loaded_weights(self) -> dict[str, Weight]:
@@ -244,8 +248,9 @@ class _Store(_Http):
         except AdapterError as e:  # the remote layer's codes (timeout, connection_error, ...), for a base
             raise BaseModelError(str(e), str(e.code), url) from None
         if rng is None and size > _MAX_JSON_BYTES:
-            raise BaseModelError(f"{url}: {size} bytes is too large for a JSON file (at most {_MAX_JSON_BYTES})",
-                                 "bad_config", url)  # fmt: skip
+            raise BaseModelError(
+                f"{url}: {size} bytes is too large for a JSON file (at most {_MAX_JSON_BYTES})", "bad_config", url
+            )
         return bytes(body), size
 
 
@@ -340,8 +345,9 @@ def _read_single(src: _Local | _Http, path: str) -> BaseModel:
     config = _optional_json(sub, "config.json")
     comps = _split_single_file(weights, path)
     if comps:
-        return BaseModel(path, "single_file_diffusion", weights, config, _single_file_arch(comps), comps,
-                         (path,), meta_quant)  # fmt: skip
+        return BaseModel(
+            path, "single_file_diffusion", weights, config, _single_file_arch(comps), comps, (path,), meta_quant
+        )
     return BaseModel(path, "checkpoint", weights, config, _architecture(config), {}, (path,), meta_quant)
 
 
@@ -371,8 +377,9 @@ def _read_model(src: _Local | _Http, index_name: str | None = None) -> BaseModel
     if isinstance(qcfg, dict):
         weights = _apply_quant_config(weights, qcfg)
         quant = quant or str(qcfg.get("quant_method") or "quantized")
-    return BaseModel(src.join(), kind, weights, config, _architecture(config), {},
-                     tuple(src.join(f) for f in files), quant)  # fmt: skip
+    return BaseModel(
+        src.join(), kind, weights, config, _architecture(config), {}, tuple(src.join(f) for f in files), quant
+    )
 
 
 def _read_pipeline(src: _Local | _Http) -> BaseModel:
@@ -484,9 +491,13 @@ def _apply_quant_config(weights: dict[str, Weight], qcfg: Mapping[str, Any]) -> 
 
 
 # transformers 5 conversion on load (transformers/conversion_mapping.py), the torch-free part that renames and fuses
-_WRAPPER_RENAMES = ((r"^language_model\.lm_head\.", "lm_head."), (r"^language_model\.model\.", "model.language_model."),
-                    (r"^language_model\.", "model.language_model."), (r"^vision_tower\.", "model.vision_tower."),
-                    (r"^multi_modal_projector\.", "model.multi_modal_projector."))  # fmt: skip
+_WRAPPER_RENAMES = (
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^language_model\.model\.", "model.language_model."),
+    (r"^language_model\.", "model.language_model."),
+    (r"^vision_tower\.", "model.vision_tower."),
+    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+)
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -508,7 +519,7 @@ def _loaded_view(weights: Mapping[str, Weight], config: Mapping[str, Any] | None
                 break
         m = _EXPERT.match(new)
         if m is not None and w.shape is not None and len(w.shape) == 2:
-            proj = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(m.group(3), "down")
+            proj = _SGLANG_W_RENAMES.get(m.group(3), m.group(3)).removesuffix("_proj")  # gate, up or down
             experts.setdefault((m.group(1), proj), {})[int(m.group(2))] = w
         if new != name:
             view[new] = w
@@ -583,8 +594,9 @@ def _json(src: _Local | _Http, rel: str, code: str) -> dict[str, Any]:
     try:
         data = json.loads(src.text(rel))
     except FileNotFoundError:
-        raise BaseModelError(f"missing {src.join(rel)}", "missing_config" if code == "bad_config" else "bad_index",
-                             src.join(rel)) from None  # fmt: skip
+        raise BaseModelError(
+            f"missing {src.join(rel)}", "missing_config" if code == "bad_config" else "bad_index", src.join(rel)
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BaseModelError(f"{src.join(rel)} is not valid JSON: {e}", code, src.join(rel)) from None
     if not isinstance(data, dict):
@@ -595,9 +607,10 @@ def _json(src: _Local | _Http, rel: str, code: str) -> dict[str, Any]:
 def _required_json(src: _Local | _Http, rel: str) -> dict[str, Any]:
     if not src.exists(rel):
         raise BaseModelError(
-            f"{src.join()} has weights but no {rel}; pass the model folder with its config", "missing_config",
+            f"{src.join()} has weights but no {rel}; pass the model folder with its config",
+            "missing_config",
             src.join(rel),
-        )  # fmt: skip
+        )
     return _json(src, rel, "bad_config")
 
 

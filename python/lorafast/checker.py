@@ -50,13 +50,21 @@ MODULE_STATUSES = ("ok", "missing", "prefix_only", "shape_mismatch", "no_compone
 _PEFT_PREFIXES = ("peft_model.base_model.model.", "base_model.model.")
 #: diffusers PEFT key prefixes and kohya prefixes -> pipeline component
 _COMPONENT_KEYS: tuple[tuple[str, str], ...] = (
-    ("unet.", "unet"), ("transformer.", "transformer"), ("text_encoder_2.", "text_encoder_2"),
-    ("text_encoder.", "text_encoder"), ("prior.", "prior"), ("decoder.", "decoder"),
-)  # fmt: skip
+    ("unet.", "unet"),
+    ("transformer.", "transformer"),
+    ("text_encoder_2.", "text_encoder_2"),
+    ("text_encoder.", "text_encoder"),
+    ("prior.", "prior"),
+    ("decoder.", "decoder"),
+)
 _KOHYA_KEYS: tuple[tuple[str, str], ...] = (
-    ("lora_unet_", "unet"), ("lora_te1_", "text_encoder"), ("lora_te2_", "text_encoder_2"),
-    ("lora_te_", "text_encoder"), ("lora_transformer_", "transformer"), ("lora_prior_unet_", "prior"),
-)  # fmt: skip
+    ("lora_unet_", "unet"),
+    ("lora_te1_", "text_encoder"),
+    ("lora_te2_", "text_encoder_2"),
+    ("lora_te_", "text_encoder"),
+    ("lora_transformer_", "transformer"),
+    ("lora_prior_unet_", "prior"),
+)
 _DENOISERS = ("unet", "transformer", "prior", "decoder")
 # a flat {str: str} __metadata__ object (run-specific kohya keys): left out of the structure key
 _METADATA = re.compile(rb'"__metadata__"\s*:\s*\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}\s*,?')
@@ -70,11 +78,15 @@ _CONFIG_FIELD = re.compile(
 class ModuleCheck:
     """One adapter module against one base: the weight it maps to, the shape it needs and the one there is."""
 
-    module: str  # the module key as in the adapter file
-    status: str  # see MODULE_STATUSES
+    module: str
+    """The module key as in the adapter file."""
+    status: str
+    """One of `MODULE_STATUSES`."""
     weight: str | None = None
-    expected: tuple[int, ...] | None = None  # the (out, in[, kernel]) the factors need
-    actual: tuple[int, ...] | None = None  # the base weight's (logical) shape
+    expected: tuple[int, ...] | None = None
+    """The (out, in[, kernel]) the factors need."""
+    actual: tuple[int, ...] | None = None
+    """The base weight's (logical) shape."""
     hint: str | None = None
 
 
@@ -107,9 +119,16 @@ class PairResult:
         return self.verdict == "ok"
 
     def to_dict(self, modules: bool = True) -> dict[str, Any]:
-        d: dict[str, Any] = {"adapter": self.adapter, "base": self.base, "verdict": self.verdict,
-                             "matched": self.matched, "missing": self.missing, "mismatched": self.mismatched,
-                             "hint": self.hint, "error": self.error}  # fmt: skip
+        d: dict[str, Any] = {
+            "adapter": self.adapter,
+            "base": self.base,
+            "verdict": self.verdict,
+            "matched": self.matched,
+            "missing": self.missing,
+            "mismatched": self.mismatched,
+            "hint": self.hint,
+            "error": self.error,
+        }
         if self.engine is not None:
             d["engine"] = vars(self.engine) | {"errors": list(self.engine.errors)}
         if modules:
@@ -251,8 +270,14 @@ def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
     expected = _expected(m)
     if absent is not None:
         have = sorted(c for c in index.comps if c is not None)
-        res = ModuleCheck(m.key, "no_component", None, expected, None,
-                          f"the base has no {absent} component (it has {', '.join(have) or 'none'})")  # fmt: skip
+        res = ModuleCheck(
+            m.key,
+            "no_component",
+            None,
+            expected,
+            None,
+            f"the base has no {absent} component (it has {', '.join(have) or 'none'})",
+        )
     else:
         hit = _lookup(index, comp, path, m, kohya or is_kohya(m.key))
         weight = hit.weight
@@ -263,16 +288,24 @@ def _check_module(index: _BaseIndex, m: LoraModule, fifo: bool) -> ModuleCheck:
         if weight is None:
             if hit.prefixed is not None:
                 w = index.comps[comp][hit.prefixed]
-                hint = f"the base names this weight {hit.prefixed!r}: {hit.prefix_hint}; rename the adapter's " \
-                       "keys to match (merge takes it only with allow_prefix=True)"  # fmt: skip
+                hint = (
+                    f"the base names this weight {hit.prefixed!r}: {hit.prefix_hint}; rename the adapter's "
+                    "keys to match (merge takes it only with allow_prefix=True)"
+                )
                 res = ModuleCheck(m.key, "prefix_only", qual(hit.prefixed), expected, w.shape, hint)
             else:
                 res = ModuleCheck(m.key, "missing", None, expected, None, None)
         else:
             w = index.comps[comp][weight]
             if w.shape is None:
-                res = ModuleCheck(m.key, "unverified", qual(weight), expected, None,
-                                  f"{w.quantized} weight: its shape is not in the header")  # fmt: skip
+                res = ModuleCheck(
+                    m.key,
+                    "unverified",
+                    qual(weight),
+                    expected,
+                    None,
+                    f"{w.quantized} weight: its shape is not in the header",
+                )
             else:
                 why = _fit(m, w.shape, fifo)
                 status = "ok" if why is None else "shape_mismatch"
@@ -398,8 +431,9 @@ class _Fleet:
         self.errors: dict[int, tuple[str, str]] = {}  # row -> (code, message)
 
 
-def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, Any] | None,
-            timeout: float | None) -> _Fleet:  # fmt: skip
+def _gather(
+    adapters: Any, threads: int | None, storage_options: Mapping[str, Any] | None, timeout: float | None
+) -> _Fleet:
     from .scanner import ScanReport, _adapter, _storage_items
 
     fleet = _Fleet()
@@ -501,8 +535,13 @@ def _gather(adapters: Any, threads: int | None, storage_options: Mapping[str, An
 class CheckReport:
     """Every (adapter, base) pair. `columns()` gives one numpy row per pair; iterating gives `PairResult`s."""
 
-    def __init__(self, fleet: _Fleet, bases: list[BaseModel], table: list[list[_Outcome]],
-                 engines: dict[tuple[int, int], EngineOutcome]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fleet: _Fleet,
+        bases: list[BaseModel],
+        table: list[list[_Outcome]],
+        engines: dict[tuple[int, int], EngineOutcome],
+    ) -> None:
         import numpy as np
 
         self.adapters = fleet.paths
@@ -568,8 +607,9 @@ class CheckReport:
             word = re.compile(rf"(?<![\w./-]){re.escape(rep.name)}(?![\w./-])")
             errors = tuple(word.sub(ours, e.replace(rep.path, path)) for e in engine.errors)
             engine = replace(engine, errors=errors)
-        return PairResult(path, bpath, VERDICTS[o.verdict], o.matched, o.missing, o.mismatched, o.modules, o.hint,
-                          engine)  # fmt: skip
+        return PairResult(
+            path, bpath, VERDICTS[o.verdict], o.matched, o.missing, o.mismatched, o.modules, o.hint, engine
+        )
 
     def __len__(self) -> int:
         return len(self.adapters) * len(self.bases)
@@ -590,20 +630,24 @@ class CheckReport:
         import numpy as np
 
         counts = np.bincount(np.asarray(self._cols["verdict"], dtype=np.int64), minlength=len(VERDICTS))
-        return {"pairs": len(self), "adapters": len(self.adapters), "bases": [b.path for b in self.bases],
-                "verdicts": {VERDICTS[i]: int(c) for i, c in enumerate(counts.tolist())}}  # fmt: skip
+        return {
+            "pairs": len(self),
+            "adapters": len(self.adapters),
+            "bases": [b.path for b in self.bases],
+            "verdicts": {VERDICTS[i]: int(c) for i, c in enumerate(counts.tolist())},
+        }
 
     def to_json(self, indent: int | None = None, modules: bool = True) -> str:
-        return json.dumps({"summary": self.summary(), "pairs": [r.to_dict(modules) for r in self]}, indent=indent,
-                          default=list)  # fmt: skip
+        return json.dumps(
+            {"summary": self.summary(), "pairs": [r.to_dict(modules) for r in self]}, indent=indent, default=list
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Engines
 
 
-def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: BaseModel,
-                    verdict: int) -> EngineOutcome:  # fmt: skip
+def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: BaseModel, verdict: int) -> EngineOutcome:
     import inspect as _inspect
 
     from .compat import sglang, vllm
@@ -617,8 +661,11 @@ def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: Ba
         rank = max(adapter.rank, 1)
         allowed = [r for r in vllm.VLLM_MAX_LORA_RANKS if r >= rank]
         leaves = sorted({n.rsplit(".", 2)[-2] for n in base.weights if n.endswith(".weight") and n.count(".") >= 1})
-        kwargs = {"max_lora_rank": allowed[0] if allowed else max(vllm.VLLM_MAX_LORA_RANKS), "collect": True,
-                  "expected_lora_modules": leaves}  # fmt: skip
+        kwargs = {
+            "max_lora_rank": allowed[0] if allowed else max(vllm.VLLM_MAX_LORA_RANKS),
+            "collect": True,
+            "expected_lora_modules": leaves,
+        }
     else:
         raise ValueError(f"engine must be 'sglang' or 'vllm', not {engine!r}")
     if "engine_version" in _inspect.signature(fn).parameters:
@@ -667,8 +714,9 @@ def check(
         given.extend(bases)
     if not given:
         raise ValueError("check needs at least one base model (base= or bases=)")
-    models = [b if isinstance(b, BaseModel) else read_base(b, storage_options=storage_options, timeout=timeout)
-              for b in given]  # fmt: skip
+    models = [
+        b if isinstance(b, BaseModel) else read_base(b, storage_options=storage_options, timeout=timeout) for b in given
+    ]
     fleet = _gather(adapters, threads, storage_options, timeout)
     table: list[list[_Outcome]] = []
     engines: dict[tuple[int, int], EngineOutcome] = {}
@@ -688,19 +736,21 @@ def check(
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
-    from .cli import key_value, seconds  # scan's own argument types: the same parsing and exit-2 errors
+    from .cli import add_remote_arguments  # scan's own options: the same parsing and exit-2 errors
 
     p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
-    p.add_argument("--base", action="append", default=[],
-                   help="base checkpoint, sharded folder, pipeline or URL; without one, name the likely base families")  # fmt: skip
+    p.add_argument(
+        "--base",
+        action="append",
+        default=[],
+        help="base checkpoint, sharded folder, pipeline or URL; without one, name the likely base families",
+    )
     p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
     p.add_argument("--engine-version", default=None, help="engine release whose rules apply (default: installed)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
-                   help="object store option for URL bases and adapters (endpoint, region, ...); repeatable")  # fmt: skip
-    p.add_argument("--timeout", type=seconds, default=None, help="seconds per remote request (default 10)")
+    add_remote_arguments(p, "URL bases and adapters")
     p.set_defaults(func=_cmd_check)
 
 
@@ -710,15 +760,23 @@ def _cmd_check(args: Any) -> int:
 
     if not args.base:
         return _cmd_identify(args)
-    report = check(args.adapters, args.base, engine=args.engine, engine_version=args.engine_version,
-                   threads=args.threads, storage_options=dict(args.storage_option) or None,
-                   timeout=args.timeout)  # fmt: skip
+    report = check(
+        args.adapters,
+        args.base,
+        engine=args.engine,
+        engine_version=args.engine_version,
+        threads=args.threads,
+        storage_options=dict(args.storage_option) or None,
+        timeout=args.timeout,
+    )
     if args.json:
         sys.stdout.write(report.to_json(indent=2) + "\n")
         return 1 if report.failed else 0
     for r in report:
-        line = f"{r.verdict:<15} {r.adapter}  on  {r.base}  ({r.matched} matched, {r.missing} missing, " \
-               f"{r.mismatched} mismatched)"  # fmt: skip
+        line = (
+            f"{r.verdict:<15} {r.adapter}  on  {r.base}  ({r.matched} matched, {r.missing} missing, "
+            f"{r.mismatched} mismatched)"
+        )
         print(line)
         if r.hint or r.error:
             print(f"    {r.error or r.hint}")
@@ -737,14 +795,26 @@ def _cmd_identify(args: Any) -> int:
     from .families import identify
     from .scanner import scan
 
-    report = scan(args.adapters, threads=args.threads, progress=False,
-                  storage_options=dict(args.storage_option) or None, timeout=args.timeout)  # fmt: skip
+    report = scan(
+        args.adapters,
+        threads=args.threads,
+        progress=False,
+        storage_options=dict(args.storage_option) or None,
+        timeout=args.timeout,
+    )
     out: list[dict[str, Any]] = []
     for adapter in report:
         ident = identify(adapter)
-        out.append({"adapter": adapter.path, "base_model_name_or_path": adapter.base_model_name_or_path,
-                    "fingerprint": dict(ident.fingerprint), "candidates": [list(c) for c in ident.candidates],
-                    "ambiguous": list(ident.ambiguous), "best": ident.best})  # fmt: skip
+        out.append(
+            {
+                "adapter": adapter.path,
+                "base_model_name_or_path": adapter.base_model_name_or_path,
+                "fingerprint": dict(ident.fingerprint),
+                "candidates": [list(c) for c in ident.candidates],
+                "ambiguous": list(ident.ambiguous),
+                "best": ident.best,
+            }
+        )
     if args.json:
         sys.stdout.write(json.dumps({"identified": out, "errors": report.errors}, indent=2) + "\n")
     else:

@@ -51,14 +51,27 @@ def cmd_scan(args: argparse.Namespace) -> int:
             print("lorafast scan: error: --index scans local paths, with the local backend", file=sys.stderr)
             return 2
         with Index(args.index) as index:
-            report = index.scan(args.paths, recursive=not args.no_recursive, threads=args.threads,
-                                progress=progress, content_hash=args.hash)  # fmt: skip
+            report = index.scan(
+                args.paths,
+                recursive=not args.no_recursive,
+                threads=args.threads,
+                progress=progress,
+                content_hash=args.hash,
+            )
         changes = f"{len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed"
         print(f"index {args.index}: {changes}, {report.reads} read", file=sys.stderr)
     else:
-        report = scan(args.paths, recursive=not args.no_recursive, threads=args.threads, progress=progress,
-                      content_hash=args.hash, storage_options=storage, timeout=args.timeout, backend=args.backend,
-                      ray_address=args.ray_address)  # fmt: skip
+        report = scan(
+            args.paths,
+            recursive=not args.no_recursive,
+            threads=args.threads,
+            progress=progress,
+            content_hash=args.hash,
+            storage_options=storage,
+            timeout=args.timeout,
+            backend=args.backend,
+            ray_address=args.ray_address,
+        )
     if args.json:
         report.to_json(sys.stdout, indent=2, records=not args.summary_only)
         sys.stdout.write("\n")
@@ -129,6 +142,19 @@ def seconds(text: str) -> float:
     return x
 
 
+def add_remote_arguments(p: argparse.ArgumentParser, urls: str) -> None:
+    """`--storage-option KEY=VALUE` (repeatable) and `--timeout SECONDS`, for a command that reads `urls`."""
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        type=key_value,
+        help=f"object store option for {urls} (endpoint, region, allow_http, ...); repeatable",
+    )
+    p.add_argument("--timeout", type=seconds, default=None, help="seconds per remote request (default 10)")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -160,8 +186,15 @@ def cmd_header(args: argparse.Namespace) -> int:
     torch_file = str(args.path).endswith((".bin", ".pt", ".pth"))
     h = read_torch_header(args.path) if torch_file else read_header(args.path, mode=args.mode)
     if args.json:
-        _print_json({"tensors": {k: vars(v) for k, v in h.tensors.items()}, "metadata": h.metadata,
-                     "header_size": h.header_size, "file_size": h.file_size, "warnings": h.warnings})  # fmt: skip
+        _print_json(
+            {
+                "tensors": {k: vars(v) for k, v in h.tensors.items()},
+                "metadata": h.metadata,
+                "header_size": h.header_size,
+                "file_size": h.file_size,
+                "warnings": h.warnings,
+            }
+        )
     else:
         rows = [
             (name, t.dtype, list(t.shape), f"{t.data_offsets[0]}..{t.data_offsets[1]}") for name, t in h.tensors.items()
@@ -206,9 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", metavar="FLEET.db", help="keep a persistent index there; read only what changed")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ray: scan shards in Ray tasks")
     p.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS or a local one)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
-                   help="object store option for URL paths (endpoint, region, allow_http, ...); repeatable")  # fmt: skip
-    p.add_argument("--timeout", type=seconds, default=None, help="seconds per remote request (default 10)")
+    add_remote_arguments(p, "URL paths")
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("inspect", help="everything about one adapter")

@@ -16,16 +16,31 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafast.adapter import _SGLANG_W_RENAMES
+
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    source: str  # the public config the numbers come from
-    dims: Mapping[str, int]  # fingerprint field -> value
+    source: str
+    """The public config the numbers come from."""
+    dims: Mapping[str, int]
+    """Fingerprint field -> value."""
 
 
-def _llm(name: str, source: str, hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int,
-         vocab: int, experts: int = 0, expert_inter: int = 0) -> Family:  # fmt: skip
+def _llm(
+    name: str,
+    source: str,
+    hidden: int,
+    inter: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    head_dim: int,
+    vocab: int,
+    experts: int = 0,
+    expert_inter: int = 0,
+) -> Family:
     dims = {"hidden": hidden, "layers": layers, "q_out": heads * head_dim, "kv_out": kv * head_dim, "vocab": vocab}
     if inter:
         dims["intermediate"] = inter
@@ -73,7 +88,7 @@ FAMILIES: tuple[Family, ...] = (
             "experts": 256,
             "expert_intermediate": 2048,
         },
-    ),  # fmt: skip
+    ),
     _llm("gpt-oss-20b", _HF.format("openai/gpt-oss-20b"), 2880, 0, 24, 64, 8, 64, 201088, 32, 2880),
     _llm("gpt-oss-120b", _HF.format("openai/gpt-oss-120b"), 2880, 0, 36, 64, 8, 64, 201088, 128, 2880),
     _llm("Gemma-3-1B", _HF.format("google/gemma-3-1b-pt"), 1152, 6912, 26, 4, 1, 256, 262144),
@@ -101,12 +116,12 @@ FAMILIES: tuple[Family, ...] = (
         "SD-3.5-Large",
         "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/transformer/config.json",
         {"dit_hidden": 2432, "dit_ff": 9728, "dit_blocks": 38},
-    ),  # fmt: skip
+    ),
     Family(
         "SD-3.5-Medium",
         "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/transformer/config.json",
         {"dit_hidden": 1536, "dit_ff": 6144, "dit_blocks": 24},
-    ),  # fmt: skip
+    ),
     Family(
         "FLUX.1",
         "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
@@ -116,7 +131,7 @@ FAMILIES: tuple[Family, ...] = (
         "HunyuanVideo",
         "https://huggingface.co/hunyuanvideo-community/HunyuanVideo/blob/main/transformer/config.json",
         {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 20, "dit_single_blocks": 40},
-    ),  # fmt: skip
+    ),
     Family(
         "Qwen-Image",
         "https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
@@ -160,7 +175,8 @@ class Identification:
 
     fingerprint: Mapping[str, int]
     candidates: tuple[tuple[str, int], ...]
-    ambiguous: tuple[str, ...] = field(default=())  # the families tied for first place, when more than one
+    ambiguous: tuple[str, ...] = field(default=())
+    """The families tied for first place, when more than one."""
 
     @property
     def best(self) -> str | None:
@@ -184,8 +200,9 @@ def _shapes(items: Iterable[tuple[str, str, int | None, int | None, int | None, 
         if v:
             fp.setdefault(k, v)
 
-    for path, leaf, layer, fin, fout, experts in items:
+    for path, name, layer, fin, fout, experts in items:
         expert = experts or ".experts." in path
+        leaf = _SGLANG_W_RENAMES.get(name, name)  # Mixtral's w1/w3/w2 are gate/up/down
         if leaf == "q_proj":
             put("hidden", fin)
             put("q_out", fout)
@@ -194,10 +211,10 @@ def _shapes(items: Iterable[tuple[str, str, int | None, int | None, int | None, 
             put("kv_out", fout)
         elif leaf in ("o_proj",):
             put("hidden", fout)
-        elif leaf in ("gate_proj", "up_proj", "w1", "w3"):
+        elif leaf in ("gate_proj", "up_proj"):
             put("hidden", fin)
             put("expert_intermediate" if expert else "intermediate", fout)
-        elif leaf in ("down_proj", "w2"):
+        elif leaf == "down_proj":
             put("hidden", fout)
             put("expert_intermediate" if expert else "intermediate", fin)
         elif leaf == "q_a_proj":

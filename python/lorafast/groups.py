@@ -70,10 +70,14 @@ _GATE_UP_LEAVES = frozenset({"gate_proj", "up_proj", "gate_up_proj", "w1", "w3"}
 class OuterLayout(str, Enum):
     """An adapter's MoE outer layout as SGLang's shared-outer detection sees it."""
 
-    SHARED = "shared_outer"  # gate_up lora_A shaped [1, r, in]
-    PER_EXPERT = "per_expert"  # gate_up lora_A [E>1, r, in] or numbered experts.N. 2-D
-    NONE = "none"  # no gate_up expert lora_A: the adapter fits either kind of server
-    MIXED = "mixed"  # disagrees with itself: SGLang rejects it even alone
+    SHARED = "shared_outer"
+    """The gate_up lora_A is shaped [1, r, in]."""
+    PER_EXPERT = "per_expert"
+    """The gate_up lora_A is [E>1, r, in], or numbered 2-D `experts.N.` tensors."""
+    NONE = "none"
+    """No gate_up expert lora_A: the adapter fits either kind of server."""
+    MIXED = "mixed"
+    """Disagrees with itself: SGLang rejects it even alone."""
 
 
 def _normalize_targets(names: Iterable[str]) -> set[str]:
@@ -150,15 +154,20 @@ class ServingGroup:
 
     index: int
     adapters: tuple[Adapter, ...]
-    names: tuple[str, ...]  # unique `--lora-paths` names, in adapter order
-    layout: OuterLayout  # SHARED, PER_EXPERT, or NONE when no adapter has an opinion
+    names: tuple[str, ...]
+    """Unique `--lora-paths` names, in adapter order."""
+    layout: OuterLayout
+    """SHARED, PER_EXPERT, or NONE when no adapter has an opinion."""
     base_model: str | None
     max_lora_rank: int
-    target_modules: tuple[str, ...]  # normalized union, sorted; ("all",) when a name is not a CLI choice
-    preflight: str = "unavailable"  # "passed" | "failed"; "unavailable" only on a group built by hand
+    target_modules: tuple[str, ...]
+    """Normalized union, sorted; ("all",) when a name is not a CLI choice."""
+    preflight: str = "unavailable"
+    """"passed" or "failed"; "unavailable" only on a group built by hand."""
     preflight_problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    served_target_modules: tuple[str, ...] = ()  # the explicit union (also when the CLI gets "all")
+    served_target_modules: tuple[str, ...] = ()
+    """The explicit union (also when the CLI gets "all")."""
 
     @property
     def experts_shared_outer(self) -> bool | None:
@@ -210,11 +219,13 @@ class GroupPlan:
 
     groups: tuple[ServingGroup, ...]
     unservable: tuple[Unservable, ...]
-    lower_bound: int  # no valid split has fewer groups
+    lower_bound: int
+    """No valid split has fewer groups."""
     max_per_group: int | None = None
     max_lora_rank: int | None = None
     target_modules: tuple[str, ...] | None = None
-    conversions: tuple[Any, ...] = ()  # `lorafast.converting.fleet.ConversionStep`s the groups rely on (convert=True)
+    conversions: tuple[Any, ...] = ()
+    """`lorafast.converting.fleet.ConversionStep`s the groups rely on (convert=True)."""
 
     def __iter__(self) -> Iterator[ServingGroup]:
         return iter(self.groups)
@@ -305,8 +316,10 @@ def _run_preflight(refs: list[LoraRef], **kwargs: Any) -> tuple[str, list[str], 
 @dataclass
 class _Item:
     index: int
-    layout: OuterLayout | None  # None: fits any layout
-    base: str | None  # None: fits any base
+    layout: OuterLayout | None
+    """None: fits any layout."""
+    base: str | None
+    """None: fits any base."""
 
 
 @dataclass

@@ -147,8 +147,10 @@ _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]*$")  # names JSON encodes as-is
 
 
 class _Rendered(NamedTuple):
-    head: bytes  # 8-byte length + header JSON
-    pieces: tuple[tuple[int, bytes], ...]  # (offset in the data section, bytes) of tensors with real values
+    head: bytes
+    """8-byte length + header JSON."""
+    pieces: tuple[tuple[int, bytes], ...]
+    """(offset in the data section, bytes) of tensors with real values."""
     data_len: int
 
 
@@ -204,8 +206,10 @@ class _Sample:
     key: tuple[Any, ...]
     build: Callable[[], Tensors]
     metadata: Mapping[str, str] | None
-    config: Mapping[str, Any] | None  # adapter_config.json, for PEFT folders
-    weight_name: str | None  # file name inside the sample folder; None: the sample is a single .safetensors file
+    config: Mapping[str, Any] | None
+    """adapter_config.json, for PEFT folders."""
+    weight_name: str | None
+    """File name inside the sample folder; None: the sample is a single .safetensors file."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,17 +269,48 @@ _LLAMA_BASES = (
 
 # LoraConfig.to_dict() of PEFT 0.21 with its defaults; samples override what they set.
 _PEFT_DEFAULTS: dict[str, Any] = {
-    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None,
-    "base_model_name_or_path": None, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
-    "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
-    "init_lora_weights": True, "kasa_config": None, "layer_replication": None, "layers_pattern": None,
-    "layers_to_transform": None, "loftq_config": {}, "lora_alpha": 8, "lora_bias": False, "lora_dropout": 0.0,
-    "lora_ga_config": None, "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
-    "monteclora_config": None, "peft_type": "LORA", "peft_version": "0.21.2", "qalora_group_size": 16, "r": 8,
-    "rank_pattern": {}, "revision": None, "target_modules": None, "target_parameters": None, "task_type": None,
-    "trainable_token_indices": None, "use_bdlora": None, "use_dora": False, "use_qalora": False,
-    "use_rslora": False, "velora_config": None,
-}  # fmt: skip
+    "alora_invocation_tokens": None,
+    "alpha_pattern": {},
+    "arrow_config": None,
+    "auto_mapping": None,
+    "base_model_name_or_path": None,
+    "bias": "none",
+    "corda_config": None,
+    "ensure_weight_tying": False,
+    "eva_config": None,
+    "exclude_modules": None,
+    "fan_in_fan_out": False,
+    "inference_mode": True,
+    "init_lora_weights": True,
+    "kasa_config": None,
+    "layer_replication": None,
+    "layers_pattern": None,
+    "layers_to_transform": None,
+    "loftq_config": {},
+    "lora_alpha": 8,
+    "lora_bias": False,
+    "lora_dropout": 0.0,
+    "lora_ga_config": None,
+    "megatron_config": None,
+    "megatron_core": "megatron.core",
+    "modules_to_save": None,
+    "monteclora_config": None,
+    "peft_type": "LORA",
+    "peft_version": "0.21.2",
+    "qalora_group_size": 16,
+    "r": 8,
+    "rank_pattern": {},
+    "revision": None,
+    "target_modules": None,
+    "target_parameters": None,
+    "task_type": None,
+    "trainable_token_indices": None,
+    "use_bdlora": None,
+    "use_dora": False,
+    "use_qalora": False,
+    "use_rslora": False,
+    "velora_config": None,
+}
 
 
 def _peft_config(**fields: Any) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-#: safetensors dtype name -> size in bits
+#: safetensors dtype name -> size in bits. Kept as a table (fmt: skip), one row per width: one name a line
+#: would hide which dtypes share a size.
 DTYPE_BITS = {
     "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
     "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
@@ -24,10 +25,20 @@ DTYPE_BITS = {
 }  # fmt: skip
 
 _NUMPY_TO_ST = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
-    "int32": "I32", "uint32": "U32", "float32": "F32", "complex64": "C64", "float64": "F64",
-    "int64": "I64", "uint64": "U64",
-}  # fmt: skip
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "complex64": "C64",
+    "float64": "F64",
+    "int64": "I64",
+    "uint64": "U64",
+}
 
 TensorSpec = Union["Any", tuple[str, Sequence[int]]]
 

@@ -36,15 +36,19 @@ class AdapterView:
     config: Mapping[str, Any] | None
     tensors: dict[str, Shape | None]
     pinned: bool = False
-    config_file: bool = True  # False: `config` (if any) came from safetensors metadata, not adapter_config.json
+    config_file: bool = True
+    """False: `config` (if any) came from safetensors metadata, not adapter_config.json."""
     is_dir: bool = True
     has_weights: bool = True
     added_tokens: Mapping[str, int] | None = None
     added_tokens_error: str | None = None
     adapter: Adapter | None = field(default=None, repr=False)
-    load_error: BaseException | None = None  # reading the weights' headers failed (raised where SGLang loads)
-    config_load_error: BaseException | None = None  # adapter_config.json is not valid JSON
-    weights_readable: bool = True  # False: only .bin/.pt weights, whose tensors lorafast cannot see
+    load_error: BaseException | None = None
+    """Reading the weights' headers failed (raised where SGLang loads)."""
+    config_load_error: BaseException | None = None
+    """adapter_config.json is not valid JSON."""
+    weights_readable: bool = True
+    """False: only .bin/.pt weights, whose tensors lorafast cannot see."""
 
     @classmethod
     def from_adapter(
@@ -153,12 +157,21 @@ class AdapterView:
             load_error = exc
         added, added_error = _read_added_tokens(folder) if is_dir else (None, None)
         return cls(
-            name=name, path=given, lora_id=adapter_id or lora_id(name, given),
-            config=config if isinstance(config, Mapping) else None, tensors=tensors, pinned=pinned,
-            config_file=is_dir and config is not None, is_dir=is_dir, has_weights=has_weights,
-            added_tokens=added, added_tokens_error=added_error, load_error=load_error,
-            config_load_error=config_error, weights_readable=bool(files) or not has_weights,
-        )  # fmt: skip
+            name=name,
+            path=given,
+            lora_id=adapter_id or lora_id(name, given),
+            config=config if isinstance(config, Mapping) else None,
+            tensors=tensors,
+            pinned=pinned,
+            config_file=is_dir and config is not None,
+            config_load_error=config_error,
+            is_dir=is_dir,
+            has_weights=has_weights,
+            weights_readable=bool(files) or not has_weights,
+            load_error=load_error,
+            added_tokens=added,
+            added_tokens_error=added_error,
+        )
 
     def config_error(self) -> BaseException | None:
         """What SGLang's `LoRAConfig(path)` raises when there is no adapter_config.json to read."""

@@ -105,8 +105,17 @@ def _experts(weights: Any) -> list[tuple[int, Shape | None]]:
     raise TypeError("Expected dict or 3D torch.Tensor, got Tensor.")
 
 
-def load_to_buffer(uid: str, weights: LoadedWeights, r: Any, pool: Pool, modules: list[dict[str, Module]],
-                   lm_head_wrapped: bool, *, strict: bool, shared_outer: bool) -> None:  # fmt: skip
+def load_to_buffer(
+    uid: str,
+    weights: LoadedWeights,
+    r: Any,
+    pool: Pool,
+    modules: list[dict[str, Module]],
+    lm_head_wrapped: bool,
+    *,
+    strict: bool,
+    shared_outer: bool,
+) -> None:
     """Raise what `load_lora_weight_to_buffer(uid, ...)` raises for this adapter (buffer slot 0)."""
     targets = pool.target_modules
     layers = [weights.layers.get(i, {}) for i in range(len(modules))]

@@ -46,22 +46,53 @@ STACKED_MULTIPLY: Mapping[str, int] = {
 DSA_INDEXER_LORA_NAMES = frozenset({"indexer.wq_b", "indexer.wk", "indexer.weights_proj"})
 
 #: `_KNOWN_LORA_TARGET_MODULES`: what `auto_detect_lora_target_modules` may return.
-KNOWN_LORA_TARGET_MODULES = frozenset(
+KNOWN_LORA_TARGET_MODULES = DSA_INDEXER_LORA_NAMES | frozenset(
     {
-        "qkv_proj", "qkvr", "o_proj", "wo_ud", "out_proj", "in_proj", "in_proj_qkvz", "up_proj", "gate_up_proj",
-        "down_proj", "fc1_latent_proj", "fc2_latent_proj", "embed_tokens", "lm_head", "fused_qkv_a_proj_with_mqa",
-        "q_b_proj", "kv_b_proj",
+        "qkv_proj",
+        "qkvr",
+        "o_proj",
+        "wo_ud",
+        "out_proj",
+        "in_proj",
+        "in_proj_qkvz",
+        "up_proj",
+        "gate_up_proj",
+        "down_proj",
+        "fc1_latent_proj",
+        "fc2_latent_proj",
+        "embed_tokens",
+        "lm_head",
+        "fused_qkv_a_proj_with_mqa",
+        "q_b_proj",
+        "kv_b_proj",
     }
-) | DSA_INDEXER_LORA_NAMES  # fmt: skip
+)
 
 EMBEDDING_NAMES = ("embed_tokens", "lm_head")
 
 #: argparse choices of `--lora-target-modules` (plus "all").
 SUPPORTED_LORA_TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
-    "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head", "qkvr",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "kv_b_proj",
+    "wq_b",
+    "wk",
+    "weights_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "embed_tokens",
+    "lm_head",
+    "qkvr",
     "wo_ud",
-)  # fmt: skip
+)
 
 #: Modules whose LoRA-A input dimension is split across tensor-parallel ranks.
 ROW_PARALLEL_MODULES = frozenset({"o_proj", "out_proj", "down_proj", "down_proj_moe", "down_proj_shared_moe", "wo_ud"})

@@ -25,8 +25,14 @@ _ATTN_TP = frozenset(
     {"qkv_proj", "qkvr", "q_b_proj", "kv_b_proj", "o_proj", "out_proj", "wo_ud", "in_proj", "in_proj_qkvz"}
 )
 _ROW = ("o_proj", "out_proj", "down_proj", "down_proj_moe", "down_proj_shared_moe", "wo_ud")
-_REPLICATED = ("fused_qkv_a_proj_with_mqa", "fc1_latent_proj", "fc2_latent_proj", "indexer.wq_b", "indexer.wk",
-               "indexer.weights_proj")  # fmt: skip
+_REPLICATED = (
+    "fused_qkv_a_proj_with_mqa",
+    "fc1_latent_proj",
+    "fc2_latent_proj",
+    "indexer.wq_b",
+    "indexer.wk",
+    "indexer.weights_proj",
+)
 
 
 class Cfg:
@@ -47,7 +53,8 @@ class Module:
     """One module of the base model that LoRA code looks at (linear layers, FusedMoE, embeddings)."""
 
     name: str
-    kind: str  # qkv | merged | row | replicated | moe | embed | lm_head
+    kind: str
+    """One of qkv, merged, row, replicated, moe, embed, lm_head."""
     layer: int | None
     input_size: int = 0
     output_sizes: list[int] = field(default_factory=list)
@@ -218,8 +225,16 @@ class Pool:
     lm_head_b: dict[str, Shape] = field(default_factory=dict)
 
 
-def build_pool(cfg: Mapping[str, Any], tree: list[Module], target_modules: set[str], max_lora_rank: Any, *,
-               max_loras_per_batch: int, shared_outer: bool, added: int) -> Pool:  # fmt: skip
+def build_pool(
+    cfg: Mapping[str, Any],
+    tree: list[Module],
+    target_modules: set[str],
+    max_lora_rank: Any,
+    *,
+    max_loras_per_batch: int,
+    shared_outer: bool,
+    added: int,
+) -> Pool:
     """`LoRAMemoryPool.__init__` -> `init_buffers` at TP 1, raising what it raises."""
     c = Cfg(cfg)
     n = max_loras_per_batch

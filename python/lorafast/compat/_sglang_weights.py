@@ -39,7 +39,8 @@ class LoadedWeights:
     """What `LoRAAdapter` holds after `initialize_weights()`: per-layer dicts, embeddings, added tokens."""
 
     lora_id: str
-    layers: dict[int, Weights] = field(default_factory=dict)  # only layers that received a tensor, ascending
+    layers: dict[int, Weights] = field(default_factory=dict)
+    """Only the layers that received a tensor, ascending."""
     embedding: Weights = field(default_factory=dict)
     added_tokens: Weights = field(default_factory=dict)
 
@@ -361,9 +362,14 @@ def load_adapter_weights(
     if _is_inkling(base_config):  # SGLang skips the reshape when the model has no shared experts
         n_shared = int(base_config.get("n_shared_experts") or 0) or None  # type: ignore[union-attr]
     key = (
-        tuple(view.tensors.items()), _freeze(target_modules), rank, num_layers, n_shared, lora_added_tokens_size,
+        tuple(view.tensors.items()),
+        _freeze(target_modules),
+        rank,
+        num_layers,
+        n_shared,
+        lora_added_tokens_size,
         non_gated_moe_layers,
-    )  # fmt: skip
+    )
     cached = _ADAPTER_CACHE.get(key)
     if cached is not None and cached is not _FAILED:
         layers, embedding, added = cached

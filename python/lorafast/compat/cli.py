@@ -29,20 +29,28 @@ def _cmd(args: argparse.Namespace) -> int:
         refs = sglang.parse_lora_paths(list(args.adapters))
         shared = {"on": True, "off": False, "auto": None}[args.experts_shared_outer_loras]
         plan = sglang.preflight(
-            refs, max_lora_rank=args.max_lora_rank, target_modules=args.lora_target_modules,
-            max_loras_per_batch=args.max_loras_per_batch, experts_shared_outer=shared,
-            base_config=_load_json(args.base_config), strict_loading=args.lora_strict_loading, collect=True,
+            refs,
+            max_lora_rank=args.max_lora_rank,
+            target_modules=args.lora_target_modules,
+            max_loras_per_batch=args.max_loras_per_batch,
+            experts_shared_outer=shared,
+            base_config=_load_json(args.base_config),
+            strict_loading=args.lora_strict_loading,
+            collect=True,
             engine_version=args.engine_version,
-        )  # fmt: skip
+        )
         report: dict[str, Any] = plan.to_dict()
         ok = plan.ok
     else:
         refs = sglang.parse_lora_paths(list(args.adapters))  # NAME=PATH or PATH; NAME is vLLM's lora_name
         expected = args.expected_modules.split(",") if args.expected_modules else None
         vplan = vllm.preflight(
-            refs, max_lora_rank=args.max_lora_rank or 16, expected_lora_modules=expected, collect=True,
+            refs,
+            max_lora_rank=args.max_lora_rank or 16,
+            expected_lora_modules=expected,
+            collect=True,
             engine_version=args.engine_version,
-        )  # fmt: skip
+        )
         report = {
             "max_rank": vplan.max_rank,
             "suggested_max_lora_rank": vplan.suggested_max_lora_rank,
@@ -56,8 +64,14 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
         return 0 if ok else 1
-    for key in ("target_modules", "max_lora_rank", "experts_shared_outer", "buffer_bytes", "max_rank",
-                "suggested_max_lora_rank"):  # fmt: skip
+    for key in (
+        "target_modules",
+        "max_lora_rank",
+        "experts_shared_outer",
+        "buffer_bytes",
+        "max_rank",
+        "suggested_max_lora_rank",
+    ):
         if key in report:
             sys.stdout.write(f"{key}: {report[key]}\n")
     if report.get("skipped"):  # vLLM without --expected-modules: the model-dependent load steps

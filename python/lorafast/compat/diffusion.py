@@ -132,8 +132,20 @@ def _version(engine_version: str | None) -> tuple[int, ...]:
 
 # --- reading ----------------------------------------------------------------------------------------------
 
-_SCALAR_FORMATS = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b",
-                   "U8": "<B", "U16": "<H", "U32": "<I", "U64": "<Q", "BOOL": "<?"}  # fmt: skip
+_SCALAR_FORMATS = {
+    "F64": "<d",
+    "F32": "<f",
+    "F16": "<e",
+    "I64": "<q",
+    "I32": "<i",
+    "I16": "<h",
+    "I8": "<b",
+    "U8": "<B",
+    "U16": "<H",
+    "U32": "<I",
+    "U64": "<Q",
+    "BOOL": "<?",
+}
 
 
 def _scalar(raw: bytes, dtype: str) -> float | int | None:
@@ -586,8 +598,18 @@ _DIFFUSERS_CONVERTERS = {
 }
 
 
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
+_TORCH_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 def _real(t: Tensor) -> Any:
@@ -1044,8 +1066,13 @@ def check_set_lora(
     for tgt, count in groups.items():
         names = _target_modules(tgt, modules)
         for i, name in enumerate(names):
-            merge = should_merge_lora(mode, fsdp_sharded=name in fsdp_sharded, quantized=name in quantized,
-                                      module_name=name, engine_version=engine_version)  # fmt: skip
+            merge = should_merge_lora(
+                mode,
+                fsdp_sharded=name in fsdp_sharded,
+                quantized=name in quantized,
+                module_name=name,
+                engine_version=engine_version,
+            )
             decisions.append((name, merge))
             if i == 0 and not merge and count > 1:
                 raise ValueError(MSG_DYNAMIC_ONE_ADAPTER)

@@ -60,19 +60,38 @@ DEFAULT_PACKED_MODULES_MAPPING: Mapping[str, list[str]] = {
 _PREFIX = "base_model.model."
 _CLASSIFIERS = ["classifier", "score"]
 # PEFTHelper's dataclass fields, in declaration order, per version; the first three are required.
-_FIELDS_030 = ("r", "lora_alpha", "target_modules", "bias", "modules_to_save", "use_rslora", "use_dora",
-               "vllm_lora_scaling_factor", "vllm_max_position_embeddings")  # fmt: skip
-_FIELDS_033 = ("r", "lora_alpha", "target_modules", "bias", "modules_to_save", "use_rslora", "use_dora",
-               "lora_bias", "init_lora_weights", "alora_invocation_tokens", "layer_replication", "use_bdlora",
-               "use_qalora", "rank_pattern", "alpha_pattern", "vllm_lora_scaling_factor",
-               "vllm_max_position_embeddings")  # fmt: skip
+_PEFT_FIELDS = ("r", "lora_alpha", "target_modules", "bias", "modules_to_save", "use_rslora", "use_dora")
+_VLLM_FIELDS = ("vllm_lora_scaling_factor", "vllm_max_position_embeddings")
+_FIELDS_030 = (*_PEFT_FIELDS, *_VLLM_FIELDS)
+_FIELDS_033 = (
+    *_PEFT_FIELDS,
+    "lora_bias",
+    "init_lora_weights",
+    "alora_invocation_tokens",
+    "layer_replication",
+    "use_bdlora",
+    "use_qalora",
+    "rank_pattern",
+    "alpha_pattern",
+    *_VLLM_FIELDS,
+)
 _REQUIRED = ("r", "lora_alpha", "target_modules")
 _DEFAULTS: dict[str, Any] = {
-    "bias": "none", "modules_to_save": None, "use_rslora": False, "use_dora": False, "lora_bias": False,
-    "init_lora_weights": True, "alora_invocation_tokens": None, "layer_replication": None, "use_bdlora": None,
-    "use_qalora": False, "rank_pattern": None, "alpha_pattern": None, "vllm_lora_scaling_factor": 1.0,
+    "bias": "none",
+    "modules_to_save": None,
+    "use_rslora": False,
+    "use_dora": False,
+    "lora_bias": False,
+    "init_lora_weights": True,
+    "alora_invocation_tokens": None,
+    "layer_replication": None,
+    "use_bdlora": None,
+    "use_qalora": False,
+    "rank_pattern": None,
+    "alpha_pattern": None,
+    "vllm_lora_scaling_factor": 1.0,
     "vllm_max_position_embeddings": False,
-}  # fmt: skip
+}
 # init_lora_weights strings 0.33 accepts: they only set the initial weights (peft_helper._init_is_supported).
 _PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 _INIT_TEXT = (
@@ -437,8 +456,13 @@ def _weights(lora_dir: str) -> tuple[dict[str, tuple[int, ...] | None], bool] | 
     return None
 
 
-def _build(tensors: Mapping[str, tuple[int, ...] | None], helper: PEFTHelper, vocab_size: int | None,
-           weights_mapper: Any, engine_version: str | None) -> VLLMLoRA:  # fmt: skip
+def _build(
+    tensors: Mapping[str, tuple[int, ...] | None],
+    helper: PEFTHelper,
+    vocab_size: int | None,
+    weights_mapper: Any,
+    engine_version: str | None,
+) -> VLLMLoRA:
     """`LoRAModel.from_lora_tensors` on names and shapes."""
     new = _is_033(engine_version)
     saved_names = (helper.modules_to_save or []) if new else []
@@ -560,7 +584,8 @@ class _Model:
     moe_modules: tuple[str, ...]
     classification_head: ClassificationHead | None
     is_pooling_model: bool
-    check_model: bool = True  # False: the model is not described; the model-dependent steps are skipped
+    check_model: bool = True
+    """False: the model is not described; the model-dependent steps are skipped."""
 
 
 def _rename_mapper(hf_to_vllm_mapper: Any) -> Any:
@@ -580,9 +605,14 @@ def _read_helper(path: str, lora_name: str, model: _Model, engine_version: str |
     return lora_path, helper
 
 
-def _load_rest(lora_path: str, helper: PEFTHelper, lora_int_id: int, model: _Model, engine_version: str | None,
-               tensors_of: Callable[[str], Mapping[str, tuple[int, ...] | None] | None] | None = None,
-               ) -> VLLMLoRA:  # fmt: skip
+def _load_rest(
+    lora_path: str,
+    helper: PEFTHelper,
+    lora_int_id: int,
+    model: _Model,
+    engine_version: str | None,
+    tensors_of: Callable[[str], Mapping[str, tuple[int, ...] | None] | None] | None = None,
+) -> VLLMLoRA:
     """`_load_adapter` after the helper: `validate_legal`, the weight file, the expected-module check,
     `LoRAModel.from_lora_tensors` and (0.33) the manager's MoE-format and classification-head checks.
     `tensors_of` replaces the folder's weight file for an in-memory adapter (`preflight` on an `AdapterView`)."""
@@ -633,9 +663,15 @@ def load_adapter(
     given = os.fspath(path)
     name = os.path.basename(given.rstrip("/")) if lora_name is None else lora_name
     model = _Model(
-        expected_lora_modules(supported_lora_modules, packed_modules_mapping), max_lora_rank, max_position_embeddings,
-        vocab_size, _rename_mapper(hf_to_vllm_mapper), tuple(moe_modules), classification_head, is_pooling_model,
-    )  # fmt: skip
+        expected_lora_modules(supported_lora_modules, packed_modules_mapping),
+        max_lora_rank,
+        max_position_embeddings,
+        vocab_size,
+        _rename_mapper(hf_to_vllm_mapper),
+        tuple(moe_modules),
+        classification_head,
+        is_pooling_model,
+    )
     lora_path, helper = _read_helper(given, name, model, engine_version)
     return _load_rest(lora_path, helper, lora_int_id, model, engine_version)
 
@@ -750,10 +786,16 @@ def preflight(
     else:
         expected = None
     model = _Model(
-        expected, max_lora_rank, max_position_embeddings, vocab_size,
-        _rename_mapper(hf_to_vllm_mapper if hf_to_vllm_mapper is not None else weights_mapper), tuple(moe_modules),
-        classification_head, is_pooling_model, check_model=expected is not None,
-    )  # fmt: skip
+        expected,
+        max_lora_rank,
+        max_position_embeddings,
+        vocab_size,
+        _rename_mapper(hf_to_vllm_mapper if hf_to_vllm_mapper is not None else weights_mapper),
+        tuple(moe_modules),
+        classification_head,
+        is_pooling_model,
+        check_model=expected is not None,
+    )
     ranks: list[Any] = []
     loras: dict[str, VLLMLoRA] = {}
     for i, (name, adapter_id, path, view) in enumerate(_entries(adapters)):

@@ -56,8 +56,10 @@ class MergedTerm:
     adapter: str
     module: str
     strength: float
-    coefficient: float  # strength × alpha / r (or / √r)
-    form: str  # how the factors met the weight: BA, AtBt, stacked, tp, bias, dora, ...
+    coefficient: float
+    """Strength × alpha / r (or / √r)."""
+    form: str
+    """How the factors met the weight: BA, AtBt, stacked, tp, bias, dora, ..."""
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,23 @@ class MergedTarget:
 @dataclass
 class _Record:
     target: Target
-    tensor: Any  # the Parameter / tensor merged into
-    view: Any  # (E, R, C) view of its data
-    snap: Any  # snapshot tensor (E, R, C) or None
+    tensor: Any
+    """The Parameter / tensor merged into."""
+    view: Any
+    """(E, R, C) view of its data."""
+    snap: Any
+    """Snapshot tensor (E, R, C) or None."""
     done: list[tuple[int, int, int, int]] = field(default_factory=list)
-    segments: list[kernel.Segment] | None = None  # kept for subtract mode
-    pending: kernel.Pending | None = None  # subtract mode: the block being written, until it is in `done`
-    undone: int = 0  # subtract mode: blocks at the end of `done` already subtracted again
-    version: int = -1  # the tensor's version counter right after the merge
-    start_version: int = -1  # its logical version before the merge (see `_logical_version`)
+    segments: list[kernel.Segment] | None = None
+    """Kept for subtract mode."""
+    pending: kernel.Pending | None = None
+    """Subtract mode: the block being written, until it is in `done`."""
+    undone: int = 0
+    """Subtract mode: blocks at the end of `done` already subtracted again."""
+    version: int = -1
+    """The tensor's version counter right after the merge."""
+    start_version: int = -1
+    """Its logical version before the merge (see `_logical_version`)."""
     data_ptr: int = 0
     complete: bool = False
 
@@ -615,9 +625,15 @@ def _apply(
     try:
         if fused is not None:
             ok = kernel.run_fused(
-                view, fused, budget=budget, snap3=snap, safe=safe, done=record.done, pending=record.pending,
-                progress=tick
-            )  # fmt: skip
+                view,
+                fused,
+                budget=budget,
+                snap3=snap,
+                safe=safe,
+                done=record.done,
+                pending=record.pending,
+                progress=tick,
+            )
         else:
             ok = kernel.run(
                 view,

@@ -29,9 +29,12 @@ class Segment:
     """`add`: W += L @ R (all plain terms, concatenated); `dora`: PEFT's DoRA step with magnitude `m`."""
 
     kind: str
-    L: torch.Tensor  # (E|1, R, k) fp32
-    R: torch.Tensor  # (E|1, k, C) fp32
-    m: torch.Tensor | None = None  # (R,) fp32 for dora
+    L: torch.Tensor
+    """(E|1, R, k) fp32."""
+    R: torch.Tensor
+    """(E|1, k, C) fp32."""
+    m: torch.Tensor | None = None
+    """(R,) fp32 for dora."""
     label: str = ""
 
 

@@ -29,7 +29,8 @@ class Source:
     nickname: str
     adapter: Adapter
     strength: float = 1.0
-    alpha: float | None = None  # request-level alpha override (SGLang `lora_alpha`)
+    alpha: float | None = None
+    """Request-level alpha override (SGLang `lora_alpha`)."""
     components: tuple[str, ...] | None = None
 
     def module_alpha(self, module: LoraModule) -> float | None:

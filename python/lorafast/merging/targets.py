@@ -53,8 +53,10 @@ class WeightSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: str = "cpu"
-    fan_in_fan_out: bool = False  # owned by a transformers Conv1D (weight stored (in, out))
-    is_transposed: bool | None = None  # an experts module's `is_transposed` flag, when it has one
+    fan_in_fan_out: bool = False
+    """Owned by a transformers Conv1D (weight stored (in, out))."""
+    is_transposed: bool | None = None
+    """An experts module's `is_transposed` flag, when it has one."""
 
 
 def stack_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -79,12 +81,16 @@ class Term:
 
     source: Source
     module: LoraModule
-    form: str  # BA | AtBt | stacked | stacked_t | tp | tp_t | bias | dora
-    coef: float  # strength × scale
+    form: str
+    """One of BA, AtBt, stacked, stacked_t, tp, tp_t, bias, dora."""
+    coef: float
+    """Strength × scale."""
     rank: int
     experts: int = 1
-    slot: tuple[int, int, int] | None = None  # form "expert_slot": (expert, part, parts) inside a fused weight
-    prefix: tuple[str, str] | None = None  # (adapter's, base's) prefix of a prefix-only match (allow_prefix=True)
+    slot: tuple[int, int, int] | None = None
+    """Form "expert_slot": (expert, part, parts) inside a fused weight."""
+    prefix: tuple[str, str] | None = None
+    """(adapter's, base's) prefix of a prefix-only match (allow_prefix=True)."""
 
     @property
     def label(self) -> str:
@@ -95,10 +101,12 @@ class Term:
 class Target:
     """One weight to merge into, with its terms in application order."""
 
-    name: str  # the tensor name, qualified as "component:name" in a dict of pipeline components
+    name: str
+    """The tensor name, qualified as "component:name" in a dict of pipeline components."""
     spec: WeightSpec
     component: str | None = None
-    key: str = ""  # the tensor name inside its component
+    key: str = ""
+    """The tensor name inside its component."""
     terms: list[Term] = field(default_factory=list)
 
     @property
@@ -260,9 +268,12 @@ class NameIndex:
         if not self.renamed:
             return hit
         get = self.renamed.get
-        return replace(hit, weight=hit.weight and get(hit.weight, hit.weight),
-                       prefixed=hit.prefixed and get(hit.prefixed, hit.prefixed),
-                       ambiguous=tuple(get(n, n) for n in hit.ambiguous))  # fmt: skip
+        return replace(
+            hit,
+            weight=hit.weight and get(hit.weight, hit.weight),
+            prefixed=hit.prefixed and get(hit.prefixed, hit.prefixed),
+            ambiguous=tuple(get(n, n) for n in hit.ambiguous),
+        )
 
     def match(self, module_name: str, suffix: str, kohya: bool = False) -> NameMatch:
         """`NameTable.match` on the tensor names (stored and loaded), as stored names."""
@@ -421,7 +432,8 @@ class _Resolved:
     form: str
     rank: int
     experts: int
-    prefix: NameMatch | None = None  # the prefix-only match taken (allow_prefix=True)
+    prefix: NameMatch | None = None
+    """The prefix-only match taken (allow_prefix=True)."""
 
 
 def _resolve(src: Source, m: LoraModule, index: NameIndex, allow_prefix: bool = False) -> _Resolved:
@@ -447,9 +459,12 @@ def _resolve(src: Source, m: LoraModule, index: NameIndex, allow_prefix: bool = 
     if not allow_prefix:
         if hit.prefixed is None:
             raise missing from None
-        raise _Problem("prefix_only", f"no weight is named by this module's path, only {hit.prefixed!r} below another "
-                       f"prefix: {hit.prefix_hint}; rename the adapter's keys, or pass allow_prefix=True "
-                       "(--allow-prefix) to merge there") from None  # fmt: skip
+        raise _Problem(
+            "prefix_only",
+            f"no weight is named by this module's path, only {hit.prefixed!r} below another "
+            f"prefix: {hit.prefix_hint}; rename the adapter's keys, or pass allow_prefix=True "
+            "(--allow-prefix) to merge there",
+        ) from None
     if hit.ambiguous:
         raise _Problem("ambiguous_module", f"several weights match below other prefixes: {list(hit.ambiguous[:4])}")
     taken: list[NameMatch] = []
@@ -542,10 +557,17 @@ def _fused_expert(m: LoraModule, index: NameIndex, find: _Find) -> _Resolved | N
         spec = index.specs[weight]
         if len(spec.shape) != 3 or len(a) != 2 or len(b) != 2:
             raise _Problem("shape_mismatch", f"weight {weight!r} {list(spec.shape)} is not a fused expert stack")
-        if (e >= spec.shape[0] or (e < 0 and experts != spec.shape[0])
-                or (spec.shape[1], spec.shape[2]) != (parts * b[0], a[1]) or a[0] != b[1]):  # fmt: skip
-            raise _Problem("shape_mismatch", f"lora_A {list(a)} / lora_B {list(b)} of expert {e} do not fit fused "
-                           f"weight {weight!r} {list(spec.shape)}")  # fmt: skip
+        if (
+            e >= spec.shape[0]
+            or (e < 0 and experts != spec.shape[0])
+            or (spec.shape[1], spec.shape[2]) != (parts * b[0], a[1])
+            or a[0] != b[1]
+        ):
+            raise _Problem(
+                "shape_mismatch",
+                f"lora_A {list(a)} / lora_B {list(b)} of expert {e} do not fit fused "
+                f"weight {weight!r} {list(spec.shape)}",
+            )
         bad = _check_weight(spec)
         if bad:
             raise _Problem(bad[0], f"weight {weight!r}: {bad[1]}")
@@ -678,12 +700,19 @@ def prefixes_used(targets: list[Target]) -> list[dict[str, Any]]:
         for term in t.terms:
             if term.prefix is not None:
                 counts.setdefault((term.source.nickname, *term.prefix), set()).add(term.module.key)
-    out = [{"adapter": a, "adapter_prefix": ours, "base_prefix": theirs, "modules": len(mods)}
-           for (a, ours, theirs), mods in counts.items()]  # fmt: skip
+    out = [
+        {"adapter": a, "adapter_prefix": ours, "base_prefix": theirs, "modules": len(mods)}
+        for (a, ours, theirs), mods in counts.items()
+    ]
     log = logging.getLogger("lorafast.merge")
     for row in out:
-        log.warning("adapter %r: %d modules merged with prefix %r replaced by %r (allow_prefix=True)",
-                    row["adapter"], row["modules"], row["adapter_prefix"], row["base_prefix"])  # fmt: skip
+        log.warning(
+            "adapter %r: %d modules merged with prefix %r replaced by %r (allow_prefix=True)",
+            row["adapter"],
+            row["modules"],
+            row["adapter_prefix"],
+            row["base_prefix"],
+        )
     return out
 
 

@@ -113,9 +113,15 @@ def plan_buffers(
     _versions.resolve("sglang", engine_version)
     cfg = _text_config(base_config) or {}
     if moe_ep_size == 1 and stacked_multiply is None:
-        pool = _pool.build_pool(cfg, _pool.base_model_tree(cfg), set(target_modules), max_lora_rank,
-                                max_loras_per_batch=max_loras_per_batch, shared_outer=experts_shared_outer,
-                                added=lora_added_tokens_size)  # fmt: skip
+        pool = _pool.build_pool(
+            cfg,
+            _pool.base_model_tree(cfg),
+            set(target_modules),
+            max_lora_rank,
+            max_loras_per_batch=max_loras_per_batch,
+            shared_outer=experts_shared_outer,
+            added=lora_added_tokens_size,
+        )
         return _buffer_plans(pool, _itemsize(cfg))
     layers = int(cfg["num_hidden_layers"])
     n, r, size = max_loras_per_batch, max_lora_rank, _itemsize(cfg)

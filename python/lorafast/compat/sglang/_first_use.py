@@ -50,8 +50,15 @@ def _skipped_names(weights: LoadedWeights, target_modules: set[str]) -> list[str
     return sorted(name for name in names if match(name) is None)
 
 
-def _check_skipped(view: AdapterView, weights: LoadedWeights, target_modules: set[str], *, strict: bool,
-                   col: Collector, memo: dict[Any, Any] | None = None) -> list[str]:  # fmt: skip
+def _check_skipped(
+    view: AdapterView,
+    weights: LoadedWeights,
+    target_modules: set[str],
+    *,
+    strict: bool,
+    col: Collector,
+    memo: dict[Any, Any] | None = None,
+) -> list[str]:
     key = ("skipped", id(weights.layers), id(weights.embedding), frozenset(target_modules))
     skipped = _memo(memo, key, lambda: _skipped_names(weights, target_modules))
     if skipped:
@@ -174,7 +181,10 @@ def _check_expert_layout(
     base_config: Mapping[str, Any] | None,
     col: Collector,
     memo: dict[Any, Any] | None = None,
+    warnings_only: bool = False,
 ) -> None:
+    """lorafast's own expert-layout findings, which SGLang never reports. With `warnings_only` the fatal ones are
+    left out, for callers that take SGLang's own errors from `_FirstUse`."""
     num_experts = _num_experts(base_config) if base_config and _is_moe(base_config) else None
     n_shared = int(base_config.get("n_shared_experts") or 1) if base_config else 1
     key = ("experts", id(slots), experts_shared_outer, num_experts, n_shared)
@@ -182,7 +192,8 @@ def _check_expert_layout(
     ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
     for code, fatal, text in findings:
         if fatal:
-            col.fail(code, ValueError(text), stage="first_use", **ids)
+            if not warnings_only:
+                col.fail(code, ValueError(text), stage="first_use", **ids)
         else:
             col.warn(code, f"LoRA adapter '{view.lora_id}': {text}", stage="first_use", **ids)
 
@@ -251,20 +262,6 @@ def _fit_findings(slots: dict[int, dict[tuple[str, str], _Slot]], r: int | None,
     return out
 
 
-def _expert_warnings(view: AdapterView, slots: dict[int, dict[tuple[str, str], _Slot]], *,
-                     experts_shared_outer: bool, base_config: Mapping[str, Any] | None, col: Collector,
-                     memo: dict[Any, Any] | None = None) -> None:  # fmt: skip
-    """lorafast's own expert-layout findings, which SGLang never reports (its errors come from `_FirstUse`)."""
-    num_experts = _num_experts(base_config) if base_config and _is_moe(base_config) else None
-    n_shared = int(base_config.get("n_shared_experts") or 1) if base_config else 1
-    key = ("experts", id(slots), experts_shared_outer, num_experts, n_shared)
-    findings = _memo(memo, key, lambda: _expert_findings(slots, experts_shared_outer, num_experts, n_shared))
-    for code, fatal, text in findings:
-        if not fatal:
-            col.warn(code, f"LoRA adapter '{view.lora_id}': {text}", stage="first_use", adapter_id=view.lora_id,
-                     adapter_name=view.name)  # fmt: skip
-
-
 def _hashable(value: Any) -> Any:
     """`(type, value)` as a dict key, or None when `value` cannot be one."""
     try:
@@ -322,8 +319,16 @@ class _FirstUse:
             logger.warning(message)
             col.warn("sglang_skipped_weights", message, stage="first_use", **ids)
         if fails:
-            error = first_use_error(view.lora_id, weights, config.r, self.pool, self.modules, self.lm_head,
-                                    strict=self.strict, shared_outer=self.shared_outer)  # fmt: skip
+            error = first_use_error(
+                view.lora_id,
+                weights,
+                config.r,
+                self.pool,
+                self.modules,
+                self.lm_head,
+                strict=self.strict,
+                shared_outer=self.shared_outer,
+            )
             assert error is not None
             col.fail("sglang_first_use", error, stage="first_use", **ids)
         else:  # SGLang accepts it; lorafast's own finding: a weight that does not match its buffer

@@ -23,7 +23,7 @@ from lorafast.compat._sglang_weights import LoadedWeights
 from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _itemsize
 from lorafast.compat.sglang._config import _load_weights, _lora_config, _LoraConfig, _memo, _text_config, logger
 from lorafast.compat.sglang._detect import _detect
-from lorafast.compat.sglang._first_use import _check_skipped, _classify, _expert_warnings, _FirstUse
+from lorafast.compat.sglang._first_use import _check_expert_layout, _check_skipped, _classify, _FirstUse
 from lorafast.compat.sglang._targets import _init_lora_shapes, predict_base_model_modules
 from lorafast.compat.sglang._validate import _LoadedIndex, _validate_new_adapter, can_support
 
@@ -37,15 +37,17 @@ class SGLangPlan:
     max_lora_rank: int
     lora_added_tokens_size: int
     experts_shared_outer: bool
-    shared_outer_source: str  # "cli" | "detected"
+    shared_outer_source: str
+    """Where the layout came from: "cli" or "detected"."""
     buffers: tuple[BufferPlan, ...] | None
     problems: tuple[CompatProblem, ...]
     max_loras_per_batch: int = 8
     strict_loading: bool = False
     base_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
-    first_use: Any = field(default=None, repr=False, compare=False)  # the pool's first-use checks
-    #: adapter id -> the weights as SGLang holds them after `initialize_weights()` (shapes only; read-only)
+    first_use: Any = field(default=None, repr=False, compare=False)
+    """The pool's first-use checks."""
     loaded_weights: Mapping[str, LoadedWeights] = field(default_factory=dict, repr=False, compare=False)
+    """Adapter id -> the weights as SGLang holds them after `initialize_weights()` (shapes only; read-only)."""
 
     @property
     def ok(self) -> bool:
@@ -82,8 +84,14 @@ class SGLangPlan:
         try:
             vocab = cfg.get("vocab_size") if cfg else None
             config = _lora_config(view, vocab, col)
-            _validate_new_adapter(view, config, _LoadedIndex(self.adapters), memory_pool=self,
-                                  max_loras_per_batch=self.max_loras_per_batch, col=col)  # fmt: skip
+            _validate_new_adapter(
+                view,
+                config,
+                _LoadedIndex(self.adapters),
+                memory_pool=self,
+                max_loras_per_batch=self.max_loras_per_batch,
+                col=col,
+            )
             peft_type = config.hf_config["peft_type"]
             assert peft_type.lower() == "lora"
             if not view.has_weights:
@@ -98,28 +106,47 @@ class SGLangPlan:
         else:
             _check_skipped(view, weights, targets, strict=self.strict_loading, col=col)
         slots = _classify(weights, targets)
-        _expert_warnings(view, slots, experts_shared_outer=self.experts_shared_outer, base_config=cfg, col=col)
+        _check_expert_layout(
+            view, slots, experts_shared_outer=self.experts_shared_outer, base_config=cfg, col=col, warnings_only=True
+        )
         return col.problems
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "adapters": [{"name": a.name, "path": a.path, "lora_id": a.lora_id, "pinned": a.pinned} for a in self.adapters],
+            "adapters": [
+                {"name": a.name, "path": a.path, "lora_id": a.lora_id, "pinned": a.pinned} for a in self.adapters
+            ],
             "target_modules": sorted(self.target_modules),
             "max_lora_rank": self.max_lora_rank,
             "lora_added_tokens_size": self.lora_added_tokens_size,
             "experts_shared_outer": self.experts_shared_outer,
             "shared_outer_source": self.shared_outer_source,
-            "buffers": None if self.buffers is None else [
-                {"name": b.name, "A": list(b.a_shape), "B": list(b.b_shape), "layers": list(b.layers), "bytes": b.nbytes}
+            "buffers": None
+            if self.buffers is None
+            else [
+                {
+                    "name": b.name,
+                    "A": list(b.a_shape),
+                    "B": list(b.b_shape),
+                    "layers": list(b.layers),
+                    "bytes": b.nbytes,
+                }
                 for b in self.buffers
             ],
             "buffer_bytes": self.buffer_bytes,
             "problems": [
-                {"code": p.code, "type": p.exc_type, "message": p.message, "adapter_id": p.adapter_id,
-                 "adapter_name": p.adapter_name, "stage": p.stage, "fatal": p.fatal}
+                {
+                    "code": p.code,
+                    "type": p.exc_type,
+                    "message": p.message,
+                    "adapter_id": p.adapter_id,
+                    "adapter_name": p.adapter_name,
+                    "stage": p.stage,
+                    "fatal": p.fatal,
+                }
                 for p in self.problems
             ],
-        }  # fmt: skip
+        }
 
 
 def _load_one(
@@ -215,14 +242,25 @@ def preflight(
         index.add(view)
         entries.append((view, config, weights))
         if not view.weights_readable:
-            col.warn("lorafast_unreadable_weights", f"{view.path} has only .bin/.pt weights: lorafast checked its "
-                     "config but cannot see its tensors without loading them", stage="load", **ids)  # fmt: skip
+            col.warn(
+                "lorafast_unreadable_weights",
+                f"{view.path} has only .bin/.pt weights: lorafast checked its "
+                "config but cannot see its tensors without loading them",
+                stage="load",
+                **ids,
+            )
 
     tree = _pool.base_model_tree(cfg) if cfg is not None else None
     targets, rank, added = _init_lora_shapes(
-        [(v, c) for v, c, _ in entries], max_lora_rank, cli_targets, base_model_modules,
-        dsa_indexer_fusion=dsa_indexer_fusion, col=col, tree=tree, supported_lora_modules=supported_lora_modules,
-    )  # fmt: skip
+        [(v, c) for v, c, _ in entries],
+        max_lora_rank,
+        cli_targets,
+        base_model_modules,
+        dsa_indexer_fusion=dsa_indexer_fusion,
+        col=col,
+        tree=tree,
+        supported_lora_modules=supported_lora_modules,
+    )
 
     memo: dict[Any, Any] = {}
     if experts_shared_outer is None:
@@ -237,8 +275,15 @@ def preflight(
     pool: _pool.Pool | None = None
     if cfg is not None and tree is not None:
         try:
-            pool = _pool.build_pool(cfg, tree, targets, rank, max_loras_per_batch=max_loras_per_batch,
-                                    shared_outer=shared_outer, added=added)  # fmt: skip
+            pool = _pool.build_pool(
+                cfg,
+                tree,
+                targets,
+                rank,
+                max_loras_per_batch=max_loras_per_batch,
+                shared_outer=shared_outer,
+                added=added,
+            )
             buffers = _buffer_plans(pool, _itemsize(cfg))
         except Exception as exc:  # what the pool's allocation raises, type and text
             col.fail("sglang_memory_pool", exc, stage="startup")
@@ -254,13 +299,23 @@ def preflight(
         else:
             _check_skipped(view, weights, targets, strict=strict_loading, col=col, memo=memo)
         slots = _memo(memo, ("slots", id(weights.layers), target_key), lambda w=weights: _classify(w, targets))
-        _expert_warnings(view, slots, experts_shared_outer=shared_outer, base_config=cfg, col=col, memo=memo)
+        _check_expert_layout(
+            view, slots, experts_shared_outer=shared_outer, base_config=cfg, col=col, memo=memo, warnings_only=True
+        )
 
     refs = tuple(LoraRef(name=v.name, path=v.path, pinned=v.pinned, lora_id=v.lora_id) for v, _, _ in entries)
     return SGLangPlan(
-        adapters=refs, target_modules=frozenset(targets), max_lora_rank=rank, lora_added_tokens_size=added,
-        experts_shared_outer=shared_outer, shared_outer_source=source,
-        buffers=None if buffers is None else tuple(buffers), problems=tuple(col.problems),
-        max_loras_per_batch=max_loras_per_batch, strict_loading=strict_loading, base_config=cfg,
-        first_use=use, loaded_weights={v.lora_id: w for v, _, w in entries},
-    )  # fmt: skip
+        adapters=refs,
+        target_modules=frozenset(targets),
+        max_lora_rank=rank,
+        lora_added_tokens_size=added,
+        experts_shared_outer=shared_outer,
+        shared_outer_source=source,
+        buffers=None if buffers is None else tuple(buffers),
+        problems=tuple(col.problems),
+        max_loras_per_batch=max_loras_per_batch,
+        strict_loading=strict_loading,
+        base_config=cfg,
+        first_use=use,
+        loaded_weights={v.lora_id: w for v, _, w in entries},
+    )

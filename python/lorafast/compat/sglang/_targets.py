@@ -146,6 +146,11 @@ def init_lora_shapes(
     vocab = text.get("vocab_size") if text else None
     entries = [(v, _lora_config(v, vocab)) for v in resolve_adapters(adapters)]
     return _init_lora_shapes(
-        entries, max_lora_rank, _cli_target_modules(target_modules), base_model_modules,
-        dsa_indexer_fusion=dsa_indexer_fusion, col=Collector(collect=False), tree=tree,
-    )  # fmt: skip
+        entries,
+        max_lora_rank,
+        _cli_target_modules(target_modules),
+        base_model_modules,
+        dsa_indexer_fusion=dsa_indexer_fusion,
+        col=Collector(collect=False),
+        tree=tree,
+    )
