@@ -7,6 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use crate::codes::{Flag, ProblemCode};
 use crate::config::{same_tagged, short_tag, LoraConfig, TargetModules};
 use crate::header::{Dtype, Header, TensorEntry};
 use crate::names::{self, Role, Spelling, Variant};
@@ -63,34 +64,6 @@ impl MoeLayout {
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
     }
-}
-
-/// Adapter flag bits (the `flags` column).
-pub mod flags {
-    pub const DORA: u32 = 1;
-    pub const EMBEDDINGS: u32 = 1 << 1;
-    pub const MODULES_TO_SAVE: u32 = 1 << 2;
-    pub const LORA_BIAS: u32 = 1 << 3;
-    pub const TRAINABLE_TOKENS: u32 = 1 << 4;
-    pub const FULL_WEIGHTS: u32 = 1 << 5;
-    pub const CONV: u32 = 1 << 6;
-    pub const KOHYA_ALPHA: u32 = 1 << 7;
-    pub const NON_ADDITIVE: u32 = 1 << 8;
-    pub const HAS_CONFIG: u32 = 1 << 9;
-    pub const UNSUPPORTED_FEATURES: u32 = 1 << 10;
-    pub const NAMES: [&str; 11] = [
-        "dora",
-        "embeddings",
-        "modules_to_save",
-        "lora_bias",
-        "trainable_tokens",
-        "full_weights",
-        "conv",
-        "kohya_alpha",
-        "non_additive",
-        "has_config",
-        "unsupported_features",
-    ];
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,31 +156,10 @@ pub struct ModuleInfo {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
-    pub code: &'static str,
+    pub code: ProblemCode,
     pub message: String,
     pub tensor: Option<String>,
 }
-
-/// Every problem code, in documentation order (docs/errors.md; `lorafast.PROBLEM_CODES`).
-pub const PROBLEM_CODES: &[&str] = &[
-    "missing_lora_a",
-    "missing_lora_b",
-    "orphan_tensor",
-    "duplicate_factor",
-    "rank_mismatch",
-    "config_rank_mismatch",
-    "dtype_mismatch",
-    "target_modules_mismatch",
-    "unknown_tensor",
-    "invalid_alpha",
-    "moe_rank_not_divisible",
-    "unsupported_pattern",
-    "invalid_config_field",
-    "unknown_field",
-    "misaligned_offset",
-    "non_tensor_value",
-    "too_many_problems",
-];
 
 /// Problems kept per adapter; past this a single "too_many_problems" entry stands for the rest.
 const MAX_PROBLEMS: usize = 200;
@@ -242,7 +194,7 @@ impl Classification {
     /// loop keeps that loop's registers for the common path.
     #[cold]
     #[inline(never)]
-    fn problem(&mut self, code: &'static str, message: fmt::Arguments<'_>, tensor: Option<&str>) {
+    fn problem(&mut self, code: ProblemCode, message: fmt::Arguments<'_>, tensor: Option<&str>) {
         if self.problems.len() < MAX_PROBLEMS {
             self.problems.push(Problem {
                 code,
@@ -251,7 +203,7 @@ impl Classification {
             });
         } else if self.problems.len() == MAX_PROBLEMS {
             self.problems.push(Problem {
-                code: "too_many_problems",
+                code: ProblemCode::TooManyProblems,
                 message: format!("more than {MAX_PROBLEMS} problems; the rest are not listed"),
                 tensor: None,
             });
@@ -367,7 +319,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         rank: 0,
         moe_layout: MoeLayout::Dense,
         num_experts: 0,
-        flags: if config.is_some() { flags::HAS_CONFIG } else { 0 },
+        flags: if config.is_some() { Flag::HasConfig.bit() } else { 0 },
         variants: Vec::new(),
         full_weight_tensors: Vec::new(),
         problems: Vec::new(),
@@ -542,7 +494,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                     rank = Some(r);
                 } else {
                     out.problem(
-                        "moe_rank_not_divisible",
+                        ProblemCode::MoeRankNotDivisible,
                         format_args!(
                             "module {name:?}: lora_A has {rows} rows, not a multiple of the configured rank {r}"
                         ),
@@ -559,11 +511,11 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         match kind {
             ModuleKind::Incomplete => {
                 let what = if a.is_some() {
-                    ("missing_lora_b", "has lora_A but no lora_B")
+                    (ProblemCode::MissingLoraB, "has lora_A but no lora_B")
                 } else if b.is_some() {
-                    ("missing_lora_a", "has lora_B but no lora_A")
+                    (ProblemCode::MissingLoraA, "has lora_B but no lora_A")
                 } else {
-                    ("orphan_tensor", "has no lora_A/lora_B pair")
+                    (ProblemCode::OrphanTensor, "has no lora_A/lora_B pair")
                 };
                 out.problem(what.0, format_args!("module {:?} {}", g.key, what.1), None);
             }
@@ -579,7 +531,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                 ) {
                     if ra != rb {
                         out.problem(
-                            "rank_mismatch",
+                            ProblemCode::RankMismatch,
                             format_args!("module {:?}: lora_A rank {ra} but lora_B rank {rb}", g.key),
                             None,
                         );
@@ -588,7 +540,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                 let dtype = |i: Option<u32>| i.and_then(|i| tensors.get(i as usize)).map(|t| t.dtype);
                 if let Some((da, db)) = dtype(a).zip(dtype(b)).filter(|(da, db)| da != db) {
                     out.problem(
-                        "dtype_mismatch",
+                        ProblemCode::DtypeMismatch,
                         format_args!(
                             "module {:?}: lora_A is {} but lora_B is {}",
                             g.key,
@@ -602,7 +554,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                     if let (Some(r), Some(cr)) = (rank, config_rank) {
                         if r != cr && out.format == Format::Peft {
                             out.problem(
-                                "config_rank_mismatch",
+                                ProblemCode::ConfigRankMismatch,
                                 format_args!("module {name:?}: rank {r} in the tensors but the config (r / rank_pattern) gives {cr}"),
                                 None,
                             );
@@ -617,17 +569,17 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
 
         // Flags and MoE layout.
         if g.magnitude.is_some() {
-            out.flags |= flags::DORA;
+            out.flags |= Flag::Dora.bit();
         }
         if g.bias.is_some() {
-            out.flags |= flags::LORA_BIAS;
+            out.flags |= Flag::LoraBias.bit();
         }
         if g.alpha.is_some() {
-            out.flags |= flags::KOHYA_ALPHA;
+            out.flags |= Flag::KohyaAlpha.bit();
         }
         match kind {
-            ModuleKind::Embedding => out.flags |= flags::EMBEDDINGS,
-            ModuleKind::Conv => out.flags |= flags::CONV,
+            ModuleKind::Embedding => out.flags |= Flag::Embeddings.bit(),
+            ModuleKind::Conv => out.flags |= Flag::Conv.bit(),
             ModuleKind::Variant(v) if !out.variants.contains(&v) => out.variants.push(v),
             ModuleKind::Expert2d => layouts |= 1 << MoeLayout::PerExpert2d as u8,
             ModuleKind::TargetParameters => layouts |= 1 << MoeLayout::PeftTargetParameters as u8,
@@ -700,7 +652,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         for (t, matched) in list.iter().zip(&tally.matched) {
             if !matched && !groups.is_empty() {
                 out.problem(
-                    "target_modules_mismatch",
+                    ProblemCode::TargetModulesMismatch,
                     format_args!("config target_modules entry {t:?} matches no tensor in the file"),
                     None,
                 );
@@ -710,13 +662,13 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
     if let Some(c) = config {
         for p in &c.bad_patterns {
             out.problem(
-                "unsupported_pattern",
+                ProblemCode::UnsupportedPattern,
                 format_args!("pattern {p:?} is not a regex lorafast can evaluate"),
                 None,
             );
         }
         if !c.unsupported_features.is_empty() {
-            out.flags |= flags::UNSUPPORTED_FEATURES;
+            out.flags |= Flag::UnsupportedFeatures.bit();
         }
     }
     // Every config read, each diffusers component's included: a wrong-typed field is read as absent.
@@ -724,7 +676,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
     for (prefix, c) in configs.file.map(|c| ("", c)).into_iter().chain(components) {
         for message in &c.invalid_fields {
             out.problem(
-                "invalid_config_field",
+                ProblemCode::InvalidConfigField,
                 format_args!(
                     "{}{message}",
                     if prefix.is_empty() {
@@ -739,7 +691,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
     }
     if let Some(c) = config {
         if c.use_dora {
-            out.flags |= flags::DORA;
+            out.flags |= Flag::Dora.bit();
         }
         if let Some(pt) = c.peft_type.as_deref() {
             if let Some(v) = variant_of_peft_type(pt) {
@@ -755,8 +707,8 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         }
     }
     out.variants.sort();
-    if out.flags & flags::DORA != 0 || out.variants.iter().any(|v| *v != Variant::Diff) {
-        out.flags |= flags::NON_ADDITIVE;
+    if out.flags & Flag::Dora.bit() != 0 || out.variants.iter().any(|v| *v != Variant::Diff) {
+        out.flags |= Flag::NonAdditive.bit();
     }
     out.moe_layout = match layouts.count_ones() {
         0 => MoeLayout::Dense,
@@ -964,7 +916,7 @@ fn group_tensors<'h>(
         spelling_seen[spelling as usize] = true;
         if role == Role::TrainableTokens {
             loose.push(i as u32);
-            out.flags |= flags::TRAINABLE_TOKENS;
+            out.flags |= Flag::TrainableTokens.bit();
             continue;
         }
         // A module's tensors are usually adjacent (A then B): only a new key costs a lookup.
@@ -1015,7 +967,7 @@ fn group_tensors<'h>(
                 slot_changed = true;
                 // Two spellings of the same factor (e.g. `.lora_A` and `.lora_A.weight`).
                 out.problem(
-                    "duplicate_factor",
+                    ProblemCode::DuplicateFactor,
                     format_args!("module {key:?} has two tensors for the same factor"),
                     Some(&t.name),
                 );
@@ -1050,12 +1002,12 @@ fn unsorted_tensor(out: &mut Classification, name: &str, config: Option<&LoraCon
         name.ends_with("embed_tokens.base_layer.weight") || name.ends_with("lm_head.base_layer.weight");
     let in_modules_to_save = config.is_some_and(|c| c.saves(name));
     if saved_embedding {
-        out.flags |= flags::FULL_WEIGHTS;
+        out.flags |= Flag::FullWeights.bit();
     } else if in_modules_to_save {
-        out.flags |= flags::MODULES_TO_SAVE | flags::FULL_WEIGHTS;
+        out.flags |= Flag::ModulesToSave.bit() | Flag::FullWeights.bit();
     } else {
         out.problem(
-            "unknown_tensor",
+            ProblemCode::UnknownTensor,
             format_args!("no rule understands tensor name {name:?}"),
             Some(name),
         );
@@ -1217,7 +1169,7 @@ fn check_target<'k>(
         };
         if !c.target_parameters.is_empty() && !covered {
             out.problem(
-                "target_modules_mismatch",
+                ProblemCode::TargetModulesMismatch,
                 format_args!("module {name:?} has expert tensors but {leaf:?} is not in config target_parameters"),
                 None,
             );
@@ -1229,14 +1181,14 @@ fn check_target<'k>(
         // Embeddings saved under `modules_to_save`-style names and trainable tokens are not targets.
         if !any && kind != ModuleKind::Incomplete {
             out.problem(
-                "target_modules_mismatch",
+                ProblemCode::TargetModulesMismatch,
                 format_args!("module {name:?} has LoRA tensors but is not matched by config target_modules"),
                 None,
             );
         }
     } else if c.targets(name) == Some(false) && kind != ModuleKind::Incomplete {
         out.problem(
-            "target_modules_mismatch",
+            ProblemCode::TargetModulesMismatch,
             format_args!("module {name:?} has LoRA tensors but does not match the config target_modules pattern"),
             None,
         );
@@ -1327,7 +1279,7 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
         Ok(f) => f,
         Err(e) => {
             out.problem(
-                "invalid_alpha",
+                ProblemCode::InvalidAlpha,
                 format_args!("cannot reopen the file to read alpha values: {e}"),
                 None,
             );
@@ -1342,7 +1294,7 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
         if nelem != Some(1) {
             let nelem = nelem.map_or_else(|| "too many".to_owned(), |n| n.to_string());
             out.problem(
-                "invalid_alpha",
+                ProblemCode::InvalidAlpha,
                 format_args!("alpha tensor {:?} has {nelem} elements, expected 1", t.name),
                 Some(&t.name),
             );
@@ -1360,7 +1312,7 @@ fn read_alphas(header: &Header<'_>, groups: &[Group<'_>], path: &Path, out: &mut
             Some(0.0) => {}
             Some(v) if v.is_finite() => *slot = Some(v),
             _ => out.problem(
-                "invalid_alpha",
+                ProblemCode::InvalidAlpha,
                 format_args!(
                     "alpha tensor {:?} ({}) is not a readable finite number",
                     t.name,

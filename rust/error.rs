@@ -1,45 +1,76 @@
-//! Errors of the core. Every header rule has its own variant and a stable string code, which
-//! Python sees as `HeaderError.code` and a scan reports per failed file.
+//! Errors of the core. Every failure has a stable code from one of the lists in `codes.rs`
+//! (a header rule, an adapter error or a torch refusal), which Python sees as `.code` and a scan
+//! reports per failed file.
 
 use std::io;
 use std::path::PathBuf;
 
+pub use crate::codes::{AdapterErrorCode, ErrorCode, HeaderErrorCode, TorchErrorCode};
+
 /// A failure to read or validate one file.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// An OS error.
     #[error("{path}: {source}")]
     Io {
+        /// The file or folder.
         path: PathBuf,
+        /// The OS error.
         #[source]
         source: io::Error,
         /// A more precise code than the error's kind gives (`dangling_link`), when known.
-        code: Option<&'static str>,
+        code: Option<AdapterErrorCode>,
     },
+    /// A header rule broken.
     #[error("{path}: {kind}")]
-    Header { path: PathBuf, kind: HeaderError },
+    Header {
+        /// The file.
+        path: PathBuf,
+        /// The rule, with what breaks it.
+        kind: HeaderError,
+    },
+    /// Any other failure with a code: an adapter error, a torch refusal, or a code read back from
+    /// an index or from Python.
     #[error("{path}: {message}")]
     Adapter {
+        /// The adapter (a file, a folder or a URL).
         path: PathBuf,
-        code: &'static str,
+        /// Why it failed.
+        code: ErrorCode,
+        /// What failed, for people.
         message: String,
     },
 }
 
 impl Error {
-    pub fn code(&self) -> &'static str {
+    /// This error's code.
+    pub fn error_code(&self) -> ErrorCode {
         match self {
-            Error::Io { code: Some(code), .. } => code,
-            Error::Io { source, .. } if source.raw_os_error() == Some(libc::ELOOP) => "symlink_loop",
+            Error::Io { code: Some(code), .. } => (*code).into(),
+            Error::Io { source, .. } if source.raw_os_error() == Some(libc::ELOOP) => {
+                AdapterErrorCode::SymlinkLoop.into()
+            }
             Error::Io { source, .. } => match source.kind() {
-                io::ErrorKind::NotFound => "not_found",
-                io::ErrorKind::PermissionDenied => "permission_denied",
-                _ => "io_error",
+                io::ErrorKind::NotFound => AdapterErrorCode::NotFound.into(),
+                io::ErrorKind::PermissionDenied => AdapterErrorCode::PermissionDenied.into(),
+                _ => AdapterErrorCode::IoError.into(),
             },
-            Error::Header { kind, .. } => kind.code(),
-            Error::Adapter { code, .. } => code,
+            Error::Header { kind, .. } => kind.error_code().into(),
+            Error::Adapter { code, .. } => *code,
         }
     }
 
+    /// This error's code, as Python and the index spell it.
+    pub fn code(&self) -> &'static str {
+        self.error_code().code()
+    }
+
+    /// Whether this error's code is `code`.
+    pub fn is(&self, code: impl Into<ErrorCode>) -> bool {
+        self.error_code() == code.into()
+    }
+
+    /// The file, folder or URL that failed.
     pub fn path(&self) -> &PathBuf {
         match self {
             Error::Io { path, .. } | Error::Header { path, .. } | Error::Adapter { path, .. } => path,
@@ -55,6 +86,7 @@ impl Error {
         }
     }
 
+    /// An OS error, coded by its kind.
     pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
         Error::Io {
             path: path.into(),
@@ -64,7 +96,7 @@ impl Error {
     }
 
     /// An OS error with a code more precise than its kind (a `NotFound` that is a dangling link).
-    pub fn io_coded(path: impl Into<PathBuf>, code: &'static str, source: io::Error) -> Self {
+    pub fn io_coded(path: impl Into<PathBuf>, code: AdapterErrorCode, source: io::Error) -> Self {
         Error::Io {
             path: path.into(),
             source,
@@ -92,13 +124,18 @@ impl Error {
             .map(|s| (*s).to_owned())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic payload".to_owned());
-        Error::adapter(path, "internal", format!("internal error (a bug in lorafast): {what}"))
+        Error::adapter(
+            path,
+            AdapterErrorCode::Internal,
+            format!("internal error (a bug in lorafast): {what}"),
+        )
     }
 
-    pub fn adapter(path: impl Into<PathBuf>, code: &'static str, message: impl Into<String>) -> Self {
+    /// A failure with `code` and a message for people.
+    pub fn adapter(path: impl Into<PathBuf>, code: impl Into<ErrorCode>, message: impl Into<String>) -> Self {
         Error::Adapter {
             path: path.into(),
-            code,
+            code: code.into(),
             message: message.into(),
         }
     }
@@ -125,41 +162,6 @@ struct Context {
     errno: Option<i32>,
     source: io::Error,
 }
-
-/// The `&'static str` of a known error code (a header rule, an adapter or a torch code), for codes read
-/// back from Python or from an index; None for any other text.
-pub fn known_code(code: &str) -> Option<&'static str> {
-    HEADER_ERROR_CODES
-        .iter()
-        .chain(ADAPTER_ERROR_CODES)
-        .chain(crate::torch::TORCH_ERROR_CODES)
-        .find(|k| **k == code)
-        .copied()
-}
-
-/// The codes of failed adapters besides the header rules, in documentation order (exported to
-/// Python as `ADAPTER_ERROR_CODES`). Remote-only codes come last.
-pub const ADAPTER_ERROR_CODES: &[&str] = &[
-    "not_found",
-    "permission_denied",
-    "io_error",
-    "not_regular_file",
-    "dangling_link",
-    "symlink_loop",
-    "no_adapter",
-    "ambiguous_adapter",
-    "missing_weights",
-    "invalid_config",
-    "internal",
-    "timeout",
-    "connection_error",
-    "remote_error",
-    "short_read",
-    "file_changed",
-    "invalid_url",
-    "store_config",
-    "remote_unsupported",
-];
 
 /// One violated safetensors header rule. The first group mirrors the safetensors crate's checks;
 /// the second is stricter than the crate.
@@ -206,44 +208,30 @@ pub enum HeaderError {
 }
 
 impl HeaderError {
-    pub fn code(&self) -> &'static str {
+    /// The rule this error breaks.
+    pub fn error_code(&self) -> HeaderErrorCode {
         match self {
-            HeaderError::HeaderTooSmall(_) => "header_too_small",
-            HeaderError::HeaderTooLarge(_) => "header_too_large",
-            HeaderError::InvalidHeaderLength { .. } => "invalid_header_length",
-            HeaderError::InvalidUtf8(_) => "invalid_utf8",
-            HeaderError::InvalidJson { .. } => "invalid_json",
-            HeaderError::HeaderNotObject => "header_not_object",
-            HeaderError::InvalidMetadata(_) => "invalid_metadata",
-            HeaderError::InvalidTensorEntry { .. } => "invalid_tensor_entry",
-            HeaderError::UnknownDtype { .. } => "unknown_dtype",
-            HeaderError::InvalidOffset { .. } => "invalid_offset",
-            HeaderError::Overflow(_) => "overflow",
-            HeaderError::MisalignedSlice(_) => "misaligned_slice",
-            HeaderError::TensorSizeMismatch { .. } => "tensor_size_mismatch",
-            HeaderError::IncompleteBuffer { .. } => "incomplete_buffer",
-            HeaderError::DuplicateTensor(_) => "duplicate_tensor",
-            HeaderError::DuplicateKey(_) => "duplicate_key",
+            HeaderError::HeaderTooSmall(_) => HeaderErrorCode::HeaderTooSmall,
+            HeaderError::HeaderTooLarge(_) => HeaderErrorCode::HeaderTooLarge,
+            HeaderError::InvalidHeaderLength { .. } => HeaderErrorCode::InvalidHeaderLength,
+            HeaderError::InvalidUtf8(_) => HeaderErrorCode::InvalidUtf8,
+            HeaderError::InvalidJson { .. } => HeaderErrorCode::InvalidJson,
+            HeaderError::HeaderNotObject => HeaderErrorCode::HeaderNotObject,
+            HeaderError::InvalidMetadata(_) => HeaderErrorCode::InvalidMetadata,
+            HeaderError::InvalidTensorEntry { .. } => HeaderErrorCode::InvalidTensorEntry,
+            HeaderError::UnknownDtype { .. } => HeaderErrorCode::UnknownDtype,
+            HeaderError::InvalidOffset { .. } => HeaderErrorCode::InvalidOffset,
+            HeaderError::Overflow(_) => HeaderErrorCode::Overflow,
+            HeaderError::MisalignedSlice(_) => HeaderErrorCode::MisalignedSlice,
+            HeaderError::TensorSizeMismatch { .. } => HeaderErrorCode::TensorSizeMismatch,
+            HeaderError::IncompleteBuffer { .. } => HeaderErrorCode::IncompleteBuffer,
+            HeaderError::DuplicateTensor(_) => HeaderErrorCode::DuplicateTensor,
+            HeaderError::DuplicateKey(_) => HeaderErrorCode::DuplicateKey,
         }
     }
-}
 
-/// Every header error code, in documentation order (exported to Python as `HEADER_ERROR_CODES`).
-pub const HEADER_ERROR_CODES: &[&str] = &[
-    "header_too_small",
-    "header_too_large",
-    "invalid_header_length",
-    "invalid_utf8",
-    "invalid_json",
-    "header_not_object",
-    "invalid_metadata",
-    "invalid_tensor_entry",
-    "unknown_dtype",
-    "invalid_offset",
-    "overflow",
-    "misaligned_slice",
-    "tensor_size_mismatch",
-    "incomplete_buffer",
-    "duplicate_tensor",
-    "duplicate_key",
-];
+    /// The stable string of the rule this error breaks.
+    pub fn code(&self) -> &'static str {
+        self.error_code().code()
+    }
+}

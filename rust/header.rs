@@ -12,6 +12,7 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::path::Path;
 
+use crate::codes::ProblemCode;
 use crate::error::{Error, HeaderError};
 use crate::json::{Cursor, SyntaxError};
 
@@ -166,7 +167,7 @@ pub struct TensorEntry<'a> {
 /// A non-fatal finding: the file is readable, but something is off.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Warning {
-    pub code: &'static str,
+    pub code: ProblemCode,
     pub message: String,
 }
 
@@ -687,7 +688,7 @@ fn entry_object(
                 }
                 other => {
                     warnings.push(Warning {
-                        code: "unknown_field",
+                        code: ProblemCode::UnknownField,
                         message: format!("tensor {name:?} has an unknown field {other:?} (ignored)"),
                     });
                     cur.skip_value(ENTRY_DEPTH).map_err(syntax)?;
@@ -838,7 +839,7 @@ fn validate(header: &mut Header<'_>) -> Result<(), HeaderError> {
         let align = (bits / 8).max(1);
         if t.begin & (align - 1) != 0 {
             header.warnings.push(Warning {
-                code: "misaligned_offset",
+                code: ProblemCode::MisalignedOffset,
                 message: format!(
                     "tensor {:?} starts at data offset {} (not a multiple of {align})",
                     t.name, t.begin
@@ -1101,6 +1102,6 @@ mod tests {
             0,
         )
         .unwrap();
-        assert_eq!(h.warnings[0].code, "unknown_field");
+        assert_eq!(h.warnings[0].code, ProblemCode::UnknownField);
     }
 }

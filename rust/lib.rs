@@ -3,6 +3,7 @@
 //! behind the `python` feature, so `cargo test --no-default-features` needs no libpython.
 
 pub mod classify;
+pub mod codes;
 pub mod config;
 pub mod error;
 pub mod header;
@@ -20,5 +21,6 @@ pub mod torch_zip;
 #[cfg(feature = "python")]
 mod py;
 
+pub use codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
 pub use error::{Error, HeaderError};
 pub use header::{parse_header, read_header, Dtype, Header, ReadMode, TensorEntry};

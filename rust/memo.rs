@@ -14,7 +14,8 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 
-use crate::classify::{flags, Classification};
+use crate::classify::Classification;
+use crate::codes::Flag;
 use crate::header::{split_leading_metadata, N_LEN};
 
 /// Entries kept per thread: enough for the handful of recipes a fleet is made from, few enough
@@ -116,7 +117,7 @@ pub fn get(key: &Key<'_>) -> Option<(Classification, Option<String>)> {
 
 /// Remembers `class` for `key`, unless it depends on more than the key.
 pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
-    if class.flags & flags::KOHYA_ALPHA != 0 || key.entries.len() > MAX_HEADER {
+    if class.flags & Flag::KohyaAlpha.bit() != 0 || key.entries.len() > MAX_HEADER {
         return;
     }
     ENTRIES_OF_THREAD.with(|entries| {

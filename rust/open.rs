@@ -8,7 +8,7 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use crate::error::{with_context, Error};
+use crate::error::{with_context, AdapterErrorCode, Error};
 
 /// Opens `path` for reading with `O_NONBLOCK`, so that a FIFO cannot block; its type is not
 /// checked yet. The flag is left set: reads of a regular file ignore it.
@@ -55,7 +55,7 @@ pub fn not_regular(path: &Path, meta: &Metadata) -> Error {
     };
     Error::adapter(
         path,
-        "not_regular_file",
+        AdapterErrorCode::NotRegularFile,
         format!("{what}, not a regular file; only regular files are read"),
     )
 }
@@ -67,7 +67,7 @@ pub fn not_regular(path: &Path, meta: &Metadata) -> Error {
 pub fn open_error(path: &Path, e: io::Error) -> Error {
     if e.kind() == io::ErrorKind::NotFound && fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
         let why = with_context("dangling symlink, its target does not exist", e);
-        return Error::io_coded(path, "dangling_link", why);
+        return Error::io_coded(path, AdapterErrorCode::DanglingLink, why);
     }
     if matches!(e.raw_os_error(), Some(libc::ENXIO | libc::ENODEV | libc::EOPNOTSUPP)) {
         if let Some(meta) = fs::metadata(path).ok().filter(|m| !m.is_file() && !m.is_dir()) {

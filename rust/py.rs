@@ -12,8 +12,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::classify::{flags, Format, ModuleInfo, MoeLayout};
-use crate::error::{known_code, Error, ADAPTER_ERROR_CODES, HEADER_ERROR_CODES};
+use crate::classify::{Format, ModuleInfo, MoeLayout};
+use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
+use crate::error::Error;
 use crate::header::{self, Dtype, ReadMode};
 use crate::remote::{self, RemoteOptions};
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
@@ -35,7 +36,7 @@ fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
         Error::Header { .. } | Error::Adapter { .. } => {
             let class = match err {
                 Error::Header { .. } => "HeaderError",
-                _ if err.code() == "internal" => "InternalError",
+                _ if err.is(AdapterErrorCode::Internal) => "InternalError",
                 _ => "AdapterError",
             };
             let build = || -> PyResult<PyErr> {
@@ -89,7 +90,7 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Boun
                 .as_ref()
                 .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
             let warnings: Vec<(&'static str, String)> =
-                h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
+                h.warnings.iter().map(|w| (w.code.code(), w.message.clone())).collect();
             (tensors, metadata, h.header_size, h.file_size, warnings)
         })
     });
@@ -116,7 +117,7 @@ fn read_torch_header<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py,
                     )
                 })
                 .collect();
-            let warnings = h.warnings.iter().map(|w| (w.code, w.message.clone())).collect();
+            let warnings = h.warnings.iter().map(|w| (w.code.code(), w.message.clone())).collect();
             (tensors, None, t.pickle_size, h.file_size, warnings)
         })
     });
@@ -223,12 +224,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
     d.set_item(intern!(py, "rank"), c.rank)?;
     d.set_item(intern!(py, "moe_layout"), c.moe_layout.name())?;
     d.set_item(intern!(py, "num_experts"), c.num_experts)?;
-    let names: Vec<&str> = flags::NAMES
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| c.flags & (1 << i) != 0)
-        .map(|(_, n)| *n)
-        .collect();
+    let names: Vec<&str> = Flag::set_in(c.flags).map(Flag::code).collect();
     d.set_item(intern!(py, "flags"), names)?;
     d.set_item(
         intern!(py, "variants"),
@@ -238,7 +234,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
     let problems: Vec<(&str, &str, Option<&str>)> = c
         .problems
         .iter()
-        .map(|p| (p.code, p.message.as_str(), p.tensor.as_deref()))
+        .map(|p| (p.code.code(), p.message.as_str(), p.tensor.as_deref()))
         .collect();
     d.set_item(intern!(py, "problems"), problems)?;
     d.set_item(intern!(py, "content_hash"), &r.content_hash)?;
@@ -319,8 +315,13 @@ fn inspect<'py>(
     let result = detach_contained(py, &path, || {
         if any_url(std::slice::from_ref(&path)) {
             let mut rows = remote::inspect_many(std::slice::from_ref(&path), opts, None, &ropts);
-            rows.pop()
-                .unwrap_or_else(|| Err(Error::adapter("", "internal", "inspect lost its result")))
+            rows.pop().unwrap_or_else(|| {
+                Err(Error::adapter(
+                    "",
+                    AdapterErrorCode::Internal,
+                    "inspect lost its result",
+                ))
+            })
         } else {
             core_scan::locate(&path).and_then(|t| core_scan::load(t, opts))
         }
@@ -826,8 +827,7 @@ fn record_json(out: &mut String, r: &AdapterResult) {
     let _ = write!(out, ", \"rank\": {}, \"moe_layout\": ", c.rank);
     json_str(out, c.moe_layout.name());
     let _ = write!(out, ", \"num_experts\": {}, \"flags\": ", c.num_experts);
-    let set = flags::NAMES.iter().enumerate().filter(|(i, _)| c.flags & (1 << i) != 0);
-    json_list(out, set, |o, (_, n)| json_str(o, n));
+    json_list(out, Flag::set_in(c.flags), |o, f| json_str(o, f.code()));
     out.push_str(", \"variants\": ");
     json_list(out, &c.variants, |o, v| json_str(o, v.name()));
     out.push_str(", \"full_weight_tensors\": ");
@@ -835,7 +835,7 @@ fn record_json(out: &mut String, r: &AdapterResult) {
     out.push_str(", \"problems\": ");
     json_list(out, &c.problems, |o, p| {
         o.push('[');
-        json_str(o, p.code);
+        json_str(o, p.code.code());
         o.push_str(", ");
         json_str(o, &p.message);
         o.push_str(", ");
@@ -956,7 +956,7 @@ fn fill_rows(
             Some(e) => Err(e),
             None => loaded
                 .next()
-                .unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))),
+                .unwrap_or_else(|| Err(Error::adapter("", AdapterErrorCode::Internal, "scan lost a row"))),
         })
         .collect()
 }
@@ -1109,10 +1109,10 @@ fn scan_targets(
                 (_, code) => {
                     let code = code.as_deref().unwrap_or("internal");
                     // A code that crossed into Python and back is one of the core's; any other text is a bug.
-                    let (code, message) = match known_code(code) {
+                    let (code, message) = match ErrorCode::from_code(code) {
                         Some(known) => (known, message.unwrap_or_default()),
                         None => (
-                            "internal",
+                            AdapterErrorCode::Internal.into(),
                             format!("unknown error code {code:?}: {}", message.unwrap_or_default()),
                         ),
                     };
@@ -1175,7 +1175,7 @@ fn map_file(py: Python<'_>, path: PathBuf) -> PyResult<MappedFile> {
         if len != file_size {
             return Err(Error::adapter(
                 &path,
-                "file_changed",
+                AdapterErrorCode::FileChanged,
                 "file length changed while it was being opened",
             ));
         }
@@ -1207,6 +1207,11 @@ fn discover(py: Python<'_>, paths: Vec<PathBuf>, recursive: bool) -> PyResult<Ve
     })
 }
 
+/// A code list as a Python tuple of strings, in `all`'s (documentation) order.
+fn codes<'py, T: Copy>(py: Python<'py>, all: &[T], code: fn(T) -> &'static str) -> PyResult<Bound<'py, PyTuple>> {
+    PyTuple::new(py, all.iter().map(|&c| code(c)))
+}
+
 /// Test hook, not public API: loading or reading `path` panics (None disarms it), so tests can
 /// show a panic becoming an `internal` row or an `InternalError`.
 #[pyfunction]
@@ -1225,18 +1230,36 @@ mod _core {
 
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
-        use pyo3::types::PyModuleMethods;
+        use pyo3::types::{PyModuleMethods, PyTuple};
         crate::scan::install_fork_guard();
-        m.add("HEADER_ERROR_CODES", super::HEADER_ERROR_CODES.to_vec())?;
-        m.add("ADAPTER_ERROR_CODES", super::ADAPTER_ERROR_CODES.to_vec())?;
-        m.add("PROBLEM_CODES", crate::classify::PROBLEM_CODES.to_vec())?;
-        m.add("TORCH_ERROR_CODES", crate::torch::TORCH_ERROR_CODES.to_vec())?;
-        m.add("FORMATS", super::Format::NAMES.to_vec())?;
-        m.add("MOE_LAYOUTS", super::MoeLayout::NAMES.to_vec())?;
-        m.add("FLAGS", super::flags::NAMES.to_vec())?;
-        m.add("MODULE_KINDS", crate::classify::ModuleKind::NAMES.to_vec())?;
+        m.add(
+            "HEADER_ERROR_CODES",
+            super::codes(m.py(), super::HeaderErrorCode::ALL, super::HeaderErrorCode::code)?,
+        )?;
+        m.add(
+            "ADAPTER_ERROR_CODES",
+            super::codes(m.py(), super::AdapterErrorCode::ALL, super::AdapterErrorCode::code)?,
+        )?;
+        m.add(
+            "PROBLEM_CODES",
+            super::codes(m.py(), super::ProblemCode::ALL, super::ProblemCode::code)?,
+        )?;
+        m.add(
+            "TORCH_ERROR_CODES",
+            super::codes(m.py(), super::TorchErrorCode::ALL, super::TorchErrorCode::code)?,
+        )?;
+        m.add("FORMATS", PyTuple::new(m.py(), super::Format::NAMES)?)?;
+        m.add("MOE_LAYOUTS", PyTuple::new(m.py(), super::MoeLayout::NAMES)?)?;
+        m.add("FLAGS", super::codes(m.py(), super::Flag::ALL, super::Flag::code)?)?;
+        m.add(
+            "MODULE_KINDS",
+            PyTuple::new(m.py(), crate::classify::ModuleKind::NAMES)?,
+        )?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("DTYPES", super::Dtype::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+        m.add(
+            "DTYPES",
+            PyTuple::new(m.py(), super::Dtype::ALL.iter().map(|d| d.name()))?,
+        )?;
         m.add(
             "build_profile",
             if cfg!(debug_assertions) { "debug" } else { "release" },

@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 
 use crate::classify::{classify, Classification, Configs, Options};
 use crate::config::LoraConfig;
-use crate::error::{Error, HeaderError};
+use crate::error::{AdapterErrorCode, Error, HeaderError};
 use crate::header::{header_bytes, parse_header_unchecked_names, read_header_from, Header, ReadMode, N_LEN};
 use crate::memo;
 use crate::open::{not_regular, open_error, open_nonblocking, open_unchecked, stat};
@@ -107,12 +107,12 @@ pub fn locate(path: &Path) -> Result<Target, Error> {
         }),
         [] => Err(Error::adapter(
             path,
-            "no_adapter",
+            AdapterErrorCode::NoAdapter,
             "no adapter_config.json and no .safetensors file in this folder",
         )),
         _ => Err(Error::adapter(
             path,
-            "ambiguous_adapter",
+            AdapterErrorCode::AmbiguousAdapter,
             format!(
                 "{} .safetensors files and no adapter_config.json; inspect one file, or scan the folder",
                 files.len()
@@ -142,12 +142,12 @@ fn with_weights(t: Target) -> Result<Target, Error> {
 /// A PEFT folder without `adapter_model.safetensors` is read from `adapter_model.bin`, else
 /// `adapter_model.pt`, as vLLM picks them (`torch.rs`); else `missing` is its error.
 fn torch_fallback(t: Target, missing: Error) -> Result<Target, Error> {
-    match missing.code() {
-        "missing_weights" => match torch::fallback_weights(&t.path) {
-            Some(weights) => Ok(Target { weights, ..t }),
-            None => Err(missing),
-        },
-        _ => Err(missing),
+    if !missing.is(AdapterErrorCode::MissingWeights) {
+        return Err(missing);
+    }
+    match torch::fallback_weights(&t.path) {
+        Some(weights) => Ok(Target { weights, ..t }),
+        None => Err(missing),
     }
 }
 
@@ -298,7 +298,7 @@ pub(crate) const MISSING_WEIGHTS_WHY: &str =
 
 /// The error for a PEFT folder whose weights file is missing.
 fn missing_weights(dir: &Path) -> Error {
-    Error::adapter(dir, "missing_weights", MISSING_WEIGHTS_WHY)
+    Error::adapter(dir, AdapterErrorCode::MissingWeights, MISSING_WEIGHTS_WHY)
 }
 
 /// The entries of one input path; its sub-folders are left for the walk.
@@ -485,7 +485,7 @@ pub fn check_config_size(path: &Path, len: u64) -> Result<(), Error> {
 fn config_too_large(path: &Path, len: u64) -> Error {
     Error::adapter(
         path,
-        "invalid_config",
+        AdapterErrorCode::InvalidConfig,
         format!("{len} bytes is too large for an adapter config"),
     )
 }
@@ -501,14 +501,14 @@ fn config_text(path: &Path, bytes: Vec<u8>) -> Result<String, Error> {
     String::from_utf8(bytes).map_err(|_| {
         Error::adapter(
             path,
-            "invalid_config",
+            AdapterErrorCode::InvalidConfig,
             "not UTF-8 text: stream did not contain valid UTF-8",
         )
     })
 }
 
 fn parse_config_text(path: &Path, text: &str) -> Result<LoraConfig, Error> {
-    LoraConfig::from_json(text).map_err(|message| Error::adapter(path, "invalid_config", message))
+    LoraConfig::from_json(text).map_err(|message| Error::adapter(path, AdapterErrorCode::InvalidConfig, message))
 }
 
 /// diffusers keeps the PEFT config of each component in `lora_adapter_metadata`, keys prefixed
@@ -953,7 +953,10 @@ mod tests {
         assert_eq!(rows.len(), 2);
         assert!(rows[0].is_ok());
         let err = rows[1].as_ref().unwrap_err();
-        assert_eq!((err.code(), err.path()), ("internal", &bad));
+        assert_eq!(
+            (err.error_code(), err.path()),
+            (AdapterErrorCode::Internal.into(), &bad)
+        );
         assert!(err.detail().contains("forced panic"), "{}", err.detail());
         fs::remove_dir_all(&dir).unwrap();
     }

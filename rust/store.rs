@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, MoeLayout, Problem, PROBLEM_CODES};
-use crate::error::{known_code, Error};
+use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, MoeLayout, Problem};
+use crate::codes::{ErrorCode, ProblemCode};
+use crate::error::Error;
 use crate::header::Dtype;
 use crate::names::Variant;
 use crate::scan::{AdapterResult, Target};
@@ -92,7 +93,7 @@ pub fn encode_class(c: &Classification) -> Vec<u8> {
         "flags": c.flags,
         "variants": c.variants.iter().map(|v| v.name()).collect::<Vec<_>>(),
         "full_weight_tensors": c.full_weight_tensors,
-        "problems": c.problems.iter().map(|p| json!([p.code, p.message, p.tensor])).collect::<Vec<_>>(),
+        "problems": c.problems.iter().map(|p| json!([p.code.code(), p.message, p.tensor])).collect::<Vec<_>>(),
     });
     let mut out = serde_json::to_vec(&head).expect("JSON of plain data");
     out.pop(); // the closing brace: the modules follow
@@ -275,11 +276,7 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
             }
             let code = string(&f[0])?;
             Ok(Problem {
-                code: PROBLEM_CODES
-                    .iter()
-                    .find(|k| **k == code)
-                    .copied()
-                    .ok_or_else(|| bad("problem code"))?,
+                code: ProblemCode::from_code(&code).ok_or_else(|| bad("problem code"))?,
                 message: string(&f[1])?,
                 tensor: opt_str(&f[2])?,
             })
@@ -325,7 +322,7 @@ pub fn decode_row(
         if f.len() != 3 {
             return Err(bad("error"));
         }
-        let code = known_code(&string(&f[1])?).ok_or_else(|| bad("error code"))?;
+        let code = ErrorCode::from_code(&string(&f[1])?).ok_or_else(|| bad("error code"))?;
         return Ok(Err(Error::adapter(value_path(&f[0])?, code, string(&f[2])?)));
     }
     let metadata = match get(&v, "metadata") {

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 use rustc_hash::FxHashMap;
 
-use crate::error::Error;
+use crate::codes::ProblemCode;
+use crate::error::{AdapterErrorCode, Error, ErrorCode, TorchErrorCode};
 use crate::header::{Header, TensorEntry, Warning, N_LEN};
 use crate::open::open_regular;
 use crate::scan::{build_result, check_config_size, parse_config, AdapterResult, ScanOptions, Target};
@@ -22,40 +23,43 @@ pub const PEFT_TORCH_WEIGHTS: [&str; 2] = ["adapter_model.bin", "adapter_model.p
 /// A larger `data.pkl` is refused unread (a 100,000-tensor state dict pickles to about 20 MB).
 pub const MAX_PICKLE_BYTES: u64 = 64 << 20;
 
-/// Every code a torch file can be refused with (exported to Python as `TORCH_ERROR_CODES`).
-pub const TORCH_ERROR_CODES: &[&str] = &[
-    "legacy_torch_format",
-    "invalid_zip",
-    "invalid_pickle",
-    "unsafe_pickle",
-    "pickle_limit",
-    "invalid_torch_tensor",
-    "not_a_state_dict",
-    "unsupported_byteorder",
-];
-
 /// Why a torch file was refused, before the path is known.
 #[derive(Debug)]
 pub enum TorchError {
-    Format { code: &'static str, message: String },
+    /// The file is refused.
+    Format {
+        /// Why.
+        code: TorchErrorCode,
+        /// What is wrong, for people.
+        message: String,
+    },
+    /// Reading the file failed.
     Io(io::Error),
 }
 
 impl TorchError {
-    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+    /// A refusal with `code`.
+    pub fn new(code: TorchErrorCode, message: impl Into<String>) -> Self {
         TorchError::Format {
             code,
             message: message.into(),
         }
     }
 
-    pub fn code(&self) -> &'static str {
+    /// This refusal's code (`io_error` for a failed read).
+    pub fn error_code(&self) -> ErrorCode {
         match self {
-            TorchError::Format { code, .. } => code,
-            TorchError::Io(_) => "io_error",
+            TorchError::Format { code, .. } => (*code).into(),
+            TorchError::Io(_) => AdapterErrorCode::IoError.into(),
         }
     }
 
+    /// This refusal's code, as Python spells it.
+    pub fn code(&self) -> &'static str {
+        self.error_code().code()
+    }
+
+    /// The error of the adapter at `path`.
     pub fn into_error(self, path: &Path) -> Error {
         match self {
             TorchError::Format { code, message } => Error::adapter(path, code, message),
@@ -94,13 +98,13 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     let magic = read_at(file, 0, file_size.min(4) as usize)?;
     if magic.first() == Some(&0x80) {
         return Err(TorchError::new(
-            "legacy_torch_format",
+            TorchErrorCode::LegacyTorchFormat,
             "a pre-1.6 (non-zip) torch file, whose pickle is not read; re-save it with a current torch.save",
         ));
     }
     if magic != b"PK\x03\x04" {
         return Err(TorchError::new(
-            "invalid_zip",
+            TorchErrorCode::InvalidZip,
             "not a zip archive (torch.save's format)",
         ));
     }
@@ -113,7 +117,7 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
         };
         if text != b"little" {
             return Err(TorchError::new(
-                "unsupported_byteorder",
+                TorchErrorCode::UnsupportedByteorder,
                 format!(
                     "byteorder {:?}; only little-endian files are read",
                     String::from_utf8_lossy(&text)
@@ -123,7 +127,7 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     }
     let pkl = zip.record("data.pkl").ok_or_else(|| {
         TorchError::new(
-            "invalid_zip",
+            TorchErrorCode::InvalidZip,
             format!("no {}/data.pkl record: not a torch.save file", zip.prefix()),
         )
     })?;
@@ -139,13 +143,13 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
         }
         let record = zip.record(&format!("data/{key}")).ok_or_else(|| {
             TorchError::new(
-                "invalid_torch_tensor",
+                TorchErrorCode::InvalidTorchTensor,
                 format!("tensor {name:?}: its storage record data/{key} is missing"),
             )
         })?;
         if record.size != t.storage.nbytes() {
             return Err(TorchError::new(
-                "invalid_torch_tensor",
+                TorchErrorCode::InvalidTorchTensor,
                 format!(
                     "tensor {name:?}: storage data/{key} holds {} bytes, its {} {} elements need {}",
                     record.size,
@@ -163,7 +167,7 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     for (name, t) in &state.tensors {
         let dtype = t.dtype.safetensors().ok_or_else(|| {
             TorchError::new(
-                "invalid_torch_tensor",
+                TorchErrorCode::InvalidTorchTensor,
                 format!(
                     "tensor {name:?}: dtype {} has no safetensors equivalent",
                     t.dtype.name()
@@ -185,7 +189,7 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     if !state.skipped.is_empty() {
         let shown: Vec<&str> = state.skipped.iter().take(5).map(String::as_str).collect();
         warnings.push(Warning {
-            code: "non_tensor_value",
+            code: ProblemCode::NonTensorValue,
             message: format!(
                 "{} state-dict value(s) are not tensors and were skipped: {shown:?}{}",
                 state.skipped.len(),

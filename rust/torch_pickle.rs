@@ -18,6 +18,7 @@ use std::rc::Rc;
 
 use rustc_hash::FxHashMap;
 
+use crate::codes::TorchErrorCode;
 use crate::header::Dtype;
 use crate::torch::TorchError;
 
@@ -339,22 +340,28 @@ fn opcode_name(op: u8) -> Option<&'static str> {
 }
 
 fn invalid(at: usize, message: impl std::fmt::Display) -> TorchError {
-    TorchError::new("invalid_pickle", format!("{message} (byte {at} of data.pkl)"))
+    TorchError::new(
+        TorchErrorCode::InvalidPickle,
+        format!("{message} (byte {at} of data.pkl)"),
+    )
 }
 
 fn unsafe_at(at: usize, message: impl std::fmt::Display) -> TorchError {
     TorchError::new(
-        "unsafe_pickle",
+        TorchErrorCode::UnsafePickle,
         format!("{message} (byte {at} of data.pkl); nothing was run"),
     )
 }
 
 fn limit(at: usize, message: impl std::fmt::Display) -> TorchError {
-    TorchError::new("pickle_limit", format!("{message} (byte {at} of data.pkl)"))
+    TorchError::new(
+        TorchErrorCode::PickleLimit,
+        format!("{message} (byte {at} of data.pkl)"),
+    )
 }
 
 fn bad_tensor(message: impl std::fmt::Display) -> TorchError {
-    TorchError::new("invalid_torch_tensor", message.to_string())
+    TorchError::new(TorchErrorCode::InvalidTorchTensor, message.to_string())
 }
 
 struct Machine<'p> {
@@ -875,7 +882,7 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
     let top = m.run()?;
     let Value::Dict(c) = &top else {
         return Err(TorchError::new(
-            "not_a_state_dict",
+            TorchErrorCode::NotAStateDict,
             format!("the pickle holds a {}, not a dict of tensors", top.kind()),
         ));
     };
@@ -885,7 +892,7 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
     for pair in items.chunks_exact(2) {
         let Value::Str(key) = &pair[0] else {
             return Err(TorchError::new(
-                "not_a_state_dict",
+                TorchErrorCode::NotAStateDict,
                 format!("a key of the state dict is a {}, not a str", pair[0].kind()),
             ));
         };

@@ -11,6 +11,7 @@ use std::os::unix::fs::FileExt;
 
 use rustc_hash::FxHashMap;
 
+use crate::codes::TorchErrorCode;
 use crate::torch::TorchError;
 
 /// A larger central directory is not torch's (about 100 bytes per tensor storage).
@@ -45,7 +46,7 @@ pub struct Archive<'f> {
 }
 
 fn invalid(message: impl Into<String>) -> TorchError {
-    TorchError::new("invalid_zip", message)
+    TorchError::new(TorchErrorCode::InvalidZip, message)
 }
 
 fn u16_at(b: &[u8], at: usize) -> u16 {
@@ -324,7 +325,7 @@ impl<'f> Archive<'f> {
     pub fn read(&self, record: &Record, max: u64) -> Result<Vec<u8>, TorchError> {
         if record.size > max {
             return Err(TorchError::new(
-                "pickle_limit",
+                TorchErrorCode::PickleLimit,
                 format!(
                     "record {:?} is {} bytes, more than the {max}-byte limit",
                     record.name, record.size

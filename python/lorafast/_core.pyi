@@ -21,6 +21,7 @@ __all__ = [
     "assemble",
     "build_profile",
     "discover",
+    "discover_target_stats",
     "discover_targets",
     "inspect",
     "inspect_many",
@@ -32,17 +33,19 @@ __all__ = [
     "scan_targets",
 ]
 
-HEADER_ERROR_CODES: list[str]
-#: Every code an adapter's `problems` can carry, in documentation order (rust/classify.rs).
-PROBLEM_CODES: list[str]
-ADAPTER_ERROR_CODES: list[str]
-TORCH_ERROR_CODES: list[str]
-FORMATS: list[str]
-MOE_LAYOUTS: list[str]
-FLAGS: list[str]
-MODULE_KINDS: list[str]
+# The code lists, each in documentation order, from the enums of rust/codes.rs (`ALL`) and rust/classify.rs.
+HEADER_ERROR_CODES: tuple[str, ...]
+ADAPTER_ERROR_CODES: tuple[str, ...]
+TORCH_ERROR_CODES: tuple[str, ...]
+#: Every code an adapter's `problems` can carry.
+PROBLEM_CODES: tuple[str, ...]
+#: Bit i of the `flags` column is FLAGS[i].
+FLAGS: tuple[str, ...]
+FORMATS: tuple[str, ...]
+MOE_LAYOUTS: tuple[str, ...]
+MODULE_KINDS: tuple[str, ...]
 __version__: str
-DTYPES: list[str]
+DTYPES: tuple[str, ...]
 build_profile: str
 
 def read_header(path: str, mode: str = "pread") -> dict[str, Any]: ...
@@ -96,6 +99,18 @@ def discover_targets(
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> list[_TargetItem]: ...
+
+#: (size, ETag, last-modified in ns since the epoch) of a remote object, as its listing or a HEAD gave it.
+_ObjectStat = tuple[int, str | None, int | None]
+
+def discover_target_stats(
+    paths: list[str],
+    recursive: bool = True,
+    threads: int | None = None,
+    storage_options: _StorageOptions = None,
+    timeout: float | None = None,
+    concurrency: int | None = None,
+) -> list[tuple[_TargetItem, _ObjectStat | None, _ObjectStat | None, bool]]: ...
 def scan_targets(
     items: list[_TargetItem],
     threads: int | None = None,

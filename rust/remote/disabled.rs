@@ -1,13 +1,13 @@
 //! A build without the `remote` feature: every URL input fails with `remote_unsupported`.
 
 use super::RemoteOptions;
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{AdapterResult, ScanOptions, Target};
 
 fn unsupported(url: &str) -> Error {
     Error::adapter(
         url,
-        "remote_unsupported",
+        AdapterErrorCode::RemoteUnsupported,
         "this build of lorafast has no remote support (cargo feature `remote`)",
     )
 }

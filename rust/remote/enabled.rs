@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use super::request::io_err;
 use super::stores::Remote;
 use super::RemoteOptions;
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{self, AdapterResult, ScanOptions, Target};
 
 fn runtime(threads: Option<usize>) -> io::Result<tokio::runtime::Runtime> {
@@ -146,10 +146,19 @@ pub fn read_range(url: &str, range: std::ops::Range<u64>, ropts: &RemoteOptions)
         };
         vec![got.await.map(|(bytes, size)| (bytes.to_vec(), size))]
     });
-    out.pop()
-        .unwrap_or_else(|| Err(Error::adapter(url, "internal", "read_range lost its result")))
+    out.pop().unwrap_or_else(|| {
+        Err(Error::adapter(
+            url,
+            AdapterErrorCode::Internal,
+            "read_range lost its result",
+        ))
+    })
 }
 
 fn join_error(url: &str, e: &tokio::task::JoinError) -> Error {
-    Error::adapter(url, "internal", format!("reading this adapter panicked: {e}"))
+    Error::adapter(
+        url,
+        AdapterErrorCode::Internal,
+        format!("reading this adapter panicked: {e}"),
+    )
 }

@@ -12,7 +12,7 @@ use object_store::ObjectStoreExt;
 use super::loading::{NO_WEIGHTS_WHY, REMOTE_PICKLE_WHY};
 use super::request::io_err;
 use super::stores::{Loc, Remote};
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{Target, CONFIG_NAME, PEFT_WEIGHTS};
 
 impl Remote {
@@ -46,7 +46,7 @@ impl Remote {
             .permits
             .acquire()
             .await
-            .map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
+            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
         self.check_stalled(loc)?;
         let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
         let depth = loc.key.parts().count();
@@ -77,7 +77,7 @@ impl Remote {
             .permits
             .acquire()
             .await
-            .map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
+            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
         match loc.store.inner.head(&loc.key).await {
             Ok(_) => Ok(guess_target(&loc.url, loc)),
             Err(object_store::Error::NotFound { .. }) => Err(io_err(
@@ -100,7 +100,7 @@ impl Remote {
                 .permits
                 .acquire()
                 .await
-                .map_err(|e| Error::adapter(url, "internal", e.to_string()))?;
+                .map_err(|e| Error::adapter(url, AdapterErrorCode::Internal, e.to_string()))?;
             self.check_stalled(&loc)?;
             let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
             loc.store
@@ -128,12 +128,12 @@ impl Remote {
             [] if listing.objects.is_empty() && listing.common_prefixes.is_empty() => self.lone_object(&loc).await,
             [] => Err(Error::adapter(
                 url,
-                "no_adapter",
+                AdapterErrorCode::NoAdapter,
                 "no adapter_config.json and no .safetensors file in this folder",
             )),
             _ => Err(Error::adapter(
                 url,
-                "ambiguous_adapter",
+                AdapterErrorCode::AmbiguousAdapter,
                 format!(
                     "{} .safetensors files and no adapter_config.json; inspect one file, or scan the folder",
                     files.len()
@@ -207,7 +207,7 @@ impl Dir {
         } else {
             NO_WEIGHTS_WHY
         };
-        Err(Error::adapter(url, "missing_weights", why))
+        Err(Error::adapter(url, AdapterErrorCode::MissingWeights, why))
     }
 
     /// `scan::discover_one` for a folder, on the listing.

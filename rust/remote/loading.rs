@@ -16,7 +16,7 @@ use super::listing::join;
 use super::request::{changed, io_err, short};
 use super::shadow::Shadow;
 use super::stores::{Loc, Remote};
-use crate::error::{Error, HeaderError};
+use crate::error::{AdapterErrorCode, Error, HeaderError};
 use crate::header::{parse_header, Header, MAX_HEADER_SIZE, N_LEN};
 use crate::names::{self, Role};
 use crate::scan::{self, AdapterResult, ScanOptions, Target};
@@ -46,7 +46,7 @@ impl Remote {
         };
         let (config, header) = futures_util::join!(config, self.fetch_header(&weights));
         let config = match config.transpose() {
-            Err(e) if guessed && e.code() == "not_found" => {
+            Err(e) if guessed && e.is(AdapterErrorCode::NotFound) => {
                 return Err(io_err(
                     &target.path.to_string_lossy(),
                     io::ErrorKind::NotFound,
@@ -57,14 +57,18 @@ impl Remote {
             other => other?,
         };
         let (bytes, file_size) = match header {
-            Err(e) if guessed && e.code() == "not_found" => {
+            Err(e) if guessed && e.is(AdapterErrorCode::NotFound) => {
                 let pickle = self.loc(&join(&target.path.to_string_lossy(), "adapter_model.bin"))?;
                 let why = if pickle.store.inner.head(&pickle.key).await.is_ok() {
                     REMOTE_PICKLE_WHY
                 } else {
                     NO_WEIGHTS_WHY
                 };
-                return Err(Error::adapter(target.path.clone(), "missing_weights", why));
+                return Err(Error::adapter(
+                    target.path.clone(),
+                    AdapterErrorCode::MissingWeights,
+                    why,
+                ));
             }
             other => other?,
         };

@@ -25,7 +25,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{self, is_url, AdapterResult, ScanOptions, Target};
 
 /// First range request: the header of almost every adapter fits (500 PEFT modules take ~60 KiB).
@@ -176,7 +176,7 @@ pub fn load_all(
     }
     slots
         .into_iter()
-        .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", "internal", "scan lost a row"))))
+        .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", AdapterErrorCode::Internal, "scan lost a row"))))
         .collect()
 }
 

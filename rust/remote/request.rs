@@ -11,7 +11,7 @@ use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
 use super::stores::{Loc, Remote};
 use super::STALL_LIMIT;
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 use crate::header::MAX_HEADER_SIZE;
 
 /// A server that ignores `Range` is read from the start; refuse to stream past this.
@@ -39,12 +39,12 @@ impl Remote {
             // Before timeouts and body errors: a reset is no timeout and no short answer.
             _ if is_connection_failure(e) => Error::adapter(
                 &loc.url,
-                "connection_error",
+                AdapterErrorCode::ConnectionError,
                 format!("the connection failed (refused, reset or aborted): {}", chain(e)),
             ),
             _ if timed_out => Error::adapter(
                 &loc.url,
-                "timeout",
+                AdapterErrorCode::Timeout,
                 format!(
                     "no complete answer within the {:.3}s timeout: {}",
                     self.opts.timeout.as_secs_f64(),
@@ -53,10 +53,10 @@ impl Remote {
             ),
             _ if body => Error::adapter(
                 &loc.url,
-                "short_read",
+                AdapterErrorCode::ShortRead,
                 format!("the response body broke off: {}", chain(e)),
             ),
-            _ => Error::adapter(&loc.url, "remote_error", chain(e)),
+            _ => Error::adapter(&loc.url, AdapterErrorCode::RemoteError, chain(e)),
         }
     }
 
@@ -65,7 +65,7 @@ impl Remote {
         if n >= STALL_LIMIT {
             return Err(Error::adapter(
                 &loc.url,
-                "timeout",
+                AdapterErrorCode::Timeout,
                 format!(
                     "skipped: this server timed out on {n} requests in a row (timeout {:.3}s)",
                     self.opts.timeout.as_secs_f64()
@@ -81,7 +81,7 @@ impl Remote {
             .permits
             .acquire()
             .await
-            .map_err(|e| Error::adapter(&loc.url, "internal", e.to_string()))?;
+            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
         self.check_stalled(loc)?;
         if loc.store.ignores_range.load(Ordering::Relaxed) {
             return self.get_without_range(loc, range).await;
@@ -127,7 +127,7 @@ impl Remote {
         if range.end > NO_RANGE_LIMIT && range.start > 0 {
             return Err(Error::adapter(
                 &loc.url,
-                "remote_error",
+                AdapterErrorCode::RemoteError,
                 format!(
                     "the server ignores Range requests; refusing to stream {} bytes to reach byte {}",
                     range.start, range.start
@@ -169,7 +169,7 @@ impl Remote {
 pub(super) fn short(loc: &Loc, want: u64, got: usize, at: u64, size: u64) -> Error {
     Error::adapter(
         &loc.url,
-        "short_read",
+        AdapterErrorCode::ShortRead,
         format!("asked for {want} bytes at offset {at} of a {size}-byte object, the server sent {got}"),
     )
 }
@@ -177,7 +177,7 @@ pub(super) fn short(loc: &Loc, want: u64, got: usize, at: u64, size: u64) -> Err
 pub(super) fn changed(loc: &Loc, before: u64, now: u64) -> Error {
     Error::adapter(
         &loc.url,
-        "file_changed",
+        AdapterErrorCode::FileChanged,
         format!("object size changed from {before} to {now} bytes while it was read"),
     )
 }

@@ -17,7 +17,7 @@ use tokio::sync::Semaphore;
 use super::credentials::{aws_profile, hf_token};
 use super::url::{invalid, parse_url, Kind, Parsed};
 use super::RemoteOptions;
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 
 /// One store (bucket, container or web origin) of a call.
 pub(super) struct Store {
@@ -41,7 +41,7 @@ pub(super) struct Loc {
 }
 
 /// Why a store could not be built: (error code, message), given to every adapter in it.
-pub(super) type StoreError = (&'static str, String);
+pub(super) type StoreError = (AdapterErrorCode, String);
 
 /// State shared by the requests of one call.
 pub(super) struct Remote {
@@ -51,7 +51,7 @@ pub(super) struct Remote {
 }
 
 fn store_error(e: impl std::fmt::Display) -> StoreError {
-    ("store_config", e.to_string())
+    (AdapterErrorCode::StoreConfig, e.to_string())
 }
 
 impl Remote {

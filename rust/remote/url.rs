@@ -1,6 +1,6 @@
 //! URL parsing: what a URL names (the store to build and the key inside it).
 
-use crate::error::Error;
+use crate::error::{AdapterErrorCode, Error};
 
 /// What a URL names: the store's cache key and how to build it, and the key inside it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub(super) enum Kind {
 }
 
 pub(super) fn invalid(url: &str, why: impl Into<String>) -> Error {
-    Error::adapter(url, "invalid_url", why.into())
+    Error::adapter(url, AdapterErrorCode::InvalidUrl, why.into())
 }
 
 pub(super) fn parse_url(url: &str) -> Result<Parsed, Error> {
