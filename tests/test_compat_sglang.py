@@ -8,24 +8,20 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lorafast.compat import AdapterView, LoraRef, lora_id
 from lorafast.compat import sglang as sg
-from lorafast.testing import write_peft_adapter, write_safetensors
+from lorafast.testing import write_safetensors
 
 P = "base_model.model.model.layers."
 MIXED = (
     "Mixed shared-outer LoRA formats detected across loaded adapters (conflict in adapter '{}'). "
     "All MoE adapters must either all use shared outer experts (expert_dim=1) or all use per-expert weights."
 )
-
-
-def peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], **config: Any) -> str:
-    """A PEFT folder with zero-filled BF16 tensors and an adapter_config.json (None values are left out)."""
-    return write_peft_adapter(root / name, tensors, **config)
 
 
 def view(tensors: dict[str, tuple[int, ...]], name: str = "a", **config: Any) -> AdapterView:
@@ -79,9 +75,9 @@ def test_sglang_detection_unit_cases() -> None:
     assert str(info.value) == MIXED.format("per-expert")
 
 
-def test_detection_from_files_uses_lora_id(tmp_path: Path) -> None:
-    a = peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS)
-    b = peft(tmp_path, "numbered", moe_numbered(), target_modules=MOE_TARGETS)
+def test_detection_from_files_uses_lora_id(peft: Callable[..., str]) -> None:
+    a = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
+    b = peft("numbered", moe_numbered(), target_modules=MOE_TARGETS)
     assert sg.detect_shared_outer_loras([a]) is True
     assert sg.detect_shared_outer_loras([b]) is False
     with pytest.raises(RuntimeError) as info:
@@ -254,9 +250,9 @@ def test_init_lora_shapes_errors() -> None:
     assert sg.init_lora_shapes([indexer])[0] == {"indexer.wq_b", "indexer.wk"}
 
 
-def test_lora_config_missing_keys_raise_plain_key_error(tmp_path: Path) -> None:
+def test_lora_config_missing_keys_raise_plain_key_error(tmp_path: Path, peft: Callable[..., str]) -> None:
     for missing in ("target_modules", "r", "lora_alpha"):
-        path = peft(tmp_path, f"no-{missing}", attn(), **{missing: None})
+        path = peft(f"no-{missing}", attn(), **{missing: None})
         with pytest.raises(KeyError) as info:
             sg.init_lora_shapes([path])
         assert str(info.value) == f"'{missing}'"
@@ -270,13 +266,13 @@ def test_lora_config_missing_keys_raise_plain_key_error(tmp_path: Path) -> None:
 # --- validate_new_adapter / can_support ---------------------------------------------------------------------
 
 
-def test_validate_new_adapter_messages(tmp_path: Path) -> None:
+def test_validate_new_adapter_messages(peft: Callable[..., str]) -> None:
     dora = view(attn(), "dora-lora", use_dora=True)
     with pytest.raises(ValueError) as info:
         sg.validate_new_adapter(dora)
     assert str(info.value) == "Failed to load dora-lora because LoRA serving currently doesn't support DoRA adapters"
 
-    added = peft(tmp_path, "tok", attn())
+    added = peft("tok", attn())
     Path(added, "added_tokens.json").write_text(json.dumps({"<x>": 100, "<y>": 5}))
     with pytest.raises(ValueError) as info:
         sg.validate_new_adapter(LoraRef("tok-lora", added))
@@ -508,9 +504,9 @@ QWEN_MOE = {
 }  # fmt: skip
 
 
-def test_preflight_decides_like_a_server(tmp_path: Path) -> None:
-    a = peft(tmp_path, "a", {**attn(), **moe_shared()}, r=4, target_modules=MOE_TARGETS)
-    b = peft(tmp_path, "b", {**attn(layer=1, r=8), **moe_shared(layer=1, r=8)}, r=8, target_modules=MOE_TARGETS)
+def test_preflight_decides_like_a_server(peft: Callable[..., str]) -> None:
+    a = peft("a", {**attn(), **moe_shared()}, r=4, target_modules=MOE_TARGETS)
+    b = peft("b", {**attn(layer=1, r=8), **moe_shared(layer=1, r=8)}, r=8, target_modules=MOE_TARGETS)
     plan = sg.preflight({"a": a, "b": b}, base_config=QWEN_MOE, max_loras_per_batch=4)
     assert plan.ok
     assert plan.target_modules == {"qkv_proj", "gate_up_proj", "down_proj"}
@@ -525,14 +521,14 @@ def test_preflight_decides_like_a_server(tmp_path: Path) -> None:
     assert plan.buffer_bytes == 2 * 2 * (
         4 * 24 * 16 + 4 * 32 * 8 + 4 * 16 * 16 + 4 * 4 * 16 * 8 + 4 * 4 * 8 * 8 + 4 * 16 * 8
     )
-    assert plan.can_support([a]) and not plan.can_support([peft(tmp_path, "c", attn(), r=16)])
+    assert plan.can_support([a]) and not plan.can_support([peft("c", attn(), r=16)])
     assert json.loads(json.dumps(plan.to_dict()))["experts_shared_outer"] is True
 
 
-def test_preflight_raises_sglangs_first_error_in_order(tmp_path: Path) -> None:
-    good = peft(tmp_path, "good", attn())
-    dora = peft(tmp_path, "dora", attn(), use_dora=True)
-    no_r = peft(tmp_path, "no-r", attn(), r=None)
+def test_preflight_raises_sglangs_first_error_in_order(peft: Callable[..., str]) -> None:
+    good = peft("good", attn())
+    dora = peft("dora", attn(), use_dora=True)
+    no_r = peft("no-r", attn(), r=None)
     with pytest.raises(RuntimeError) as info:
         sg.preflight({"good": good, "dora": dora, "no-r": no_r})
     assert str(info.value) == (
@@ -543,25 +539,23 @@ def test_preflight_raises_sglangs_first_error_in_order(tmp_path: Path) -> None:
         sg.preflight({"no-r": no_r, "dora": dora})
     assert str(info.value) == "Failed to load LoRA adapter no-r: 'r'"
     assert isinstance(info.value.__cause__, KeyError)
-    not_lora = peft(tmp_path, "ia3", attn(), peft_type="IA3")
+    not_lora = peft("ia3", attn(), peft_type="IA3")
     with pytest.raises(RuntimeError) as info:
         sg.preflight({"ia3": not_lora})
     assert str(info.value) == "Failed to load LoRA adapter ia3: "
-    regex = peft(tmp_path, "rx", attn(), target_modules="q.*")
+    regex = peft("rx", attn(), target_modules="q.*")
     with pytest.raises(RuntimeError) as info:
         sg.preflight({"rx": regex})
     assert str(info.value) == (
         "Failed to load LoRA adapter rx: Only 'all' or 'all-linear' can be used as the string for target module"
     )
     with pytest.raises(RuntimeError) as info:
-        sg.preflight({"a": good, "a2": peft(tmp_path, "s", moe_shared(), target_modules=MOE_TARGETS),
-                      "n": peft(tmp_path, "n", moe_numbered(), target_modules=MOE_TARGETS)})  # fmt: skip
+        sg.preflight({"a": good, "a2": peft("s", moe_shared(), target_modules=MOE_TARGETS),
+                      "n": peft("n", moe_numbered(), target_modules=MOE_TARGETS)})  # fmt: skip
     assert str(info.value) == MIXED.format("n")
     # Start-up passes, first use fails: strict loading and skipped weights.
     with pytest.raises(ValueError, match="1 weight\\(s\\) skipped"):
-        sg.preflight(
-            {"x": peft(tmp_path, "x", {**attn(), f"{P}0.mlp.c_fc.lora_A.weight": (4, 16)})}, strict_loading=True
-        )
+        sg.preflight({"x": peft("x", {**attn(), f"{P}0.mlp.c_fc.lora_A.weight": (4, 16)})}, strict_loading=True)
 
 
 def test_preflight_server_args() -> None:
@@ -588,14 +582,14 @@ def test_preflight_server_args() -> None:
     )
 
 
-def test_preflight_collects_every_problem(tmp_path: Path) -> None:
+def test_preflight_collects_every_problem(peft: Callable[..., str]) -> None:
     adapters = {
-        "dora": peft(tmp_path, "dora", attn(), use_dora=True),
-        "no-alpha": peft(tmp_path, "no-alpha", attn(), lora_alpha=None),
-        "shared": peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS),
-        "numbered": peft(tmp_path, "numbered", moe_numbered(), target_modules=MOE_TARGETS),
-        "numbered2": peft(tmp_path, "numbered2", moe_numbered(layer=1), target_modules=MOE_TARGETS),
-        "wide": peft(tmp_path, "wide", attn(), target_modules=["q_proj", "o_proj"]),
+        "dora": peft("dora", attn(), use_dora=True),
+        "no-alpha": peft("no-alpha", attn(), lora_alpha=None),
+        "shared": peft("shared", moe_shared(), target_modules=MOE_TARGETS),
+        "numbered": peft("numbered", moe_numbered(), target_modules=MOE_TARGETS),
+        "numbered2": peft("numbered2", moe_numbered(layer=1), target_modules=MOE_TARGETS),
+        "wide": peft("wide", attn(), target_modules=["q_proj", "o_proj"]),
     }
     plan = sg.preflight(adapters, collect=True, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
                         max_lora_rank=8, base_config=QWEN_MOE)  # fmt: skip
@@ -625,8 +619,8 @@ def test_preflight_collects_every_problem(tmp_path: Path) -> None:
     assert str(info.value) == plan.errors[0].message
 
 
-def test_preflight_cli_override_and_expert0_problem(tmp_path: Path) -> None:
-    shared = peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS)
+def test_preflight_cli_override_and_expert0_problem(peft: Callable[..., str]) -> None:
+    shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
     plan = sg.preflight({"s": shared}, experts_shared_outer=False, base_config=QWEN_MOE)
     assert plan.ok and plan.shared_outer_source == "cli" and plan.experts_shared_outer is False
     assert [p.code for p in plan.warnings] == ["sglang_shared_factor_in_per_expert_pool"] * 2
@@ -634,8 +628,8 @@ def test_preflight_cli_override_and_expert0_problem(tmp_path: Path) -> None:
     assert buffers["gate_up_proj_moe"].a_shape == (8, 4, 8, 16)
 
 
-def test_preflight_unknown_module_fails_in_pool(tmp_path: Path) -> None:
-    a = peft(tmp_path, "g", attn(), target_modules=["q_proj", "gate"])
+def test_preflight_unknown_module_fails_in_pool(peft: Callable[..., str]) -> None:
+    a = peft("g", attn(), target_modules=["q_proj", "gate"])
     with pytest.raises(NotImplementedError) as info:
         sg.preflight({"g": a}, base_config=QWEN_MOE)
     assert str(info.value) == "get_hidden_dim not implemented for gate"
@@ -674,20 +668,20 @@ def test_plan_buffers_dense_and_mla() -> None:
     }  # fmt: skip
 
 
-def test_preflight_buffer_fit_warning(tmp_path: Path) -> None:
+def test_preflight_buffer_fit_warning(peft: Callable[..., str]) -> None:
     # An adapter trained for another model: v_proj output 12 instead of 8 (two KV heads of 4).
     wrong = {**attn(), f"{P}0.self_attn.v_proj.lora_B.weight": (12, 4)}
-    plan = sg.preflight({"w": peft(tmp_path, "w", wrong)}, base_config=QWEN_MOE)
+    plan = sg.preflight({"w": peft("w", wrong)}, base_config=QWEN_MOE)
     # SGLang's QKV slice keeps v rows 24:32 of the 40, so its copy passes: lorafast warns, SGLang says nothing.
     assert plan.ok
     assert [p.code for p in plan.warnings] == ["sglang_buffer_shape"]
     assert "LoRA buffer shape torch.Size([32, 4]), weight shape torch.Size([40, 4])" in plan.warnings[0].message
 
 
-def test_scan_report_and_adapter_inputs(tmp_path: Path) -> None:
+def test_scan_report_and_adapter_inputs(peft: Callable[..., str]) -> None:
     import lorafast
 
-    a = peft(tmp_path, "a", attn())
+    a = peft("a", attn())
     adapter = lorafast.inspect(a)
     from_adapter = sg.preflight([adapter])
     from_path = sg.preflight(a)
@@ -697,9 +691,11 @@ def test_scan_report_and_adapter_inputs(tmp_path: Path) -> None:
     assert sg.preflight(report).adapters[0].name == "a"
 
 
-def test_paths_are_read_like_sglangs_loader(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_paths_are_read_like_sglangs_loader(
+    tmp_path: Path, peft: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
     # Every *.safetensors of the folder, filtered by an index when there is one.
-    a = Path(peft(tmp_path, "multi", attn()))
+    a = Path(peft("multi", attn()))
     write_safetensors(a / "extra.safetensors", {f"{P}1.self_attn.o_proj.lora_A.weight": ("BF16", (4, 16))})
     assert sorted(sg.predict_loaded_weights(str(a)).layers) == [0, 1]
     (a / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "adapter_model.safetensors"}}))
@@ -721,13 +717,13 @@ def test_paths_are_read_like_sglangs_loader(tmp_path: Path, caplog: pytest.LogCa
     with pytest.raises(RuntimeError) as info:
         sg.preflight({"c": str(c)})
     assert str(info.value) == f"Failed to load LoRA adapter c: Cannot find any model weights with `{c}`"
-    d = Path(peft(tmp_path, "broken", attn()))
+    d = Path(peft("broken", attn()))
     (d / "adapter_model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{not json}      ")
     plan = sg.preflight({"d": str(d)}, collect=True)
     assert [p.code for p in plan.errors] == ["sglang_load"] and "Failed to load LoRA adapter d: " in plan.errors[
         0
     ].message
-    e = Path(peft(tmp_path, "badjson", attn()))
+    e = Path(peft("badjson", attn()))
     (e / "adapter_config.json").write_text("{")
     with pytest.raises(RuntimeError) as info:
         sg.preflight({"e": str(e)})
@@ -747,9 +743,9 @@ def test_added_token_embeddings_shape_assert() -> None:
     )
 
 
-def test_dynamic_load_into_a_frozen_pool(tmp_path: Path) -> None:
-    numbered = peft(tmp_path, "numbered", moe_numbered(e=4), target_modules=MOE_TARGETS)
-    shared = peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS)
+def test_dynamic_load_into_a_frozen_pool(peft: Callable[..., str]) -> None:
+    numbered = peft("numbered", moe_numbered(e=4), target_modules=MOE_TARGETS)
+    shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
     per_expert_pool = sg.preflight({"n": numbered}, base_config=QWEN_MOE)
     assert per_expert_pool.experts_shared_outer is False
     # Detection is not re-run for a dynamic load: the shared adapter goes into a per-expert pool, silently.
@@ -762,7 +758,7 @@ def test_dynamic_load_into_a_frozen_pool(tmp_path: Path) -> None:
         str(info.value)
         == "experts_shared_outer_loras is enabled but gate_up_proj_moe lora_A dict has 4 entries (expected 1)."
     )
-    big = peft(tmp_path, "big", moe_shared(r=8), r=8, target_modules=MOE_TARGETS)
+    big = peft("big", moe_shared(r=8), r=8, target_modules=MOE_TARGETS)
     with pytest.raises(ValueError) as info:
         shared_pool.check_new_adapter(LoraRef("big", big))
     assert str(info.value).startswith("LoRA adapter big with rank 8 is incompatible with the current LoRA memory pool")
@@ -789,15 +785,15 @@ def test_structure_cache_keeps_names_and_errors() -> None:
     assert sg.predict_loaded_weights(view(tensors, "y")).layers[0]
 
 
-def test_cli_preflight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_preflight(tmp_path: Path, peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
     from lorafast.compat.cli import register_cli
 
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())
-    shared = peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS)
-    numbered = peft(tmp_path, "numbered", moe_numbered(), target_modules=MOE_TARGETS)
+    shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
+    numbered = peft("numbered", moe_numbered(), target_modules=MOE_TARGETS)
     args = parser.parse_args(["preflight", "sglang", f"s={shared}", f"n={numbered}", "--json"])
     assert args.func(args) == 1
     report = json.loads(capsys.readouterr().out)
@@ -809,14 +805,14 @@ def test_cli_preflight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert args.func(args) == 0
 
 
-def test_cli_engine_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_engine_version(peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
     from lorafast.compat.cli import register_cli
 
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())
-    shared = peft(tmp_path, "shared", moe_shared(), target_modules=MOE_TARGETS)
+    shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
     args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json"])
     assert args.func(args) == 0
     capsys.readouterr()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,15 +11,12 @@ import pytest
 from lorafast import AdapterError
 from lorafast.compat import AdapterView
 from lorafast.compat import vllm as vl
-from lorafast.testing import write_peft_adapter
 
 P = "base_model.model.model.layers.0."
 
 
-def peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], **config: Any) -> str:
-    return write_peft_adapter(root / name, tensors, **{"r": 8, "lora_alpha": 16, **config})
-
-
+#: The config every `peft(...)` adapter of this file starts from (conftest): ATTN is rank 8.
+PEFT_CONFIG = {"r": 8, "lora_alpha": 16}
 ATTN = {
     P + "self_attn.q_proj.lora_A.weight": (8, 32), P + "self_attn.q_proj.lora_B.weight": (32, 8),
     P + "self_attn.v_proj.lora_A.weight": (8, 32), P + "self_attn.v_proj.lora_B.weight": (16, 8),
@@ -54,11 +52,11 @@ def test_parse_fine_tuned_lora_name() -> None:
         "language_model.model.layers.0.mlp.up_proj", True)  # fmt: skip
 
 
-def test_check_unexpected_modules(tmp_path: Path) -> None:
+def test_check_unexpected_modules(peft: Callable[..., str]) -> None:
     vision = {**ATTN, "base_model.model.visual.blocks.0.attn.qkv.lora_A.weight": (8, 32),
               "base_model.model.visual.blocks.0.attn.qkv.lora_B.weight": (96, 8)}  # fmt: skip
-    path = peft(tmp_path, "vl", vision)
-    vl.check_unexpected_modules(peft(tmp_path, "ok", ATTN), EXPECTED)
+    path = peft("vl", vision)
+    vl.check_unexpected_modules(peft("ok", ATTN), EXPECTED)
     with pytest.raises(ValueError) as info:
         vl.check_unexpected_modules(path, EXPECTED)
     assert str(info.value) == (
@@ -123,27 +121,27 @@ def test_validate_legal_messages() -> None:
     vl.validate_legal(v(lora_bias=True, init_lora_weights="pissa", use_qalora=True), 16, engine_version="0.30.0")
 
 
-def test_peft_helper_and_ranks(tmp_path: Path) -> None:
+def test_peft_helper_and_ranks(peft: Callable[..., str]) -> None:
     with pytest.raises(ValueError) as info:
-        vl.check_peft_helper(peft(tmp_path, "no-r", ATTN, r=None))
+        vl.check_peft_helper(peft("no-r", ATTN, r=None))
     assert str(info.value) == "Missing required configuration fields: {'r'}"
     with pytest.raises(ValueError) as info:
-        vl.check_peft_helper(peft(tmp_path, "zero", ATTN, r=0))
+        vl.check_peft_helper(peft("zero", ATTN, r=0))
     assert str(info.value) == "LoRA rank `r` must be a positive integer, got 0."
     assert vl.VLLM_MAX_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
-    a, b = peft(tmp_path, "a", ATTN, r=8), peft(tmp_path, "b", ATTN, r=300)
+    a, b = peft("a", ATTN), peft("b", ATTN, r=300)
     assert vl.smallest_max_lora_rank([a]) == 8
     assert vl.smallest_max_lora_rank([a, b]) == 320
-    assert vl.smallest_max_lora_rank([peft(tmp_path, "huge", ATTN, r=1024)]) is None
-    patterned = peft(tmp_path, "patterned", ATTN, r=8, rank_pattern={"q_proj": 64})
+    assert vl.smallest_max_lora_rank([peft("huge", ATTN, r=1024)]) is None
+    patterned = peft("patterned", ATTN, rank_pattern={"q_proj": 64})
     assert vl.smallest_max_lora_rank([patterned], engine_version="0.33.0") == 64
     assert vl.smallest_max_lora_rank([patterned], engine_version="0.30.0") == 8
 
 
-def test_preflight(tmp_path: Path) -> None:
-    good = peft(tmp_path, "good", ATTN, r=8)
-    big = peft(tmp_path, "big", ATTN, r=64)
-    dora = peft(tmp_path, "dora", ATTN, use_dora=True)
+def test_preflight(peft: Callable[..., str]) -> None:
+    good = peft("good", ATTN)
+    big = peft("big", ATTN, r=64)
+    dora = peft("dora", ATTN, use_dora=True)
     plan = vl.preflight([good], expected_lora_modules=EXPECTED)
     assert plan.ok and plan.max_rank == 8 and plan.suggested_max_lora_rank == 8
     with pytest.raises(ValueError) as info:
@@ -201,7 +199,7 @@ def test_bin_weights_read_without_running_the_pickle(tmp_path: Path) -> None:
     assert info.value.code == "unsafe_pickle" and not (tmp_path / "pwned").exists()
 
 
-def test_cli_engine_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_engine_version(peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
     from lorafast.compat.cli import register_cli
@@ -209,7 +207,7 @@ def test_cli_engine_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())
     # modules_to_save ["score"]: 0.33.0 allows it (classification heads), 0.30.0 rejects it
-    head = peft(tmp_path, "head", ATTN, modules_to_save=["score"])
+    head = peft("head", ATTN, modules_to_save=["score"])
     args = parser.parse_args(["preflight", "vllm", f"h={head}", "--engine-version", "0.30.0", "--json"])
     assert args.func(args) == 1
     (problem,) = json.loads(capsys.readouterr().out)["problems"]
@@ -219,15 +217,15 @@ def test_cli_engine_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert json.loads(capsys.readouterr().out)["skipped"] == ["expected_modules", "moe_format", "classification_head"]
 
 
-def test_preflight_is_the_load_path(tmp_path: Path) -> None:
+def test_preflight_is_the_load_path(peft: Callable[..., str]) -> None:
     # A full `score` module on a model without a classification head: validate_legal passes (0.33), the
     # manager's head check rejects it; preflight says what load_adapter raises.
-    head = peft(tmp_path, "head", {**ATTN, "base_model.model.score.weight": (3, 32)}, modules_to_save=["score"])
+    head = peft("head", {**ATTN, "base_model.model.score.weight": (3, 32)}, modules_to_save=["score"])
     with pytest.raises(ValueError) as info:
         vl.load_adapter(head, supported_lora_modules=LLAMA, engine_version="0.33.0")
     plan = vl.preflight([head], supported_lora_modules=LLAMA, collect=True, engine_version="0.33.0")
     assert not plan.ok and plan.skipped == () and [p.message for p in plan.problems] == [str(info.value)]
-    good = peft(tmp_path, "good", ATTN)
+    good = peft("good", ATTN)
     plan = vl.preflight({"g": good}, supported_lora_modules=LLAMA, engine_version="0.33.0")
     assert plan.ok and plan.loras["g"] == vl.load_adapter(good, supported_lora_modules=LLAMA, engine_version="0.33.0")
     view = AdapterView.from_tensors(ATTN, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, name="mem")

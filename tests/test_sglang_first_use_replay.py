@@ -3,12 +3,12 @@ their own problems (their own ids in the texts, their own exception objects), as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lorafast.compat import sglang as sg
-from lorafast.testing import write_peft_adapter
 
 P = "base_model.model.model.layers."
 BASE = {
@@ -16,10 +16,6 @@ BASE = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 2, "num_experts": 4,
     "vocab_size": 100, "torch_dtype": "bfloat16",
 }  # fmt: skip
-
-
-def _peft(root: Path, name: str, tensors: dict[str, tuple[int, ...]], targets: list[str]) -> str:
-    return write_peft_adapter(root / name, tensors, target_modules=targets)
 
 
 def _attn() -> dict[str, tuple[int, ...]]:
@@ -53,10 +49,10 @@ def _first_use(plan: Any, adapter_id: str) -> list[tuple[str, str, bool, str | N
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_same_structure_gets_own_first_use_problems(tmp_path: Path, case: str) -> None:
+def test_same_structure_gets_own_first_use_problems(peft: Callable[..., str], case: str) -> None:
     tensors, targets, kwargs = CASES[case]
     names = ["a", "b", "c"]
-    paths = {n: _peft(tmp_path, n, tensors, targets) for n in names}
+    paths = {n: peft(n, tensors, target_modules=targets) for n in names}
     together = sg.preflight(paths, base_config=BASE, collect=True, **kwargs)
     found = []
     for name in names:
@@ -71,15 +67,15 @@ def test_same_structure_gets_own_first_use_problems(tmp_path: Path, case: str) -
     assert len({id(e) for e in errors}) == len(errors)  # each problem raises its own exception
 
 
-def test_header_parsed_once_per_distinct_header(tmp_path: Path) -> None:
+def test_header_parsed_once_per_distinct_header(tmp_path: Path, peft: Callable[..., str]) -> None:
     """Identical headers share one parse; a rewritten file, or a broken one, is read again."""
     from lorafast.compat._inputs import AdapterView
 
-    a = _peft(tmp_path, "a", _attn(), ["q_proj", "v_proj"])
-    b = _peft(tmp_path, "b", _attn(), ["q_proj", "v_proj"])
+    a = peft("a", _attn(), target_modules=["q_proj", "v_proj"])
+    b = peft("b", _attn(), target_modules=["q_proj", "v_proj"])
     va, vb = AdapterView.from_path(a), AdapterView.from_path(b)
     assert va.tensors == vb.tensors and va.tensors is not vb.tensors
-    _peft(tmp_path / "b2", "b", {k: (s[0], 2 * s[1]) for k, s in _attn().items()}, ["q_proj", "v_proj"])
+    peft("b2/b", {k: (s[0], 2 * s[1]) for k, s in _attn().items()}, target_modules=["q_proj", "v_proj"])
     (Path(b) / "adapter_model.safetensors").write_bytes(
         (tmp_path / "b2" / "b" / "adapter_model.safetensors").read_bytes()
     )

@@ -1,6 +1,6 @@
-"""A small safetensors writer for tests, samples and benchmarks (numpy only, no torch).
+"""A small safetensors writer for tests, samples and benchmarks (numpy only; torch only when given its tensors).
 
-`write_safetensors(path, tensors)` writes a valid file. `tensors` maps a name to a numpy array, or to
+`write_safetensors(path, tensors)` writes a valid file. `tensors` maps a name to a numpy array, a torch tensor, or
 a `(dtype, shape)` pair when only the header matters: the data section is then zero-filled, which is
 what header-only tests need and keeps sample adapters cheap to write. `write_peft_adapter(folder, tensors,
 **config)` writes a PEFT folder (weights and `adapter_config.json`).
@@ -60,12 +60,28 @@ def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     return n * DTYPE_BITS[dtype] // 8
 
 
+def _torch_entry(tensor: Any) -> tuple[str, list[int], bytes]:
+    """A torch tensor's safetensors dtype, shape and little-endian bytes (dtype names from `lorafast.tensors`)."""
+    import sys
+
+    import torch
+
+    from lorafast.tensors import _ST_DTYPES
+
+    if sys.byteorder != "little":  # pragma: no cover - torch's bytes are native-endian
+        raise NotImplementedError("writing torch tensors needs a little-endian machine")
+    names = {torch_name: st for st, (torch_name, _) in _ST_DTYPES.items()}
+    t = tensor.detach().cpu().contiguous()
+    dtype = names[str(t.dtype).removeprefix("torch.")]
+    return dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def write_safetensors(
     path: str | os.PathLike[str],
     tensors: Mapping[str, TensorSpec],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Write `tensors` (name -> numpy array, or name -> (dtype, shape)) as one safetensors file."""
+    """Write `tensors` (name -> numpy array, torch tensor, or (dtype, shape)) as one safetensors file."""
     entries: dict[str, Any] = {}
     chunks: list[bytes | int] = []
     offset = 0
@@ -74,6 +90,10 @@ def write_safetensors(
             dtype, shape = spec[0], [int(d) for d in spec[1]]
             size = _nbytes(dtype, shape)
             chunks.append(size)
+        elif type(spec).__module__.startswith("torch"):
+            dtype, shape, data = _torch_entry(spec)
+            size = len(data)
+            chunks.append(data)
         else:
             arr = spec
             dtype = _NUMPY_TO_ST[str(arr.dtype)] if not hasattr(arr, "st_dtype") else arr.st_dtype
