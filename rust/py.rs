@@ -983,10 +983,10 @@ fn scan(
     let ropts = remote_options(storage_options, timeout, concurrency)?;
     let rows = detach_contained(py, Path::new(""), || {
         if any_url(&paths) {
-            let found = remote::discover(&paths, recursive, threads, &ropts);
-            return Ok(fill_rows(found, |t| {
-                remote::load_all(t, opts, threads, progress, &ropts)
-            }));
+            // One session: the listing's connections carry the header reads.
+            let session = remote::Session::new(threads, &ropts);
+            let found = session.discover(&paths, recursive);
+            return Ok(fill_rows(found, |t| session.load_all(t, opts, progress)));
         }
         Ok(core_scan::scan_paths(&paths, recursive, opts, threads, progress))
     })?;
@@ -1060,21 +1060,62 @@ fn discover_targets(
     detach_contained(py, Path::new(""), || {
         Ok(remote::discover(&paths, recursive, threads, &ropts)
             .into_iter()
-            .map(|r| match r {
-                Ok(t) => (
-                    t.path.into_os_string(),
-                    Some(t.weights.into_os_string()),
-                    t.config.map(PathBuf::into_os_string),
-                    None,
-                    None,
-                ),
-                Err(e) => (
-                    e.path().as_os_str().to_owned(),
-                    None,
-                    None,
-                    Some(e.code().to_owned()),
-                    Some(e.detail()),
-                ),
+            .map(target_item)
+            .collect())
+    })
+}
+
+fn target_item(r: Result<Target, Error>) -> TargetItem {
+    match r {
+        Ok(t) => (
+            t.path.into_os_string(),
+            Some(t.weights.into_os_string()),
+            t.config.map(PathBuf::into_os_string),
+            None,
+            None,
+        ),
+        Err(e) => (
+            e.path().as_os_str().to_owned(),
+            None,
+            None,
+            Some(e.code().to_owned()),
+            Some(e.detail()),
+        ),
+    }
+}
+
+/// A remote object as discovery saw it: (size, ETag, last-modified in ns since the epoch).
+type ObjectStatItem = (u64, Option<String>, Option<i64>);
+
+/// `discover_targets`, each item with what the store says of its weights and config (`lorafast.Index`
+/// keys remote adapters by it): `(item, weights, config, missing)`, the stats None for local files
+/// and where the store would not say, `missing` when the store says a file is not there. The stats
+/// come from the listing where the store lists, else from one HEAD each; no header is read.
+#[pyfunction]
+#[pyo3(signature = (paths, recursive = true, threads = None, storage_options = None, timeout = None, concurrency = None))]
+#[allow(clippy::type_complexity)]
+fn discover_target_stats(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    recursive: bool,
+    threads: Option<usize>,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<f64>,
+    concurrency: Option<usize>,
+) -> PyResult<Vec<(TargetItem, Option<ObjectStatItem>, Option<ObjectStatItem>, bool)>> {
+    use remote::Stat;
+    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let item = |s: &Stat| match s {
+        Stat::Found(o) => Some((o.size, o.etag.clone(), o.last_modified_ns)),
+        Stat::Unknown | Stat::Missing => None,
+    };
+    detach_contained(py, Path::new(""), || {
+        Ok(remote::Session::new(threads, &ropts)
+            .discover_stat(&paths, recursive)
+            .into_iter()
+            .map(|(t, w, c)| {
+                let missing = w == Stat::Missing || c == Stat::Missing;
+                (target_item(t), item(&w), item(&c), missing)
             })
             .collect())
     })
@@ -1224,8 +1265,8 @@ fn _debug_panic_on(path: Option<PathBuf>) {
 mod _core {
     #[pymodule_export]
     use super::{
-        _debug_panic_on, assemble, discover, discover_targets, inspect, inspect_many, map_file, read_header,
-        read_torch_header, read_url_range, scan, scan_targets, MappedFile, ScanResult,
+        _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many, map_file,
+        read_header, read_torch_header, read_url_range, scan, scan_targets, MappedFile, ScanResult,
     };
 
     #[pymodule_init]

@@ -3,6 +3,8 @@
 - `build_fleet(root, n)`: sample adapters of every kind, the malformed-header corpus, broken
   folders, and adapters whose headers are longer than the speculative first range request.
 - `MotoS3`: a real S3 API server (moto in server mode) on 127.0.0.1, in a subprocess.
+- `LocalS3`: a small S3-compatible server over a folder on 127.0.0.1 (listing, ranged GET, HEAD), which
+  logs its requests; the benchmark's S3 server.
 - `RangeServer`: a threaded HTTP server on 127.0.0.1 whose first path segment picks a behaviour
   (honours Range, ignores it, truncates, lies, stalls, fails transiently, Hugging Face layout).
 - `normalized(report, local_root, url_root)`: a report as plain data with paths mapped, so a
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,8 +24,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, unquote
+from xml.sax.saxutils import escape
 
 import numpy as np
 from lorafast.sample import write_samples
@@ -98,6 +104,10 @@ def files_under(root: str) -> Iterator[tuple[str, str]]:
         for name in names:
             full = os.path.join(dirpath, name)
             yield full, os.path.relpath(full, root).replace(os.sep, "/")
+
+
+def http_date(timestamp: float) -> str:
+    return formatdate(timestamp, usegmt=True)
 
 
 def free_port() -> int:
@@ -234,8 +244,17 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             with open(path, "rb") as f:
                 data = f.read()
+            st = os.stat(path)
+            # Validators as web servers send them: an ETag from size and mtime (nginx's kind) and Last-Modified.
+            validators = {"ETag": f'"{st.st_size:x}-{st.st_mtime_ns:x}"', "Last-Modified": http_date(st.st_mtime)}
             if mode == "slow":
+                # Counted while held, before any answer: the client cannot have its slot back yet.
+                with self.server.lock:
+                    self.server.in_flight += 1
+                    self.server.peak = max(self.server.peak, self.server.in_flight)
                 time.sleep(self.server.delay)
+                with self.server.lock:
+                    self.server.in_flight -= 1
             if mode == "flaky":
                 with self.server.lock:
                     attempt = self.server.attempts.get(path, 0)
@@ -250,12 +269,12 @@ class _Handler(BaseHTTPRequestHandler):
                 data = data[:16]
             rng = None if mode == "norange" else self._range(len(data))
             if rng is None:
-                return self._send(200, data, head=head)
+                return self._send(200, data, validators, head=head)
             a, b = rng
             if a >= len(data):
                 return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"}, head=head)
             body = data[a:b]
-            headers = {"Content-Range": f"bytes {a}-{b - 1}/{len(data)}"}
+            headers = {"Content-Range": f"bytes {a}-{b - 1}/{len(data)}", **validators}
             if mode == "short":  # a consistent Content-Length, but fewer bytes than the range says
                 body = body[: len(body) // 2]
             if mode == "truncate":  # announces the whole range, sends half, hangs up
@@ -280,6 +299,9 @@ class _Server(ThreadingHTTPServer):
     requests: list[tuple[str, str, str | None]]
     attempts: dict[str, int]
     lock: threading.Lock
+    #: `slow` requests being held now, and the most at once since the last `clear`.
+    in_flight: int = 0
+    peak: int = 0
 
     def handle_error(self, request: Any, client_address: Any) -> None:  # clients that hang up are expected
         pass
@@ -310,10 +332,173 @@ class RangeServer:
         with self.httpd.lock:
             return list(self.httpd.requests)
 
+    @property
+    def peak(self) -> int:
+        """The most `slow` requests held at once (all unanswered) since the last `clear`."""
+        with self.httpd.lock:
+            return self.httpd.peak
+
     def clear(self) -> None:
         with self.httpd.lock:
             self.httpd.requests.clear()
             self.httpd.attempts.clear()
+            self.httpd.peak = self.httpd.in_flight
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _S3Handler(_Handler):
+    """`LocalS3`'s requests: path-style `/{bucket}/{key}`, ListObjectsV2 on `/{bucket}?list-type=2`."""
+
+    server: _S3Server
+
+    def do_GET(self) -> None:
+        self._s3(head=False)
+
+    def do_HEAD(self) -> None:
+        self._s3(head=True)
+
+    def _s3(self, head: bool) -> None:
+        with self.server.lock:
+            self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        try:
+            path, _, query = self.path.partition("?")
+            bucket, _, key = unquote(path).lstrip("/").partition("/")
+            root = os.path.join(self.server.root, bucket)
+            if not bucket or not os.path.isdir(root):
+                return self._error(404, "NoSuchBucket", head)
+            if not key:
+                return self._list(root, parse_qs(query), head)
+            full = os.path.join(root, *key.split("/"))
+            if ".." in key.split("/") or not os.path.isfile(full):
+                return self._error(404, "NoSuchKey", head)
+            with open(full, "rb") as f:
+                data = f.read()
+            st = os.stat(full)
+            headers = {"ETag": self.server.etag(full, st, data), "Last-Modified": http_date(st.st_mtime)}
+            rng = self._range(len(data))
+            if rng is None:
+                return self._send(200, data, headers, head=head)
+            a, b = rng
+            if a >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"}, head=head)
+            headers["Content-Range"] = f"bytes {a}-{b - 1}/{len(data)}"
+            self._send(206, data[a:b], headers, head=head)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _error(self, status: int, code: str, head: bool) -> None:
+        body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code></Error>'.encode()
+        self._send(status, body, {"Content-Type": "application/xml"}, head=head)
+
+    def _list(self, root: str, q: dict[str, list[str]], head: bool) -> None:
+        arg = lambda name, default="": q.get(name, [default])[0]  # noqa: E731
+        prefix, delimiter = arg("prefix"), arg("delimiter")
+        after = max(arg("continuation-token"), arg("start-after"))
+        limit = min(int(arg("max-keys", "1000")), 1000)
+        keys = sorted(k for _, k in files_under(root) if k.startswith(prefix) and k > after)
+        contents: list[str] = []
+        prefixes: list[str] = []
+        last = ""
+        for k in keys:
+            if len(contents) + len(prefixes) == limit:
+                break
+            rest = k[len(prefix) :]
+            if delimiter and delimiter in rest:
+                common = prefix + rest.split(delimiter)[0] + delimiter
+                if not prefixes or prefixes[-1] != common:
+                    prefixes.append(common)
+                last = k
+                continue
+            full = os.path.join(root, *k.split("/"))
+            st = os.stat(full)
+            with open(full, "rb") as f:
+                etag = self.server.etag(full, st, None, f)
+            modified = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(st.st_mtime))
+            contents.append(
+                f"<Contents><Key>{escape(k)}</Key><LastModified>{modified}</LastModified>"
+                f"<ETag>{escape(etag)}</ETag><Size>{st.st_size}</Size><StorageClass>STANDARD</StorageClass></Contents>"
+            )
+            last = k
+        truncated = last != "" and last != keys[-1]
+        if delimiter and truncated and prefixes and last.startswith(prefixes[-1]):
+            # The next page starts after every key under the last common prefix.
+            last = prefixes[-1] + "\U0010ffff"
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>'
+            '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<Name>{escape(os.path.basename(root))}</Name><Prefix>{escape(prefix)}</Prefix>"
+            f"<KeyCount>{len(contents) + len(prefixes)}</KeyCount><MaxKeys>{limit}</MaxKeys>"
+            f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"
+            + "".join(contents)
+            + "".join(f"<CommonPrefixes><Prefix>{escape(p)}</Prefix></CommonPrefixes>" for p in prefixes)
+            + (f"<NextContinuationToken>{escape(last)}</NextContinuationToken>" if truncated else "")
+            + "</ListBucketResult>"
+        ).encode()
+        self._send(200, body, {"Content-Type": "application/xml"}, head=head)
+
+
+class _KeepAliveS3Handler(_S3Handler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: no delayed-ACK stall
+
+
+class _S3Server(_Server):
+    request_queue_size = 1024  # the listen backlog (5 by default drops bursts of connects)
+    etags: dict[tuple[str, int, int, int], str]
+
+    def etag(self, path: str, st: os.stat_result, data: bytes | None, f: Any = None) -> str:
+        """The md5 of the content in quotes, as S3 gives for an object put in one piece (cached until the file
+        changes: ctime moves on every write, whatever a writer sets the mtime to)."""
+        key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self.lock:
+            found = self.etags.get(key)
+        if found is None:
+            found = f'"{hashlib.md5(data if data is not None else f.read()).hexdigest()}"'
+            with self.lock:
+                self.etags[key] = found
+        return found
+
+
+class LocalS3:
+    """A small S3-compatible server over a folder, on 127.0.0.1: each top-level folder of `root` is a bucket.
+
+    It answers ListObjectsV2 (prefix, delimiter, pages of at most 1,000 keys), GET with `Range` and HEAD, with
+    S3's ETag (the md5 of the content) and Last-Modified (the file's mtime, to the second); it checks no
+    signature. Files changed on disk are served as changed, and every request is logged in `requests`, so
+    tests can count what a scan asked for. Much lighter than moto, which makes it the benchmark's S3 server
+    (`keep_alive=True`: HTTP/1.1 connections that serve many requests, as S3's do).
+    """
+
+    def __init__(self, root: str, keep_alive: bool = False) -> None:
+        self.httpd = _S3Server(("127.0.0.1", 0), _KeepAliveS3Handler if keep_alive else _S3Handler)
+        self.httpd.root = root
+        self.httpd.requests = []
+        self.httpd.etags = {}
+        self.httpd.lock = threading.Lock()
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        return {
+            "endpoint": self.endpoint,
+            "region": "us-east-1",
+            "aws_access_key_id": "x",
+            "aws_secret_access_key": "x",
+        }
+
+    @property
+    def requests(self) -> list[tuple[str, str, str | None]]:
+        with self.httpd.lock:
+            return list(self.httpd.requests)
+
+    def clear(self) -> None:
+        with self.httpd.lock:
+            self.httpd.requests.clear()
 
     def stop(self) -> None:
         self.httpd.shutdown()

@@ -129,13 +129,13 @@ def test_options_are_part_of_the_signature(tmp_path):
     same_report(hashed, lorafast.scan([tmp_path / "f"], content_hash=True))
 
 
-def test_relative_paths_and_urls(tmp_path, monkeypatch):
+def test_relative_paths(tmp_path, monkeypatch):
+    """Relative paths are indexed as absolute ones (URLs, in test_index_remote.py, stay as they are)."""
     peft(tmp_path / "f" / "a", r=4)
     monkeypatch.chdir(tmp_path)
     index = lorafast.Index("i.db")
     assert index.scan("f").paths == [str(tmp_path / "f" / "a")]
-    with pytest.raises(ValueError, match="local paths only"):
-        index.scan(["s3://bucket/prefix/"])
+    assert index.scan(str(tmp_path / "f")).reads == 0
 
 
 CHILD = """

@@ -9,6 +9,7 @@ import lorafast
 import lorafast.testing
 import pytest
 from lorafast.errors import AdapterError
+from lorafast.testing import write_attention_adapter
 from servers import SPECULATIVE_BYTES, RangeServer, build_fleet, long_kohya, long_peft, normalized
 
 
@@ -87,6 +88,22 @@ def test_server_that_ignores_range_still_gives_the_same_result(site):
     inputs = [os.path.join(root, "long", "peft"), os.path.join(root, "long", "kohya.safetensors")]
     remote = lorafast.scan([f"{server.url}/norange" + p[len(root) :] for p in inputs])
     assert normalized(remote) == normalized(lorafast.scan(inputs), root, f"{server.url}/norange")
+
+
+def test_requests_fill_the_concurrency_from_the_start(tmp_path):
+    """Every slot is used at once, on one server, with no serialisation per folder: with each answer held
+    0.3 s, the server sees exactly `concurrency` requests at a time (PEFT folders' configs and headers both)."""
+    root = tmp_path / "site"
+    for i in range(6):
+        write_attention_adapter(root / f"a{i}")
+    server = RangeServer(str(root), delay=0.3)
+    try:
+        report = lorafast.scan([f"{server.url}/slow/a{i}" for i in range(6)], concurrency=5)
+        assert not report.errors and len(report) == 6
+        assert server.peak == 5
+        assert len(server.requests) == 12  # one config and one header read each
+    finally:
+        server.stop()
 
 
 def test_truncated_short_and_lying_bodies_give_clear_errors(site):

@@ -146,3 +146,35 @@ def test_mixed_local_and_remote_inputs_keep_order(s3):
     assert report.paths[0] == inputs[0]
     assert report.paths[1] == inputs[1]
     assert report.paths[2:] == lorafast.scan(os.path.join(root, "broken")).paths
+
+
+def test_index_follows_moto_etags(s3, tmp_path):
+    """`lorafast.Index` on a real S3 API: rows keyed by moto's ETags; an unchanged bucket reads nothing, and a
+    put, an overwrite and a delete come back as added, changed and removed (tests/test_index_remote.py counts
+    the requests on a server that logs them)."""
+    from lorafast.testing import write_attention_adapter
+    from test_index import same_report
+
+    server, _ = s3
+    opts = server.storage_options
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        write_attention_adapter(src / name)
+    server.upload("indexed", str(src))
+    index = lorafast.Index(tmp_path / "fleet.db")
+    first = index.scan("s3://indexed/", storage_options=opts)
+    assert sorted(first.added) == ["s3://indexed/a", "s3://indexed/b"] and first.reads == 2
+    again = index.scan("s3://indexed/", storage_options=opts)
+    assert (again.added, again.changed, again.removed, again.reads) == ([], [], [], 0)
+
+    client = server.client()
+    write_attention_adapter(tmp_path / "c", r=16)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        body = (tmp_path / "c" / name).read_bytes()
+        client.put_object(Bucket="indexed", Key=f"c/{name}", Body=body)  # added
+        client.put_object(Bucket="indexed", Key=f"a/{name}", Body=body)  # changed
+        client.delete_object(Bucket="indexed", Key=f"b/{name}")  # deleted
+    got = index.scan("s3://indexed/", storage_options=opts)
+    assert (got.added, got.changed, got.removed) == (["s3://indexed/c"], ["s3://indexed/a"], ["s3://indexed/b"])
+    assert got.reads == 2
+    same_report(got, lorafast.scan("s3://indexed/", storage_options=opts))

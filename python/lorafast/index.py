@@ -12,8 +12,11 @@ leaves the index as of its last committed batch (every row still matches the sig
 readers are never blocked by a writer. Classifications are stored once per distinct content (adapters trained
 from one recipe share theirs).
 
-Local paths only: the object-store listing lorafast's discovery uses does not hand back ETags or
-last-modified times, so URLs are refused (scan them with `lorafast.scan`).
+URLs are indexed too. A remote adapter's signature is its objects' ETag (with the size), or their size and
+last-modified time where the server sends no ETag, as the discovery's own listing reports them, so a rescan of
+an unchanged bucket costs the listing and no other request. Stores that cannot be listed (`http(s)://`,
+`hf://`) are asked with one `HEAD` per file instead of a header read. A server that sends neither an ETag
+nor a last-modified time gives no signature: its adapters are read on every scan.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from . import _core
-from .scanner import PathLike, ScanReport, _check_threads, _want_progress
+from .scanner import PathLike, ScanReport, _check_threads, _storage_items, _want_progress
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +68,33 @@ def _stat(path: str | None) -> list[int] | None:
         return None
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+def _remote_stat(stat: tuple[int, str | None, int | None] | None) -> list[Any] | None:
+    """A remote object's signature: `[size, ETag]`, else `[size, last-modified ns]`; None when the store said
+    neither (its size alone cannot tell a rewrite)."""
+    if stat is None:
+        return None
+    size, etag, modified = stat
+    if etag:
+        return [size, etag]
+    if modified is not None:
+        return [size, modified]
+    return None
+
+
+def _signature(item: Any, weights_stat: Any, config_stat: Any, options: Mapping[str, Any]) -> str:
+    """The signature of a discovered adapter's files, "" when it cannot be had (then it is read)."""
+    _, weights, config, _, _ = item
+    try:
+        if not _is_url(weights):
+            return json.dumps([weights, _stat(weights), config, _stat(config), options])
+    except OSError:
+        return ""  # gone or unreadable since the walk: read it, and the read says why
+    w, c = _remote_stat(weights_stat), _remote_stat(config_stat)
+    if w is None or (config is not None and c is None):
+        return ""
+    return json.dumps([weights, w, config, c, options])
 
 
 class _Unreadable(Exception):
@@ -127,17 +157,19 @@ class Index:
         progress: bool | None = None,
         content_hash: bool = False,
         mode: Literal["pread", "mmap"] = "pread",
+        storage_options: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        concurrency: int | None = None,
     ) -> IndexScanReport:
         """`lorafast.scan(paths, ...)` through the index: the same report, with only new and changed adapters
-        read. Paths are made absolute, so the index means the same files from any working directory."""
+        read. Local paths are made absolute, so the index means the same files from any working directory;
+        URLs take `storage_options`, `timeout` and `concurrency` as `lorafast.scan` does."""
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        plist = [os.fsdecode(p) for p in paths]
-        if any(_is_url(p) for p in plist):
-            raise ValueError("Index scans local paths only (the store listing gives no ETag or last-modified)")
-        plist = [os.path.abspath(p) for p in plist]
+        plist = [p if _is_url(p) else os.path.abspath(p) for p in (os.fsdecode(p) for p in paths)]
         threads = _check_threads(threads)
-        args = (plist, recursive, threads, progress, content_hash, mode)
+        remote = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
+        args = (plist, recursive, threads, progress, content_hash, mode, remote)
         try:
             return self._scan(*args, trust=True)
         except _Unreadable:
@@ -153,29 +185,29 @@ class Index:
         progress: bool | None,
         content_hash: bool,
         mode: str,
+        remote: dict[str, Any],
         *,
         trust: bool,
     ) -> IndexScanReport:
         options = {"content_hash": content_hash, "v": SCHEMA_VERSION, "build": _build()}
+        how = (_storage_items(remote["storage_options"]), remote["timeout"], remote["concurrency"])
 
-        # The walk: the same discovery a scan does.
-        items = _core.discover_targets(plist, recursive, threads, None, None, None)
+        # The walk: the same discovery a scan does (for URLs, with what the listing says of each object).
+        walked = _core.discover_target_stats(plist, recursive, threads, *how)
         stored: dict[bytes, tuple[str, bytes, str | None]] = {}
         for p, sig, row, cls in self._db.execute("SELECT path, signature, row, class FROM adapters"):
             stored[bytes(p)] = (sig, bytes(row), cls)
 
-        # Signatures of everything the walk found.
-        found: list[tuple[Any, bytes, str]] = []
+        # Signatures of everything the walk found. An object the store says is gone (a URL named directly)
+        # is read, so that its row says why, and counts as removed, as a local path that is gone does.
+        found: list[tuple[Any, bytes, str | None]] = []
         seen: set[bytes] = set()
-        for item in items:
+        for item, weights_stat, config_stat, missing in walked:
             key = os.fsencode(item[0])
-            signature = ""
-            if item[3] is None and item[1] is not None:
+            signature: str | None = None if missing else ""
+            if item[3] is None and item[1] is not None and not missing:
                 seen.add(key)
-                try:
-                    signature = json.dumps([item[1], _stat(item[1]), item[2], _stat(item[2]), options])
-                except OSError:
-                    signature = ""  # gone or unreadable since the walk: read it, and the read says why
+                signature = _signature(item, weights_stat, config_stat, options)
             found.append((item, key, signature))
         gone = [p for p in stored if p not in seen and any(_under(os.fsdecode(p), root) for root in plist)]
         # A renamed or moved adapter: its files (same inode, device, size and mtime) under a path that is new,
@@ -183,12 +215,12 @@ class Index:
         moved_from: dict[str, bytes] = {}
         for p in gone:
             sig, _, cls = stored[p]
-            if sig and cls is not None:
+            if sig and cls is not None and _strong(sig):
                 moved_from.setdefault(_content(sig), p)
 
         slots: list[tuple[str, Any]] = []  # ("row", stored) | ("read", index into `to_read`) | ("item", item)
         to_read: list[tuple[str, str | None, str | None, str | None, str | None]] = []
-        signatures: list[str] = []
+        signatures: list[str | None] = []
         moved: list[tuple[bytes, str, bytes, str | None]] = []
         added: list[str] = []
         changed: list[str] = []
@@ -199,6 +231,11 @@ class Index:
                 slots.append(("item", item))
                 continue
             old = stored.get(key)
+            if signature is None:  # gone: read for its error row, neither stored nor added
+                slots.append(("read", len(to_read)))
+                to_read.append(item)
+                signatures.append(None)
+                continue
             if trust and old is not None and signature and old[0] == signature:
                 slots.append(("row", old))
                 continue
@@ -218,7 +255,7 @@ class Index:
         fresh_ids: list[str | None] = []
         fresh_classes: dict[str, bytes] = {}
         if to_read:
-            result = _core.scan_targets(to_read, threads, mode, content_hash, show, None, None, None)
+            result = _core.scan_targets(to_read, threads, mode, content_hash, show, *how)
             fresh_rows, row_classes, bodies = result.encode()
             ids = [hashlib.sha256(body).hexdigest() for body in bodies]
             fresh_classes = dict(zip(ids, bodies, strict=True))
@@ -234,6 +271,7 @@ class Index:
             [
                 (os.fsencode(item[0]), sig, fresh_rows[i], fresh_ids[i])
                 for i, (item, sig) in enumerate(zip(to_read, signatures, strict=True))
+                if sig is not None
             ]
             + moved,
             # A moved row's classification is written again with it, in case another writer dropped it meanwhile.
@@ -263,7 +301,7 @@ class Index:
             result = _core.assemble(rows, class_ids, classes)
         except (ValueError, RuntimeError) as e:
             raise _Unreadable(str(e)) from e
-        report = IndexScanReport(result)
+        report = IndexScanReport(result, remote=remote)
         report.added, report.changed, report.removed, report.reads = added, changed, removed, len(to_read)
         return report
 
@@ -311,6 +349,13 @@ class Index:
             db.execute("COMMIT")
 
 
+def _strong(signature: str) -> bool:
+    """Does the signature tell these files from others of the same size? A local stat (inode, mtime) or an ETag
+    does; a remote size and last-modified time (to the second) may not, so those rows are not moved."""
+    weights, stat = json.loads(signature)[:2]
+    return not _is_url(weights) or isinstance(stat[1], str)
+
+
 def _content(signature: str) -> str:
     """A signature without its paths: what identifies the same files under another name."""
     _, weights, _, config, options = json.loads(signature)
@@ -336,4 +381,5 @@ def _moved_row(row: bytes, path: str, weights: str | None, config: str | None) -
 
 
 def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+    sep = "/" if _is_url(root) else os.sep
+    return path == root or path.startswith(root.rstrip(sep) + sep)

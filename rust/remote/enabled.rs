@@ -1,5 +1,6 @@
-//! The entry points of a build with the `remote` feature: each call owns a tokio runtime and one
-//! [`Remote`] (its stores and request permits), and runs its jobs there.
+//! The entry points of a build with the `remote` feature: a [`Session`] (one per call) owns a tokio
+//! runtime and one [`Remote`] (its stores, with their connection pools, and request permits), and
+//! runs every job of the call there: listing, `HEAD`s and header reads alike.
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -9,7 +10,7 @@ use futures_util::StreamExt;
 
 use super::request::io_err;
 use super::stores::Remote;
-use super::RemoteOptions;
+use super::{RemoteOptions, Stat, StatTarget};
 use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{self, AdapterResult, ScanOptions, Target};
 
@@ -27,31 +28,35 @@ fn runtime(threads: Option<usize>) -> io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-/// Runs `f` on a fresh runtime; if none can be made, every item fails with that reason.
-fn run<T>(
-    threads: Option<usize>,
-    items: &[String],
-    fail: impl Fn(&str, &io::Error) -> T,
-    f: impl std::future::Future<Output = Vec<T>>,
-) -> Vec<T> {
-    match runtime(threads) {
-        Ok(rt) => rt.block_on(f),
-        Err(e) => items.iter().map(|u| fail(u, &e)).collect(),
-    }
+/// A call's runtime and [`Remote`]; if no runtime can be made, every item fails with that reason.
+pub struct Session {
+    rt: Result<tokio::runtime::Runtime, io::Error>,
+    remote: Arc<Remote>,
 }
 
-pub fn discover_urls(
-    urls: &[String],
-    recursive: bool,
-    threads: Option<usize>,
-    ropts: &RemoteOptions,
-) -> Vec<Vec<Result<Target, Error>>> {
-    let remote = Arc::new(Remote::new(ropts));
-    run(
-        threads,
-        urls,
-        |u, e| vec![Err(io_err(u, e.kind(), e.to_string()))],
-        async {
+impl Session {
+    pub fn new(threads: Option<usize>, ropts: &RemoteOptions) -> Self {
+        Session {
+            rt: runtime(threads),
+            remote: Arc::new(Remote::new(ropts)),
+        }
+    }
+
+    fn run<T>(
+        &self,
+        items: &[String],
+        fail: impl Fn(&str, &io::Error) -> T,
+        f: impl std::future::Future<Output = Vec<T>>,
+    ) -> Vec<T> {
+        match &self.rt {
+            Ok(rt) => rt.block_on(f),
+            Err(e) => items.iter().map(|u| fail(u, e)).collect(),
+        }
+    }
+
+    pub fn discover_urls(&self, urls: &[String], recursive: bool) -> Vec<Vec<Result<Target, Error>>> {
+        let remote = &self.remote;
+        self.run(urls, |u, e| vec![Err(io_err(u, e.kind(), e.to_string()))], async {
             let jobs = urls.iter().map(|u| {
                 let remote = remote.clone();
                 let u = u.clone();
@@ -63,61 +68,108 @@ pub fn discover_urls(
                 .zip(urls)
                 .map(|(r, u)| r.unwrap_or_else(|e| vec![Err(join_error(u, &e))]))
                 .collect()
-        },
-    )
-}
+        })
+    }
 
-pub fn load_urls(
-    targets: Vec<Target>,
-    opts: ScanOptions,
-    threads: Option<usize>,
-    progress: bool,
-    ropts: &RemoteOptions,
-) -> Vec<Result<AdapterResult, Error>> {
-    let remote = Arc::new(Remote::new(ropts));
-    let urls: Vec<String> = targets.iter().map(|t| t.path.to_string_lossy().into_owned()).collect();
-    let concurrency = ropts.concurrency.max(1);
-    let rows = scan::with_progress(progress, |done| {
-        done.total.store(targets.len(), Ordering::Relaxed);
-        run(threads, &urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
-            let jobs = targets.into_iter().map(|t| {
+    /// `discover_urls` with each target's weights and config [`Stat`]: the listing's answer where
+    /// the object was listed, else a `HEAD` (all of them at once, within the permits).
+    pub fn discover_stat_urls(&self, urls: &[String], recursive: bool) -> Vec<Vec<StatTarget>> {
+        let found = self.discover_urls(urls, recursive);
+        let remote = &self.remote;
+        let concurrency = remote.opts.concurrency.max(1);
+        let all: Vec<String> = found.iter().flatten().map(target_url).collect();
+        let stats = self.run(&all, |_, _| (Stat::Unknown, Stat::Unknown), async {
+            let jobs = found.iter().flatten().map(|t| {
+                let files = t.as_ref().ok().map(|t| {
+                    let name = |p: &std::path::Path| p.to_string_lossy().into_owned();
+                    (name(&t.weights), t.config.as_deref().map(name))
+                });
                 let remote = remote.clone();
-                let url = t.path.to_string_lossy().into_owned();
                 async move {
-                    let r = tokio::spawn(async move { remote.load(t, opts).await }).await;
-                    done.count.fetch_add(1, Ordering::Relaxed);
-                    r.unwrap_or_else(|e| Err(join_error(&url, &e)))
+                    let Some((weights, config)) = files else {
+                        return (Stat::Unknown, Stat::Unknown);
+                    };
+                    let job = tokio::spawn(async move {
+                        let config = async {
+                            match &config {
+                                Some(c) => remote.stat(c).await,
+                                None => Stat::Unknown,
+                            }
+                        };
+                        futures_util::join!(remote.stat(&weights), config)
+                    });
+                    job.await.unwrap_or((Stat::Unknown, Stat::Unknown))
+                }
+            });
+            in_input_order(jobs, concurrency).await
+        });
+        let mut stats = stats.into_iter();
+        found
+            .into_iter()
+            .map(|targets| {
+                targets
+                    .into_iter()
+                    .map(|t| {
+                        let (w, c) = stats.next().unwrap_or((Stat::Unknown, Stat::Unknown));
+                        (t, w, c)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    pub fn load_urls(
+        &self,
+        targets: Vec<Target>,
+        opts: ScanOptions,
+        progress: bool,
+    ) -> Vec<Result<AdapterResult, Error>> {
+        let remote = &self.remote;
+        let urls: Vec<String> = targets.iter().map(|t| t.path.to_string_lossy().into_owned()).collect();
+        let concurrency = remote.opts.concurrency.max(1);
+        scan::with_progress(progress, |done| {
+            done.total.store(targets.len(), Ordering::Relaxed);
+            self.run(&urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
+                let jobs = targets.into_iter().map(|t| {
+                    let remote = remote.clone();
+                    let url = t.path.to_string_lossy().into_owned();
+                    async move {
+                        let r = tokio::spawn(async move { remote.load(t, opts).await }).await;
+                        done.count.fetch_add(1, Ordering::Relaxed);
+                        r.unwrap_or_else(|e| Err(join_error(&url, &e)))
+                    }
+                });
+                in_input_order(jobs, concurrency).await
+            })
+        })
+    }
+
+    pub fn inspect_urls(&self, urls: &[String], opts: ScanOptions) -> Vec<Result<AdapterResult, Error>> {
+        let remote = &self.remote;
+        let concurrency = remote.opts.concurrency.max(1);
+        self.run(urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
+            let jobs = urls.iter().map(|u| {
+                let remote = remote.clone();
+                let u = u.clone();
+                async move {
+                    let url = u.clone();
+                    let job = tokio::spawn(async move {
+                        let target = remote.locate(&u).await?;
+                        remote.load(target, opts).await
+                    });
+                    job.await.unwrap_or_else(|e| Err(join_error(&url, &e)))
                 }
             });
             in_input_order(jobs, concurrency).await
         })
-    });
-    rows
+    }
 }
 
-pub fn inspect_urls(
-    urls: &[String],
-    opts: ScanOptions,
-    threads: Option<usize>,
-    ropts: &RemoteOptions,
-) -> Vec<Result<AdapterResult, Error>> {
-    let remote = Arc::new(Remote::new(ropts));
-    let concurrency = ropts.concurrency.max(1);
-    run(threads, urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
-        let jobs = urls.iter().map(|u| {
-            let remote = remote.clone();
-            let u = u.clone();
-            async move {
-                let url = u.clone();
-                let job = tokio::spawn(async move {
-                    let target = remote.locate(&u).await?;
-                    remote.load(target, opts).await
-                });
-                job.await.unwrap_or_else(|e| Err(join_error(&url, &e)))
-            }
-        });
-        in_input_order(jobs, concurrency).await
-    })
+fn target_url(t: &Result<Target, Error>) -> String {
+    match t {
+        Ok(t) => t.path.to_string_lossy().into_owned(),
+        Err(e) => e.path().to_string_lossy().into_owned(),
+    }
 }
 
 /// Runs `jobs` with at most `limit` in flight, starting the next one as soon as any finishes, and
@@ -137,9 +189,10 @@ async fn in_input_order<T, F: std::future::Future<Output = T>>(jobs: impl Iterat
 /// `read_base` (safetensors headers, `config.json`, shard indexes) with the scan's stores, retries
 /// and error codes.
 pub fn read_range(url: &str, range: std::ops::Range<u64>, ropts: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
-    let remote = Remote::new(ropts);
+    let session = Session::new(Some(1), ropts);
+    let remote = &session.remote;
     let urls = [url.to_owned()];
-    let mut out = run(Some(1), &urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
+    let mut out = session.run(&urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
         let got = async {
             let loc = remote.loc(url)?;
             remote.get_range(&loc, range).await

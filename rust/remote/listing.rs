@@ -12,6 +12,7 @@ use object_store::ObjectStoreExt;
 use super::loading::{NO_WEIGHTS_WHY, REMOTE_PICKLE_WHY};
 use super::request::io_err;
 use super::stores::{Loc, Remote};
+use super::{ObjectStat, Stat};
 use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{Target, CONFIG_NAME, PEFT_WEIGHTS};
 
@@ -58,17 +59,52 @@ impl Remote {
             .await
             .map_err(|e| self.fail(loc, &e, false))?;
         loc.store.stalls.store(0, Ordering::Relaxed);
-        Ok(objects
-            .into_iter()
-            .map(|o| {
-                o.location
-                    .parts()
-                    .skip(depth)
-                    .map(|p| p.as_ref().to_owned())
-                    .collect::<Vec<_>>()
-            })
-            .filter(|parts| !parts.is_empty())
-            .collect())
+        let mut listed = Vec::with_capacity(objects.len());
+        let mut stats = Vec::with_capacity(objects.len());
+        for o in objects {
+            let parts: Vec<String> = o.location.parts().skip(depth).map(|p| p.as_ref().to_owned()).collect();
+            if parts.is_empty() {
+                continue;
+            }
+            // The URL `Dir::walk` gives this object: the prefix's URL and the parts, joined by '/'.
+            stats.push((join(&loc.url, &parts.join("/")), object_stat(&o)));
+            listed.push(parts);
+        }
+        self.listed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(stats);
+        Ok(listed)
+    }
+
+    /// What the store says about the object at `url`: the listing's answer when this call listed
+    /// it, else a `HEAD` (`Stat::Unknown` when that fails for another reason than "not found").
+    pub(super) async fn stat(&self, url: &str) -> Stat {
+        if let Some(s) = self
+            .listed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(url)
+        {
+            return Stat::Found(s.clone());
+        }
+        let Ok(loc) = self.loc(url) else {
+            return Stat::Unknown;
+        };
+        let Ok(_permit) = self.permits.acquire().await else {
+            return Stat::Unknown;
+        };
+        if self.check_stalled(&loc).is_err() {
+            return Stat::Unknown;
+        }
+        match loc.store.inner.head(&loc.key).await {
+            Ok(o) => Stat::Found(object_stat(&o)),
+            Err(object_store::Error::NotFound { .. }) => Stat::Missing,
+            Err(e) => {
+                let _ = self.fail(&loc, &e, false); // counts a timeout against the store
+                Stat::Unknown
+            }
+        }
     }
 
     /// A URL with nothing under it as a prefix: the object itself, or not found.
@@ -140,6 +176,20 @@ impl Remote {
                 ),
             )),
         }
+    }
+}
+
+fn object_stat(o: &object_store::ObjectMeta) -> ObjectStat {
+    let t = o.last_modified;
+    let ns = t
+        .timestamp()
+        .checked_mul(1_000_000_000)
+        .and_then(|s| s.checked_add(i64::from(t.timestamp_subsec_nanos())));
+    ObjectStat {
+        size: o.size,
+        etag: o.e_tag.clone(),
+        // object_store puts the epoch in place of a Last-Modified the server did not send.
+        last_modified_ns: ns.filter(|&ns| ns != 0),
     }
 }
 

@@ -12,10 +12,14 @@
 //! `scan.rs`). Web servers (`http(s)://`, `hf://`) cannot be listed: a URL there names either a
 //! `.safetensors` file or a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`).
 //!
-//! Requests run on a tokio runtime owned by the call, at most `concurrency` at once. Transient
-//! failures (5xx, 429, dropped connections, timeouts) are retried with exponential backoff; each
-//! request is bounded by `timeout`, and a store that times out [`STALL_LIMIT`] times in a row is
-//! given up for the rest of the call, so one stalled server cannot hold a scan for minutes.
+//! Requests run in a [`Session`]: one per call, with one tokio runtime, one store (connection pool)
+//! per bucket or origin and the call's permits, shared by listing and loading; at most
+//! `concurrency` requests are in flight at once. A listing also records each object's size, ETag
+//! and last-modified time ([`Session::discover_stat`], which `lorafast.Index` keys remote rows by).
+//! Transient failures (5xx, 429, dropped connections, timeouts) are retried with exponential
+//! backoff; each request is bounded by `timeout`, and a store that times out [`STALL_LIMIT`] times
+//! in a row is given up for the rest of the call, so one stalled server cannot hold a scan for
+//! minutes.
 //! Failures become per-adapter errors with these codes (besides the local ones): `timeout`,
 //! `connection_error` (the connection was refused, reset or closed early), `remote_error` (HTTP
 //! or other network error), `short_read` (fewer bytes than the server announced),
@@ -127,6 +131,139 @@ fn split_inputs<T>(
     out
 }
 
+/// One call's remote state: a tokio runtime, the stores of the URLs it meets (each with its own
+/// connection pool) and the call's request permits. Discovery and loading through one session
+/// share all three, so the connections a listing opened carry the header reads that follow. Made
+/// on first use: a call with no URL starts no runtime.
+pub struct Session {
+    threads: Option<usize>,
+    ropts: RemoteOptions,
+    imp: std::sync::OnceLock<imp::Session>,
+}
+
+/// What a listing (or a `HEAD`, where a store cannot be listed) says about one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectStat {
+    pub size: u64,
+    /// As the server sent it (quotes included); None when it sends none.
+    pub etag: Option<String>,
+    /// Nanoseconds since the Unix epoch.
+    pub last_modified_ns: Option<i64>,
+}
+
+/// An object's state as discovery saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stat {
+    /// A local path (the caller stats it), or a store that would not say.
+    Unknown,
+    /// The store says there is no such object.
+    Missing,
+    Found(ObjectStat),
+}
+
+/// A discovered adapter with the state of its weights and config objects.
+pub type StatTarget = (Result<Target, Error>, Stat, Stat);
+
+impl Session {
+    pub fn new(threads: Option<usize>, ropts: &RemoteOptions) -> Self {
+        Session {
+            threads,
+            ropts: ropts.clone(),
+            imp: std::sync::OnceLock::new(),
+        }
+    }
+
+    fn imp(&self) -> &imp::Session {
+        self.imp.get_or_init(|| imp::Session::new(self.threads, &self.ropts))
+    }
+
+    /// Finds every adapter under `paths`, local paths and URLs mixed, in input order.
+    pub fn discover(&self, paths: &[PathBuf], recursive: bool) -> Vec<Result<Target, Error>> {
+        split_inputs(
+            paths,
+            |run| scan::with_pool(self.threads, || scan::discover(run, recursive)),
+            |urls| self.imp().discover_urls(urls, recursive),
+        )
+    }
+
+    /// `discover`, with the size, ETag and last-modified time of each remote adapter's weights and
+    /// config: from the listing where the store lists, else from one `HEAD` each. Local adapters
+    /// get `Stat::Unknown` (their files are the caller's to stat).
+    pub fn discover_stat(&self, paths: &[PathBuf], recursive: bool) -> Vec<StatTarget> {
+        split_inputs(
+            paths,
+            |run| {
+                scan::with_pool(self.threads, || scan::discover(run, recursive))
+                    .into_iter()
+                    .map(|t| (t, Stat::Unknown, Stat::Unknown))
+                    .collect()
+            },
+            |urls| self.imp().discover_stat_urls(urls, recursive),
+        )
+    }
+
+    /// Loads and classifies `targets` (local and remote mixed), in order.
+    pub fn load_all(
+        &self,
+        targets: Vec<Target>,
+        opts: ScanOptions,
+        progress: bool,
+    ) -> Vec<Result<AdapterResult, Error>> {
+        type Numbered = Vec<(usize, Target)>;
+        let threads = self.threads;
+        let (remote, local): (Numbered, Numbered) = targets
+            .into_iter()
+            .enumerate()
+            .partition(|(_, t)| url_of(&t.weights).is_some());
+        if remote.is_empty() {
+            return scan::scan(local.into_iter().map(|(_, t)| t).collect(), opts, threads, progress);
+        }
+        let n = remote.len() + local.len();
+        let (local_at, local): (Vec<usize>, Vec<Target>) = local.into_iter().unzip();
+        let (remote_at, remote): (Vec<usize>, Vec<Target>) = remote.into_iter().unzip();
+        let local_rows = if local.is_empty() {
+            Vec::new()
+        } else {
+            scan::scan(local, opts, threads, false)
+        };
+        let remote_rows = self.imp().load_urls(remote, opts, progress);
+        let mut slots: Vec<Option<Result<AdapterResult, Error>>> = (0..n).map(|_| None).collect();
+        for (i, r) in local_at
+            .into_iter()
+            .zip(local_rows)
+            .chain(remote_at.into_iter().zip(remote_rows))
+        {
+            slots[i] = Some(r);
+        }
+        slots
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", AdapterErrorCode::Internal, "scan lost a row"))))
+            .collect()
+    }
+
+    /// `inspect` for each path or URL: the single adapter there (the `locate` rules), loaded in full.
+    pub fn inspect_many(&self, paths: &[PathBuf], opts: ScanOptions) -> Vec<Result<AdapterResult, Error>> {
+        use rayon::prelude::*;
+        split_inputs(
+            paths,
+            |run| {
+                scan::with_pool(self.threads, || {
+                    run.par_iter()
+                        .map(|p| scan::locate(p).and_then(|t| scan::load(t, opts)))
+                        .collect::<Vec<_>>()
+                })
+            },
+            |urls| {
+                self.imp()
+                    .inspect_urls(urls, opts)
+                    .into_iter()
+                    .map(|r| vec![r])
+                    .collect()
+            },
+        )
+    }
+}
+
 /// Finds every adapter under `paths`, local paths and URLs mixed, in input order.
 pub fn discover(
     paths: &[PathBuf],
@@ -134,11 +271,7 @@ pub fn discover(
     threads: Option<usize>,
     ropts: &RemoteOptions,
 ) -> Vec<Result<Target, Error>> {
-    split_inputs(
-        paths,
-        |run| scan::with_pool(threads, || scan::discover(run, recursive)),
-        |urls| imp::discover_urls(urls, recursive, threads, ropts),
-    )
+    Session::new(threads, ropts).discover(paths, recursive)
 }
 
 /// Loads and classifies `targets` (local and remote mixed), in order.
@@ -149,35 +282,7 @@ pub fn load_all(
     progress: bool,
     ropts: &RemoteOptions,
 ) -> Vec<Result<AdapterResult, Error>> {
-    type Numbered = Vec<(usize, Target)>;
-    let (remote, local): (Numbered, Numbered) = targets
-        .into_iter()
-        .enumerate()
-        .partition(|(_, t)| url_of(&t.weights).is_some());
-    if remote.is_empty() {
-        return scan::scan(local.into_iter().map(|(_, t)| t).collect(), opts, threads, progress);
-    }
-    let n = remote.len() + local.len();
-    let (local_at, local): (Vec<usize>, Vec<Target>) = local.into_iter().unzip();
-    let (remote_at, remote): (Vec<usize>, Vec<Target>) = remote.into_iter().unzip();
-    let local_rows = if local.is_empty() {
-        Vec::new()
-    } else {
-        scan::scan(local, opts, threads, false)
-    };
-    let remote_rows = imp::load_urls(remote, opts, threads, progress, ropts);
-    let mut slots: Vec<Option<Result<AdapterResult, Error>>> = (0..n).map(|_| None).collect();
-    for (i, r) in local_at
-        .into_iter()
-        .zip(local_rows)
-        .chain(remote_at.into_iter().zip(remote_rows))
-    {
-        slots[i] = Some(r);
-    }
-    slots
-        .into_iter()
-        .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", AdapterErrorCode::Internal, "scan lost a row"))))
-        .collect()
+    Session::new(threads, ropts).load_all(targets, opts, progress)
 }
 
 /// `inspect` for each path or URL: the single adapter there (the `locate` rules), loaded in full.
@@ -187,23 +292,7 @@ pub fn inspect_many(
     threads: Option<usize>,
     ropts: &RemoteOptions,
 ) -> Vec<Result<AdapterResult, Error>> {
-    use rayon::prelude::*;
-    split_inputs(
-        paths,
-        |run| {
-            scan::with_pool(threads, || {
-                run.par_iter()
-                    .map(|p| scan::locate(p).and_then(|t| scan::load(t, opts)))
-                    .collect::<Vec<_>>()
-            })
-        },
-        |urls| {
-            imp::inspect_urls(urls, opts, threads, ropts)
-                .into_iter()
-                .map(|r| vec![r])
-                .collect()
-        },
-    )
+    Session::new(threads, ropts).inspect_many(paths, opts)
 }
 
 /// Bytes `range` of the object at `url` (clipped to its end) and the object's size.

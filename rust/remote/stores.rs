@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 
 use super::credentials::{aws_profile, hf_token};
 use super::url::{invalid, parse_url, Kind, Parsed};
-use super::RemoteOptions;
+use super::{ObjectStat, RemoteOptions};
 use crate::error::{AdapterErrorCode, Error};
 
 /// One store (bucket, container or web origin) of a call.
@@ -48,6 +48,8 @@ pub(super) struct Remote {
     pub(super) opts: RemoteOptions,
     pub(super) stores: Mutex<HashMap<String, Result<Arc<Store>, StoreError>>>,
     pub(super) permits: Semaphore,
+    /// What the listings of this call said about each object, by URL (for `Remote::stat`).
+    pub(super) listed: Mutex<HashMap<String, ObjectStat>>,
 }
 
 fn store_error(e: impl std::fmt::Display) -> StoreError {
@@ -60,6 +62,7 @@ impl Remote {
             opts: opts.clone(),
             stores: Mutex::new(HashMap::new()),
             permits: Semaphore::new(opts.concurrency.max(1)),
+            listed: Mutex::new(HashMap::new()),
         }
     }
 
