@@ -15,6 +15,7 @@ import pytest
 from lorafast.base import Weight, renamed_on_load
 from lorafast.checker import check
 from lorafast.merging.targets import NameTable
+from lorafast.testing import write_peft_adapter
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
@@ -27,20 +28,12 @@ N = 8
 def _peft(folder: Path, modules: list[str], seed: int = 0) -> Path:
     """A PEFT adapter with one rank-2 (8x8) lora_A/lora_B pair per module path."""
     gen = torch.Generator().manual_seed(seed)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for m in modules:
         tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(R, N, generator=gen)
         tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(N, R, generator=gen)
-    st.save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {
-        "peft_type": "LORA",
-        "r": R,
-        "lora_alpha": R,
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return folder
+    targets = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    return Path(write_peft_adapter(folder, tensors, r=R, lora_alpha=R, target_modules=targets))
 
 
 def _base(path: Path, names: list[str]) -> Path:

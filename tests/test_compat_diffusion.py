@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from lorafast.compat import AdapterView
 from lorafast.compat import diffusion as df
 from lorafast.compat import sglang as sg
-from lorafast.testing import write_safetensors
+from lorafast.testing import write_peft_adapter, write_safetensors
 
 F = df.LoRAFormat
 
@@ -111,12 +110,8 @@ def test_validate_peft_features_messages() -> None:
 
 
 def test_validate_peft_features_reads_the_adapter_config(tmp_path: Path) -> None:
-    folder = tmp_path / "dit"
-    folder.mkdir()
-    write_safetensors(folder / "adapter_model.safetensors", {"base_model.model.x.lora_A.weight": ("BF16", (4, 8)),
-                                                             "base_model.model.x.lora_B.weight": ("BF16", (8, 4))})  # fmt: skip
-    (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 4, "target_modules": ["x"],
-                                                            "peft_type": "LORA", "lora_bias": True}))  # fmt: skip
+    tensors = {"base_model.model.x.lora_A.weight": (4, 8), "base_model.model.x.lora_B.weight": (8, 4)}
+    folder = write_peft_adapter(tmp_path / "dit", tensors, r=4, lora_alpha=4, target_modules=["x"], lora_bias=True)
     with pytest.raises(ValueError) as info:
         df.validate_peft_features(str(folder))
     assert str(info.value) == "PEFT adapter requires unsupported auxiliary/runtime features: ['lora_bias']"

@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lorafast.compat import sglang as sg
-from lorafast.testing import write_safetensors
+from lorafast.testing import write_peft_adapter
 from safetensors import safe_open
 
 NUM_LAYERS = 4
@@ -242,12 +242,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "l
 
 
 def write_adapter(folder: Path, tensors: Tensors) -> str:
-    folder.mkdir(parents=True)
     arrays = {name: np.zeros(shape, dtype=np.float32) for name, shape in tensors.items()}
-    write_safetensors(folder / "adapter_model.safetensors", arrays)
-    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": TARGETS}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return str(folder)
+    return write_peft_adapter(folder, arrays, r=2, lora_alpha=4, target_modules=TARGETS)
 
 
 def outcome(fn: Any) -> tuple[Any, ...]:

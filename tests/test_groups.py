@@ -27,7 +27,7 @@ from lorafast.groups import (
     plan_groups,
     register_cli,
 )
-from lorafast.testing import write_safetensors
+from lorafast.testing import TensorSpec, write_peft_adapter
 
 H, I = 16, 8  # noqa: E741 - hidden and MoE intermediate sizes of the toy model
 KINDS = ("shared", "stacked", "numbered", "dense")
@@ -37,8 +37,7 @@ def write_moe(folder: Path, kind: str, *, base: str | None = "org/moe", r: int =
               layers: int = 2, dora: bool = False) -> str:  # fmt: skip
     """A PEFT adapter for a MoE model: attention LoRA plus experts in the layout `kind` ("mixed": layer 0 shared,
     layer 1 stacked)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    t: dict[str, object] = {}
+    t: dict[str, TensorSpec] = {}
     expert_targets: list[str] = []
     for layer in range(layers):
         pre = f"base_model.model.model.layers.{layer}"
@@ -62,19 +61,10 @@ def write_moe(folder: Path, kind: str, *, base: str | None = "org/moe", r: int =
                     t[f"{pre}.mlp.experts.{x}.{p}.lora_A.weight"] = ("F16", (r, fin))
                     t[f"{pre}.mlp.experts.{x}.{p}.lora_B.weight"] = ("F16", (fout, r))
             expert_targets = ["gate_proj", "up_proj", "down_proj"]
-    write_safetensors(folder / "adapter_model.safetensors", t)
-    cfg: dict[str, object] = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": 2 * r,
-        "target_modules": sorted(["q_proj", "v_proj", *expert_targets]),
-    }
-    if base is not None:
-        cfg["base_model_name_or_path"] = base
-    if dora:
-        cfg["use_dora"] = True
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    targets = sorted(["q_proj", "v_proj", *expert_targets])
+    return write_peft_adapter(  # a None value leaves its key out
+        folder, t, r=r, lora_alpha=2 * r, target_modules=targets, base_model_name_or_path=base, use_dora=dora or None
+    )
 
 
 def preflight_group_args(group) -> None:  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ import torch
 from lorafast.merging import MergeError, MergeHandle, merge
 from lorafast.merging import kernel as merge_kernel
 from lorafast.planner import LoraRequest
+from lorafast.testing import write_peft_adapter
 from safetensors.torch import save_file
 
 torch.manual_seed(0)
@@ -77,22 +78,15 @@ def write_peft(
     **config: object,
 ) -> Path:
     """A PEFT adapter folder: `factors` maps module path -> (lora_A, lora_B)."""
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, (a, b) in factors.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
     tensors.update(extra or {})
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": alpha,
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in factors}),
-    }
-    cfg.update(config)
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return folder
+    targets = sorted({n.rsplit(".", 1)[-1] for n in factors})
+    return Path(
+        write_peft_adapter(folder, tensors, **{"r": r, "lora_alpha": alpha, "target_modules": targets, **config})
+    )
 
 
 def random_factors(
@@ -236,8 +230,8 @@ def test_fan_in_fan_out_embedding_and_lora_bias(tmp_path: Path) -> None:
     ea, eb = torch.randn(3, 50), torch.randn(12, 3)  # PEFT: lora_embedding_A (r, num_embeddings), B (dim, r)
     bias = torch.randn(36)
     folder = tmp_path / "gpt2"
-    folder.mkdir()
-    save_file(
+    write_peft_adapter(
+        folder,
         {
             "base_model.model.h.0.attn.c_attn.lora_A.weight": a,
             "base_model.model.h.0.attn.c_attn.lora_B.weight": b,
@@ -245,17 +239,12 @@ def test_fan_in_fan_out_embedding_and_lora_bias(tmp_path: Path) -> None:
             "base_model.model.wte.lora_embedding_A": ea,
             "base_model.model.wte.lora_embedding_B": eb,
         },
-        str(folder / "adapter_model.safetensors"),
+        r=3,
+        lora_alpha=6,
+        target_modules=["c_attn", "wte"],
+        fan_in_fan_out=True,
+        lora_bias=True,
     )
-    cfg = {
-        "peft_type": "LORA",
-        "r": 3,
-        "lora_alpha": 6,
-        "target_modules": ["c_attn", "wte"],
-        "fan_in_fan_out": True,
-        "lora_bias": True,
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
     before = {k: v.double() for k, v in sd.items()}
     merge(sd, [(folder, 0.5)])
     s = 0.5 * 2
@@ -366,25 +355,20 @@ def test_target_parameters_reshape(tmp_path: Path) -> None:
     a_gu, b_gu = torch.randn(r * e, h), torch.randn(2 * im, r * e)
     a_dn, b_dn = torch.randn(r * e, im), torch.randn(h, r * e)
     folder = tmp_path / "tp"
-    folder.mkdir()
     pre = "base_model.model.model.layers.0.mlp.experts"
-    save_file(
+    write_peft_adapter(
+        folder,
         {
             f"{pre}.base_layer.lora_A.weight": a_gu,
             f"{pre}.base_layer.lora_B.weight": b_gu,
             f"{pre}.lora_A.weight": a_dn,
             f"{pre}.lora_B.weight": b_dn,
         },
-        str(folder / "adapter_model.safetensors"),
+        r=r,
+        lora_alpha=4,
+        target_modules=[],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
     )
-    cfg = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": 4,
-        "target_modules": [],
-        "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
     before = {k: v.double() for k, v in sd.items()}
     merge(sd, folder)
     for proj, a, b in (("gate_up_proj", a_gu, b_gu), ("down_proj", a_dn, b_dn)):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from lorafast.merging import MergeError, merge, merge_file, register_cli
 from lorafast.tensors import TensorFile, TruncatedFileError
+from lorafast.testing import write_peft_adapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -40,7 +41,6 @@ def make_base(path: Path, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def make_adapter(folder: Path, gen: torch.Generator, r: int = 4, alpha: int = 8, nan: bool = False) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
     t = {}
     for name, (out, inp) in {
         "self_attn.q_proj": (32, 32),
@@ -53,10 +53,8 @@ def make_adapter(folder: Path, gen: torch.Generator, r: int = 4, alpha: int = 8,
     t["base_model.model.model.layers.0.mlp.experts.gate_up_proj.lora_B.weight"] = torch.randn(4, 24, r, generator=gen)
     if nan:
         t["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"][0, 0] = float("nan")
-    save_file(t, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return folder
+    targets = ["q_proj", "v_proj", "down_proj"]
+    return Path(write_peft_adapter(folder, t, r=r, lora_alpha=alpha, target_modules=targets))
 
 
 @pytest.fixture()
@@ -209,15 +207,16 @@ def test_workspace_memory_is_bounded(tmp_path: Path) -> None:
     base = tmp_path / "big.safetensors"
     save_file({"big.weight": torch.randn(4096, 4096).bfloat16()}, str(base))  # 32 MiB
     ad = tmp_path / "ad"
-    ad.mkdir()
-    save_file(
+    write_peft_adapter(
+        ad,
         {
             "base_model.model.big.lora_A.weight": torch.randn(8, 4096),
             "base_model.model.big.lora_B.weight": torch.randn(4096, 8),
         },
-        str(ad / "adapter_model.safetensors"),
+        r=8,
+        lora_alpha=8,
+        target_modules=None,
     )
-    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 8}))
     res = _child(f"""
         import resource, torch
         from lorafast.merging import merge, merge_file
@@ -288,15 +287,16 @@ def test_cli_merge(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_cli_errors(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base, _, _, _ = files
     folder = tmp_path / "wrong"
-    folder.mkdir()
-    save_file(
+    write_peft_adapter(
+        folder,
         {
             "base_model.model.nope.lora_A.weight": torch.zeros(2, 4),
             "base_model.model.nope.lora_B.weight": torch.zeros(4, 2),
         },
-        str(folder / "adapter_model.safetensors"),
+        r=2,
+        lora_alpha=2,
+        target_modules=None,
     )
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
     out = tmp_path / "o.safetensors"
     rc = run_cli(["merge", "--base", str(base), "--adapter", f"{folder}:0.5", "--out", str(out)])
     err = capsys.readouterr().err

@@ -11,7 +11,6 @@ and the rounding loss per component. A missing wheel fails (run `make engines`);
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from lorafast.planner import PipelineState, plan_set_lora
+from lorafast.testing import write_peft_adapter
 from oracle import engines
 from safetensors.torch import save_file
 
@@ -41,7 +41,6 @@ def write_adapter(folder: Path, rng: random.Random, gen: torch.Generator, scale:
     """A PEFT-style adapter in the standard format: `X.lora_A/B.weight` on some layers, a config with r and
     lora_alpha, sometimes per-layer `.alpha` tensors. The update's size decides the rounding loss: tiny updates
     round away in 16-bit weights, large ones do not."""
-    folder.mkdir(parents=True)
     rank = rng.choice([2, 4, 8])
     layers = [n for n in LAYERS if rng.random() < 0.8] or [LAYERS[0]]
     tensors = {}
@@ -50,11 +49,8 @@ def write_adapter(folder: Path, rng: random.Random, gen: torch.Generator, scale:
         tensors[f"{name}.lora_B.weight"] = torch.randn(SHAPE[0], rank, generator=gen)
         if rng.random() < 0.15:
             tensors[f"{name}.alpha"] = torch.tensor(float(rng.choice([1, rank, 4 * rank])))
-    path = folder / "adapter_model.safetensors"
-    save_file(tensors, str(path))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rng.choice([rank, 2 * rank, 1]), "target_modules": []}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return str(path)
+    write_peft_adapter(folder, tensors, r=rank, lora_alpha=rng.choice([rank, 2 * rank, 1]), target_modules=[])
+    return str(folder / "adapter_model.safetensors")
 
 
 def one_call(rng: random.Random, adapters: dict[str, list[str]], modules: list[str]) -> dict[str, Any]:

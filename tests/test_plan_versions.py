@@ -6,7 +6,6 @@ The engine itself is the oracle in tests/test_oracle_plan.py; these pin the plan
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,15 @@ import torch
 from lorafast import planner
 from lorafast.compat import diffusion as df
 from lorafast.planner import PipelineState, plan
+from lorafast.testing import write_peft_adapter
 from safetensors.torch import save_file
 
 
 def adapter(tmp_path: Path, name: str, scale: float) -> str:
-    folder = tmp_path / name
-    folder.mkdir()
     gen = torch.Generator().manual_seed(7)
-    save_file(
-        {"l0.lora_A.weight": torch.randn(4, 16, generator=gen) * scale, "l0.lora_B.weight": torch.randn(8, 4)},
-        str(folder / "adapter_model.safetensors"),
-    )
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4}))
-    return str(folder / "adapter_model.safetensors")
+    tensors = {"l0.lora_A.weight": torch.randn(4, 16, generator=gen) * scale, "l0.lora_B.weight": torch.randn(8, 4)}
+    folder = write_peft_adapter(tmp_path / name, tensors, r=4, lora_alpha=4, target_modules=None)
+    return str(Path(folder) / "adapter_model.safetensors")
 
 
 def base(tmp_path: Path, dtype: torch.dtype) -> str:

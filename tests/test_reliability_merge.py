@@ -8,7 +8,6 @@ can tell a block that was wrongly subtracted (or never restored) from a lossy ro
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -19,7 +18,7 @@ import pytest
 import torch
 from lorafast.merging import MergeError, merge
 from lorafast.merging import kernel as merge_kernel
-from safetensors.torch import save_file
+from lorafast.testing import write_peft_adapter
 
 MODES = ("cpu", "device", "subtract")
 NAMES = ("q_proj", "k_proj", "up_proj", "down_proj")
@@ -47,15 +46,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 def write_adapter(folder: Path, b_rows: dict[str, torch.Tensor], rank: int = 2) -> Path:
     """A PEFT adapter with A = ones and B given per module, so the delta of row i is rank · B[i]."""
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, b in b_rows.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = torch.ones(rank, COLS)
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.expand(ROWS, rank).contiguous()
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(b_rows)}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return folder
+    return Path(write_peft_adapter(folder, tensors, r=rank, lora_alpha=rank, target_modules=sorted(b_rows)))
 
 
 def int_adapter(folder: Path, seed: int) -> Path:
