@@ -287,16 +287,9 @@ def test_cli_merge(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_cli_errors(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base, _, _, _ = files
     folder = tmp_path / "wrong"
-    write_peft_adapter(
-        folder,
-        {
-            "base_model.model.nope.lora_A.weight": torch.zeros(2, 4),
-            "base_model.model.nope.lora_B.weight": torch.zeros(4, 2),
-        },
-        r=2,
-        lora_alpha=2,
-        target_modules=None,
-    )
+    nope = "base_model.model.nope"  # zero-filled F32 factors on a module the base does not have
+    tensors = {f"{nope}.lora_A.weight": ("F32", (2, 4)), f"{nope}.lora_B.weight": ("F32", (4, 2))}
+    write_peft_adapter(folder, tensors, r=2, lora_alpha=2, target_modules=None)
     out = tmp_path / "o.safetensors"
     rc = run_cli(["merge", "--base", str(base), "--adapter", f"{folder}:0.5", "--out", str(out)])
     err = capsys.readouterr().err
