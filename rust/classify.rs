@@ -12,6 +12,9 @@ use crate::config::{same_tagged, short_tag, LoraConfig, TargetModules};
 use crate::header::{Dtype, Header, TensorEntry};
 use crate::names::{self, Role, Spelling, Variant};
 
+mod modules;
+pub use modules::{ModuleInfo, Modules};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Format {
@@ -127,33 +130,6 @@ impl ModuleKind {
     }
 }
 
-/// One module, fully resolved, with owned strings (built only when the caller keeps modules).
-#[derive(Debug, Clone)]
-pub struct ModuleInfo {
-    pub key: String,
-    pub name: String,
-    pub leaf: String,
-    pub kind: ModuleKind,
-    pub layer: Option<u32>,
-    pub expert: Option<u32>,
-    pub num_experts: Option<u64>,
-    pub rank: Option<u64>,
-    pub in_features: Option<u64>,
-    pub out_features: Option<u64>,
-    pub dtype: Option<Dtype>,
-    pub a_key: Option<String>,
-    pub b_key: Option<String>,
-    pub a_shape: Option<Vec<u64>>,
-    pub b_shape: Option<Vec<u64>>,
-    pub alpha: Option<f64>,
-    pub alpha_key: Option<String>,
-    pub bias_key: Option<String>,
-    pub magnitude_key: Option<String>,
-    pub extra_keys: Vec<String>,
-    pub config_rank: Option<u64>,
-    pub use_rslora: bool,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     pub code: ProblemCode,
@@ -182,7 +158,7 @@ pub struct Classification {
     pub full_weight_tensors: Vec<String>,
     pub problems: Vec<Problem>,
     /// Shared: a remembered classification (`memo`) hands the same modules to every adapter it matches.
-    pub modules: std::sync::Arc<Vec<ModuleInfo>>,
+    pub modules: std::sync::Arc<Modules>,
     /// A tensor name that appears twice, found while grouping a header read with
     /// `parse_header_unchecked_names` (the scan then reports it as a `duplicate_tensor` header
     /// error; nothing else here is meaningful). Always None for a fully checked header.
@@ -376,9 +352,10 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         && configs.file.map_or(true, |c| name_free(c, tally.memo_ok));
     let mut templates: Vec<Template<'_>> = Vec::new();
     let mut last_hit = usize::MAX;
+    let mut modules = Modules::default();
     if opts.keep_modules {
-        // One allocation for the records: grown by doubling, they would be copied about once more.
-        std::sync::Arc::make_mut(&mut out.modules).reserve_exact(groups.len());
+        let text = tensors.iter().map(|t| t.name.len()).sum();
+        modules.reserve(groups.len(), text, header.dims.len());
     }
     for (gi, g) in groups.iter().enumerate() {
         let shape = |i: Option<u32>| i.map(|i| header.shape(&tensors[i as usize]));
@@ -613,19 +590,19 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
         if opts.keep_modules {
             let use_rslora = config.is_some_and(|c| c.use_rslora);
             let alpha = alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(&name)));
-            let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.to_string());
-            let mut extra: Vec<String> = g
+            let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.as_ref());
+            let mut extra: Vec<&str> = g
                 .variant_tensors
                 .iter()
-                .map(|&i| tensors[i as usize].name.to_string())
+                .map(|&i| tensors[i as usize].name.as_ref())
                 .collect();
             if let Some(m) = g.mid {
-                extra.push(tensors[m as usize].name.to_string());
+                extra.push(&tensors[m as usize].name);
             }
-            std::sync::Arc::make_mut(&mut out.modules).push(ModuleInfo {
-                key: g.key.to_owned(),
-                name: name.into_owned(),
-                leaf: leaf.to_owned(),
+            modules.push(&ModuleInfo {
+                key: g.key,
+                name: &name,
+                leaf,
                 kind,
                 layer,
                 expert,
@@ -636,8 +613,8 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                 dtype: a.or(b).map(|i| tensors[i as usize].dtype),
                 a_key: tname(a),
                 b_key: tname(b),
-                a_shape: a_shape.map(<[u64]>::to_vec),
-                b_shape: b_shape.map(<[u64]>::to_vec),
+                a_shape,
+                b_shape,
                 alpha,
                 alpha_key: tname(g.alpha),
                 bias_key: tname(g.bias),
@@ -701,10 +678,9 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             }
         }
     }
-    for m in std::sync::Arc::make_mut(&mut out.modules).iter_mut() {
-        if m.kind == ModuleKind::Expert2d {
-            m.num_experts = Some(out.num_experts);
-        }
+    modules.set_expert_2d_count(out.num_experts);
+    if let Some(kept) = std::sync::Arc::get_mut(&mut out.modules) {
+        *kept = modules;
     }
     out.variants.sort();
     if out.flags & Flag::Dora.bit() != 0 || out.variants.iter().any(|v| *v != Variant::Diff) {

@@ -12,7 +12,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::classify::{Format, ModuleInfo, MoeLayout};
+use crate::classify::{Format, ModuleInfo, Modules, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
 use crate::error::Error;
 use crate::header::{self, Dtype, ReadMode};
@@ -161,22 +161,22 @@ fn header_dict<'py>(py: Python<'py>, parts: HeaderParts) -> PyResult<Bound<'py, 
     Ok(d)
 }
 
-fn shape_tuple<'py>(py: Python<'py>, shape: &Option<Vec<u64>>) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    shape.as_ref().map(|s| PyTuple::new(py, s)).transpose()
+fn shape_tuple<'py>(py: Python<'py>, shape: Option<&[u64]>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    shape.map(|s| PyTuple::new(py, s)).transpose()
 }
 
 /// Keys are interned: a module dict is built per module of every adapter inspected, and a fresh
 /// key string each time was most of its cost.
 fn module_dict<'py>(
     py: Python<'py>,
-    m: &ModuleInfo,
+    m: &ModuleInfo<'_>,
     weight_file: &Bound<'py, PyString>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item(intern!(py, "name"), &m.name)?;
-    d.set_item(intern!(py, "key"), &m.key)?;
+    d.set_item(intern!(py, "name"), m.name)?;
+    d.set_item(intern!(py, "key"), m.key)?;
     d.set_item(intern!(py, "kind"), m.kind.name())?;
-    d.set_item(intern!(py, "leaf"), &m.leaf)?;
+    d.set_item(intern!(py, "leaf"), m.leaf)?;
     d.set_item(intern!(py, "layer"), m.layer)?;
     d.set_item(intern!(py, "expert"), m.expert)?;
     d.set_item(intern!(py, "num_experts"), m.num_experts)?;
@@ -184,14 +184,14 @@ fn module_dict<'py>(
     d.set_item(intern!(py, "in_features"), m.in_features)?;
     d.set_item(intern!(py, "out_features"), m.out_features)?;
     d.set_item(intern!(py, "dtype"), m.dtype.map(Dtype::name))?;
-    d.set_item(intern!(py, "a_key"), &m.a_key)?;
-    d.set_item(intern!(py, "b_key"), &m.b_key)?;
-    d.set_item(intern!(py, "a_shape"), shape_tuple(py, &m.a_shape)?)?;
-    d.set_item(intern!(py, "b_shape"), shape_tuple(py, &m.b_shape)?)?;
+    d.set_item(intern!(py, "a_key"), m.a_key)?;
+    d.set_item(intern!(py, "b_key"), m.b_key)?;
+    d.set_item(intern!(py, "a_shape"), shape_tuple(py, m.a_shape)?)?;
+    d.set_item(intern!(py, "b_shape"), shape_tuple(py, m.b_shape)?)?;
     d.set_item(intern!(py, "alpha"), m.alpha)?;
-    d.set_item(intern!(py, "alpha_key"), &m.alpha_key)?;
-    d.set_item(intern!(py, "bias_key"), &m.bias_key)?;
-    d.set_item(intern!(py, "magnitude_key"), &m.magnitude_key)?;
+    d.set_item(intern!(py, "alpha_key"), m.alpha_key)?;
+    d.set_item(intern!(py, "bias_key"), m.bias_key)?;
+    d.set_item(intern!(py, "magnitude_key"), m.magnitude_key)?;
     d.set_item(intern!(py, "extra_keys"), PyTuple::new(py, &m.extra_keys)?)?;
     d.set_item(intern!(py, "config_rank"), m.config_rank)?;
     d.set_item(intern!(py, "use_rslora"), m.use_rslora)?;
@@ -254,7 +254,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
     let modules: Vec<Bound<'py, PyDict>> = c
         .modules
         .iter()
-        .map(|m| module_dict(py, m, &weight_file))
+        .map(|m| module_dict(py, &m, &weight_file))
         .collect::<PyResult<_>>()?;
     d.set_item(intern!(py, "modules"), modules)?;
     Ok(d)
@@ -502,7 +502,7 @@ impl ScanResult {
         let stop = stop.min(self.rows.len());
         // Adapters whose headers repeat share their modules (one `Arc`): their module dicts are
         // built once per batch and copied (a C-level copy), only `weight_file` set anew.
-        let mut templates: rustc_hash::FxHashMap<*const Vec<ModuleInfo>, Vec<Bound<'py, PyDict>>> = Default::default();
+        let mut templates: rustc_hash::FxHashMap<*const Modules, Vec<Bound<'py, PyDict>>> = Default::default();
         let key = intern!(py, "weight_file");
         let items = self.rows[start.min(stop)..stop]
             .iter()
@@ -521,7 +521,7 @@ impl ScanResult {
                             .class
                             .modules
                             .iter()
-                            .map(|m| module_dict(py, m, &weight_file))
+                            .map(|m| module_dict(py, &m, &weight_file))
                             .collect::<PyResult<Vec<_>>>()?;
                         slot.insert(built).clone()
                     }
@@ -648,13 +648,13 @@ impl ScanResult {
             let Ok(a) = r else { continue };
             for m in a.class.modules.iter() {
                 row.push(i as u32);
-                Interner::push(&mut name, Some(&m.name));
-                Interner::push(&mut key, Some(&m.key));
-                Interner::push(&mut leaf, Some(&m.leaf));
+                Interner::push(&mut name, Some(m.name));
+                Interner::push(&mut key, Some(m.key));
+                Interner::push(&mut leaf, Some(m.leaf));
                 Interner::push(&mut kind, Some(m.kind.name()));
                 Interner::push(&mut dtype, m.dtype.map(Dtype::name));
-                a_key.push(m.a_key.as_deref());
-                b_key.push(m.b_key.as_deref());
+                a_key.push(m.a_key);
+                b_key.push(m.b_key);
                 layer.push(m.layer);
                 expert.push(m.expert);
                 num_experts.push(m.num_experts);
@@ -696,7 +696,7 @@ impl ScanResult {
         py: Python<'py>,
     ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<Option<usize>>, Vec<Bound<'py, PyBytes>>)> {
         let (rows, row_classes, classes) = py.detach(|| {
-            let mut seen: rustc_hash::FxHashMap<*const Vec<ModuleInfo>, usize> = Default::default();
+            let mut seen: rustc_hash::FxHashMap<*const Modules, usize> = Default::default();
             let mut classes: Vec<Vec<u8>> = Vec::new();
             let row_classes: Vec<Option<usize>> = self
                 .rows

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, MoeLayout, Problem};
+use crate::classify::{Classification, Format, ModuleInfo, ModuleKind, Modules, MoeLayout, Problem};
 use crate::codes::{ErrorCode, ProblemCode};
 use crate::error::Error;
 use crate::header::Dtype;
@@ -187,6 +187,20 @@ fn opt_str(v: &Value) -> Result<Option<String>, String> {
     }
 }
 
+/// A string borrowed from `v` (None for null).
+fn opt_text(v: &Value) -> Result<Option<&str>, String> {
+    match v {
+        Value::Null => Ok(None),
+        Value::String(s) => Ok(Some(s)),
+        _ => Err(bad("string")),
+    }
+}
+
+/// A string borrowed from `v`.
+fn text(v: &Value) -> Result<&str, String> {
+    opt_text(v)?.ok_or_else(|| bad("string"))
+}
+
 fn string(v: &Value) -> Result<String, String> {
     opt_str(v)?.ok_or_else(|| bad("string"))
 }
@@ -233,16 +247,17 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
     let v: Value = serde_json::from_slice(bytes).map_err(|e| bad(&e.to_string()))?;
     let dtype =
         |v: &Value| -> Result<Dtype, String> { v.as_str().and_then(Dtype::from_name).ok_or_else(|| bad("dtype")) };
-    let mut modules = Vec::new();
+    let mut modules = Modules::default();
     for m in array(get(&v, "modules"))? {
         let f = array(m)?;
         if f.len() != 22 {
             return Err(bad("module"));
         }
-        modules.push(ModuleInfo {
-            key: string(&f[0])?,
-            name: string(&f[1])?,
-            leaf: string(&f[2])?,
+        let (a_shape, b_shape) = (opt_shape(&f[13])?, opt_shape(&f[14])?);
+        modules.push(&ModuleInfo {
+            key: text(&f[0])?,
+            name: text(&f[1])?,
+            leaf: text(&f[2])?,
             kind: by_name(ModuleKind::all(), ModuleKind::name, &f[3])?,
             layer: opt_u32(&f[4])?,
             expert: opt_u32(&f[5])?,
@@ -254,15 +269,15 @@ pub fn decode_class(bytes: &[u8]) -> Result<Classification, String> {
                 Value::Null => None,
                 d => Some(dtype(d)?),
             },
-            a_key: opt_str(&f[11])?,
-            b_key: opt_str(&f[12])?,
-            a_shape: opt_shape(&f[13])?,
-            b_shape: opt_shape(&f[14])?,
+            a_key: opt_text(&f[11])?,
+            b_key: opt_text(&f[12])?,
+            a_shape: a_shape.as_deref(),
+            b_shape: b_shape.as_deref(),
             alpha: opt_u64(&f[15])?.map(f64::from_bits),
-            alpha_key: opt_str(&f[16])?,
-            bias_key: opt_str(&f[17])?,
-            magnitude_key: opt_str(&f[18])?,
-            extra_keys: strings(&f[19])?,
+            alpha_key: opt_text(&f[16])?,
+            bias_key: opt_text(&f[17])?,
+            magnitude_key: opt_text(&f[18])?,
+            extra_keys: array(&f[19])?.iter().map(text).collect::<Result<_, _>>()?,
             config_rank: opt_u64(&f[20])?,
             use_rslora: f[21].as_bool().ok_or_else(|| bad("bool"))?,
         });

@@ -53,8 +53,9 @@ fn zero_d_factor_on_experts_module_is_classified() {
     ]);
     let c = classify_file(&file, None);
     assert_eq!(c.modules.len(), 1);
-    assert_eq!(c.modules[0].kind.name(), "target_parameters");
-    assert_eq!(c.modules[0].a_shape.as_deref(), Some(&[][..]));
+    let m = c.modules.get(0).unwrap();
+    assert_eq!(m.kind.name(), "target_parameters");
+    assert_eq!(m.a_shape, Some(&[][..]));
     // Both ranks unknown from A's side: no rank comparison, no crash.
     assert!(
         c.problems.iter().all(|p| p.code != ProblemCode::RankMismatch),
@@ -71,7 +72,7 @@ fn zero_d_b_on_stacked_experts_module_is_classified() {
         (&format!("{EXPERTS}.gate_up_proj.lora_B.weight"), "F32", &[]),
     ]);
     let c = classify_file(&file, None);
-    assert_eq!(c.modules[0].kind.name(), "stacked_3d");
+    assert_eq!(c.modules.get(0).unwrap().kind.name(), "stacked_3d");
     assert_eq!(c.moe_layout.name(), "stacked_3d");
     assert_eq!(c.num_experts, 8);
 }
