@@ -1,8 +1,10 @@
 """Type stubs for the compiled core (rust/py.rs). Use the typed wrappers in `lorafast` instead."""
 
-from typing import Any, final
+from typing import Any, NotRequired, TypedDict, final, type_check_only
 
 import numpy as np
+
+from lorafast.types import Flag, ModuleKind, ProblemCode
 
 __all__ = [
     "ADAPTER_ERROR_CODES",
@@ -48,8 +50,79 @@ __version__: str
 DTYPES: tuple[str, ...]
 build_profile: str
 
-def read_header(path: str, mode: str = "pread") -> dict[str, Any]: ...
-def read_torch_header(path: str) -> dict[str, Any]: ...
+# The raw dicts the core returns, as the `lorafast` wrappers read them (stub-only types).
+
+@type_check_only
+class RawHeader(TypedDict):
+    """`read_header` / `read_torch_header`: tensors in file order."""
+
+    tensors: list[tuple[str, str, tuple[int, ...], tuple[int, int]]]
+    """(name, dtype, shape, (begin, end)) of each tensor."""
+    metadata: dict[str, str] | None
+    header_size: int
+    file_size: int
+    warnings: list[tuple[ProblemCode, str]]
+    """(code, message) of each non-fatal finding."""
+
+@type_check_only
+class RawModule(TypedDict):
+    """One module of an adapter: exactly the fields of `lorafast.LoraModule`."""
+
+    name: str
+    key: str
+    kind: ModuleKind
+    leaf: str
+    layer: int | None
+    expert: int | None
+    num_experts: int | None
+    rank: int | None
+    in_features: int | None
+    out_features: int | None
+    dtype: str | None
+    a_key: str | None
+    b_key: str | None
+    a_shape: tuple[int, ...] | None
+    b_shape: tuple[int, ...] | None
+    alpha: float | None
+    alpha_key: str | None
+    bias_key: str | None
+    magnitude_key: str | None
+    extra_keys: tuple[str, ...]
+    config_rank: int | None
+    use_rslora: bool
+    weight_file: str
+
+@type_check_only
+class RawAdapter(TypedDict):
+    """One adapter; a summary record (`ScanResult.record`, `records`) has no `modules`."""
+
+    path: str
+    weight_files: tuple[str]
+    config_path: str | None
+    config_json: str | None
+    format: str
+    peft_type: str | None
+    num_tensors: int
+    dtypes: list[str]
+    layers: list[int]
+    base_model_name_or_path: str | None
+    target_modules: list[str]
+    rank: int
+    moe_layout: str
+    num_experts: int
+    flags: list[Flag]
+    variants: list[str]
+    full_weight_tensors: list[str]
+    problems: list[tuple[ProblemCode, str, str | None]]
+    """(code, message, tensor) of each problem."""
+    content_hash: str | None
+    metadata: dict[str, str] | None
+    header_size: int
+    file_size: int
+    modules: NotRequired[list[RawModule]]
+
+def read_header(path: str, mode: str = "pread") -> RawHeader: ...
+def read_torch_header(path: str) -> RawHeader: ...
 
 _StorageOptions = list[tuple[str, str]] | None
 
@@ -66,7 +139,7 @@ def inspect(
     content_hash: bool = False,
     storage_options: _StorageOptions = None,
     timeout: float | None = None,
-) -> dict[str, Any]: ...
+) -> RawAdapter: ...
 def inspect_many(
     paths: list[str],
     mode: str = "pread",
@@ -75,7 +148,7 @@ def inspect_many(
     storage_options: _StorageOptions = None,
     timeout: float | None = None,
     concurrency: int | None = None,
-) -> list[dict[str, Any] | Exception]: ...
+) -> list[RawAdapter | Exception]: ...
 def scan(
     paths: list[str],
     recursive: bool = True,
@@ -129,10 +202,10 @@ class ScanResult:
     def paths(self) -> list[str]: ...
     def errors(self) -> list[tuple[int, str, str, str]]: ...
     def columns(self) -> dict[str, np.ndarray]: ...
-    def record(self, i: int) -> dict[str, Any] | None: ...
+    def record(self, i: int) -> RawAdapter | None: ...
     def target_modules(self) -> tuple[list[str], list[list[int]]]: ...
-    def adapters(self, start: int, stop: int) -> list[dict[str, Any]]: ...
-    def records(self, start: int, stop: int) -> list[dict[str, Any]]: ...
+    def adapters(self, start: int, stop: int) -> list[RawAdapter]: ...
+    def records(self, start: int, stop: int) -> list[RawAdapter]: ...
     def records_json(self, start: int, stop: int) -> str: ...
     # Columns: numpy arrays, (values, valid) pairs, (codes, names) pairs or lists of str.
     def table(self) -> dict[str, Any]: ...

@@ -136,7 +136,7 @@ class _Local:
         with open(self.join(rel), encoding="utf-8") as f:
             return f.read()
 
-    def header(self, rel: str) -> dict[str, Any]:
+    def header(self, rel: str) -> _core.RawHeader:
         return _core.read_header(self.join(rel), "pread")
 
     def listdir(self) -> list[str]:
@@ -198,7 +198,7 @@ class _Http:
     def text(self, rel: str) -> str:
         return self._get(rel)[0].decode("utf-8")
 
-    def header(self, rel: str) -> dict[str, Any]:
+    def header(self, rel: str) -> _core.RawHeader:
         first, total = self._get(rel, (0, 64 << 10))
         if total is None or len(first) < 8:
             total = len(first)

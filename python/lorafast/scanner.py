@@ -42,7 +42,7 @@ def _object(value: Any) -> dict[str, Any]:
     return dict(value) if isinstance(value, dict) else {}
 
 
-def _module(fields: dict[str, Any]) -> LoraModule:
+def _module(fields: _core.RawModule) -> LoraModule:
     """The `LoraModule` of a module dict from the core, whose keys are exactly its fields. The dict
     becomes the instance's `__dict__`: the frozen dataclass `__init__` sets 23 fields one
     `object.__setattr__` at a time, which made iterating a report cost milliseconds per adapter."""
@@ -51,8 +51,9 @@ def _module(fields: dict[str, Any]) -> LoraModule:
     return module
 
 
-def _adapter(raw: dict[str, Any]) -> Adapter:
-    config = json.loads(raw["config_json"]) if raw.get("config_json") else None
+def _adapter(raw: _core.RawAdapter) -> Adapter:
+    config_json = raw["config_json"]
+    config = json.loads(config_json) if config_json else None
     if config is not None and not isinstance(config, dict):
         config = None
     # diffusers keeps a component-prefixed config in metadata; expose it without the prefix.

@@ -397,6 +397,7 @@ def _read_names_and_shapes(file: str) -> dict[str, Shape | None]:
     header = _core.read_header(file, "pread")  # errors are raised here, never cached
     entries = header["tensors"]  # [(name, dtype, shape, offsets)], names unique
     entries.sort()
+    table: dict[str, Shape | None]
     if entries and type(entries[0][2]) is tuple:
         table = {entry[0]: entry[2] for entry in entries}
     else:
