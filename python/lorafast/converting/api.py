@@ -14,7 +14,7 @@ from lorafast.adapter import Adapter
 from lorafast.converting import kohya, moe
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.peftconfig import Want, build
-from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, write_file
+from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, SourceBytes, write_file
 from lorafast.errors import LorafastError
 from lorafast.tensors import TensorFile, TensorReadError, TruncatedFileError
 
@@ -173,7 +173,7 @@ def _version() -> str:
 
 def _copy(tf: TensorFile, name: str, new: str | None = None) -> OutTensor:
     e = tf.entry(name)
-    return OutTensor(new or name, e.dtype, e.shape, lambda: iter([tf.view(name)]), verbatim=(tf, name))
+    return OutTensor(new or name, e.dtype, e.shape, lambda: iter([SourceBytes(tf, name)]))
 
 
 def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTensor], dict[str, Any] | None]:

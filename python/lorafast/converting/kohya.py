@@ -16,7 +16,7 @@ from lorafast.adapter import Adapter, AdapterFormat
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.moe import _one
 from lorafast.converting.peftconfig import Want
-from lorafast.converting.writer import OutTensor
+from lorafast.converting.writer import OutTensor, SourceBytes
 from lorafast.merging.targets import strip_prefixes
 from lorafast.tensors import TensorFile
 
@@ -53,7 +53,7 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
         key = _peft_key(adapter.format, m.key)
         for src, dst in ((m.a_key, f"{key}.lora_A.weight"), (m.b_key, f"{key}.lora_B.weight")):
             e = tf.entry(src)
-            tensors.append(OutTensor(dst, e.dtype, e.shape, partial(_one, partial(tf.view, src)), verbatim=(tf, src)))
+            tensors.append(OutTensor(dst, e.dtype, e.shape, partial(_one, partial(SourceBytes, tf, src))))
             used.add(src)
         rank = m.a_shape[0]
         alpha = m.alpha if m.alpha else None  # sd-scripts: 0 or no `.alpha` means alpha = rank

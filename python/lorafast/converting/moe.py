@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 from lorafast.adapter import _SGLANG_W_RENAMES, Adapter, LoraModule, MoeLayout
 from lorafast.converting.errors import ConvertError
-from lorafast.converting.writer import OutTensor
+from lorafast.converting.writer import OutTensor, Part, SourceBytes
 from lorafast.merging.sources import peft_pattern_value
-from lorafast.tensors import TensorFile
+from lorafast.tensors import _ST_DTYPES, TensorFile, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -52,20 +52,25 @@ class Factor:
     stored: int
     shape: tuple[int, int]
     expert: Callable[[int], torch.Tensor]  # the 2-D matrix of expert e (a view; maybe not contiguous)
-    whole: Callable[[], torch.Tensor] | None = None  # the 3-D [stored, d1, d2] stack, when one source tensor has it
+    whole: Callable[[], Part] | None = None  # the bytes of the 3-D [stored, d1, d2] stack in one part
+    raw: Callable[[int], SourceBytes] | None = None  # expert e's matrix, when it is a source byte range unchanged
     source: tuple[TensorFile, str] | None = None  # the source tensor whose bytes are that stack, row-major
 
-    def stacked(self) -> Iterator[torch.Tensor]:
-        """The bytes of the full [E, d1, d2] stack, as a sequence of tensors."""
+    def stacked(self) -> Iterator[Part]:
+        """The bytes of the full [E, d1, d2] stack, as a sequence of parts."""
         if self.stored == 1 and self.experts > 1:
-            one = self.expert(0)
+            one = self.expert(0).clone()  # a private copy, listed E times by the writer: no further copies
             for _ in range(self.experts):
                 yield one
         elif self.whole is not None:
             yield self.whole()
         else:
             for e in range(self.experts):
-                yield self.expert(e)
+                yield self.raw(e) if self.raw is not None else self.expert(e)
+
+    def matrix(self, e: int) -> Part:
+        """Expert e's matrix as one part: a source byte range where it is one."""
+        return self.raw(e) if self.raw is not None else self.expert(e)
 
 
 @dataclass
@@ -102,27 +107,54 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
     e = tf.entry(key)
     if len(e.shape) != 3 or e.shape[0] not in (1, experts):
         raise ConvertError(f"{key}: shape {list(e.shape)} is not a stack of {experts} experts", "bad_source", tf.path)
-    return Factor(e.dtype, experts, e.shape[0], (e.shape[1], e.shape[2]),
-                  lambda i: tf.view(key)[i if e.shape[0] > 1 else 0], lambda: tf.view(key), (tf, key))  # fmt: skip
+    stored, per = e.shape[0], e.shape[1] * e.shape[2] * _ST_DTYPES[e.dtype][1]
+    return Factor(e.dtype, experts, stored, (e.shape[1], e.shape[2]),
+                  lambda i: tf.view(key)[i if stored > 1 else 0], lambda: SourceBytes(tf, key),
+                  lambda i: SourceBytes(tf, key, (i if stored > 1 else 0) * per, per), (tf, key))  # fmt: skip
 
 
-def _reshaped(tf: TensorFile, key: str, shape: tuple[int, ...], perm: tuple[int, ...] | None) -> torch.Tensor:
-    t = tf.view(key).view(shape)
-    if perm == (2, 0, 1):  # (out, r, E) -> (E, out, r) is a 2-D transpose; torch's 2-D kernel is ~2x its 3-D one
-        return t.view(-1, shape[2]).t().contiguous().view(shape[2], shape[0], shape[1])
-    return t.permute(perm) if perm else t
+_UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
-def _index(stack: Callable[[], torch.Tensor], i: int) -> torch.Tensor:
-    return stack()[i]
+def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
+    """Source tensor `key` read as a (rows, cols) matrix and returned transposed, (cols, rows), contiguous.
+
+    Read with `preadv` (no page faults on the map) and moved as unsigned integers of the element's width (any
+    dtype, bits unchanged), in blocks of about 1 MiB of source rows that stay in cache: one read, one copy."""
+    import numpy as np
+    import torch
+
+    e = tf.entry(key)
+    width = _ST_DTYPES[e.dtype][1]
+    buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
+    tf.read_into(key, buf)
+    src = buf.numpy().view(_UINT[width]).reshape(rows, cols)
+    out = np.empty((cols, rows), dtype=src.dtype)
+    step = max(1, (1 << 20) // max(1, cols * width))
+    for i in range(0, rows, step):
+        np.copyto(out[:, i : i + step], src[i : i + step].T)
+    return torch.from_numpy(out.view(np.uint8)).view(torch_dtype(e.dtype)).view(cols, rows)
 
 
 def _named(tf: TensorFile, keys: list[str], i: int) -> torch.Tensor:
     return tf.view(keys[i])
 
 
-def _one(t: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
+def _named_raw(tf: TensorFile, keys: list[str], i: int) -> SourceBytes:
+    return SourceBytes(tf, keys[i])
+
+
+def _rows(tf: TensorFile, key: str, per: int, i: int) -> SourceBytes:
+    return SourceBytes(tf, key, i * per, per)
+
+
+def _one(t: Callable[[], Part]) -> Iterator[Part]:
     yield t()
+
+
+def _b_expert_major(tf: TensorFile, key: str, out: int, r: int, e: int) -> torch.Tensor:
+    """target_parameters' B `(out, r·E)`, column `j·E + e`, as the [E, out, r] stack: one 2-D transpose."""
+    return transposed(tf, key, out * r, e).view(e, out, r)
 
 
 def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]]:
@@ -156,10 +188,12 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
                                    f"{e} experts", "bad_source", tf.path)  # fmt: skip
             r = a_e.shape[0] // e
             out, fin = b_e.shape[0], a_e.shape[1]
-            a_stack = partial(_reshaped, tf, m.a_key, (e, r, fin), None)
-            b_stack = partial(_reshaped, tf, m.b_key, (out, r, e), (2, 0, 1))
-            a = Factor(a_e.dtype, e, e, (r, fin), partial(_index, a_stack), a_stack, (tf, m.a_key))  # expert-major
-            b = Factor(b_e.dtype, e, e, (out, r), partial(_index, b_stack), b_stack)
+            a_key, b_key, n = m.a_key, m.b_key, e
+            a = Factor(a_e.dtype, e, e, (r, fin), lambda i, k=a_key, n=n, r=r: tf.view(k).view(n, r, -1)[i],
+                       partial(SourceBytes, tf, a_key), partial(_rows, tf, a_key, r * fin * _ST_DTYPES[a_e.dtype][1]),
+                       (tf, a_key))  # fmt: skip  # expert-major: a reshape
+            b = Factor(b_e.dtype, e, e, (out, r), lambda i, k=b_key, n=n, r=r: tf.view(k).view(-1, r, n)[:, :, i],
+                       partial(_b_expert_major, tf, b_key, out, r, e))  # fmt: skip  # rank-major: a transpose
         groups.append(Group(prefix, owner, leaf, a, b, m.rank or a.shape[0], _alpha(adapter, m, m.name), m.use_rslora))
         covered.update((m.a_key, m.b_key))
     for (prefix, owner, leaf), per in numbered.items():
@@ -176,8 +210,10 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
         assert first.a_shape is not None and first.b_shape is not None and first.dtype is not None
         keys_a = [str(per[i].a_key) for i in range(n)]
         keys_b = [str(per[i].b_key) for i in range(n)]
-        a = Factor(first.dtype, n, n, (first.a_shape[0], first.a_shape[1]), partial(_named, tf, keys_a))
-        b = Factor(first.dtype, n, n, (first.b_shape[0], first.b_shape[1]), partial(_named, tf, keys_b))
+        a = Factor(first.dtype, n, n, (first.a_shape[0], first.a_shape[1]), partial(_named, tf, keys_a),
+                   raw=partial(_named_raw, tf, keys_a))  # fmt: skip
+        b = Factor(first.dtype, n, n, (first.b_shape[0], first.b_shape[1]), partial(_named, tf, keys_b),
+                   raw=partial(_named_raw, tf, keys_b))  # fmt: skip
         groups.append(Group(prefix, owner, leaf, a, b, first.rank or 0, first.alpha, first.use_rslora))
     return groups, covered
 
@@ -266,9 +302,18 @@ def split_gate_up(g: Group) -> list[Group]:
         return [g]
     half = g.b.shape[0] // 2
     b = g.b
+    size = half * b.shape[1] * _ST_DTYPES[b.dtype][1]
 
     def part(lo: int) -> Factor:
-        return Factor(b.dtype, b.experts, b.stored, (half, b.shape[1]), lambda i: b.expert(i)[lo : lo + half])
+        raw = None
+        if b.raw is not None:  # B is (out, r) row-major: each half is a byte range of it
+
+            def raw(i: int, lo: int = lo) -> SourceBytes:
+                whole = b.raw(i)  # type: ignore[misc]
+                return SourceBytes(whole.tf, whole.name, whole.start + (size if lo else 0), size)
+
+        return Factor(b.dtype, b.experts, b.stored, (half, b.shape[1]), lambda i: b.expert(i)[lo : lo + half],
+                      raw=raw)  # fmt: skip
 
     return [Group(g.prefix, g.owner, "gate_proj", g.a, part(0), g.rank, g.alpha, g.rslora),
             Group(g.prefix, g.owner, "up_proj", g.a, part(half), g.rank, g.alpha, g.rslora)]  # fmt: skip
@@ -318,13 +363,8 @@ def write_stacked(groups: list[Group], shared_outer: bool, path: str) -> tuple[l
 
 def _stack_out(name: str, f: Factor, outer: bool) -> OutTensor:
     if outer:
-        return OutTensor(name, f.dtype, (1, *f.shape), lambda: iter([f.expert(0)]), verbatim=_verbatim(f, 1))
-    return OutTensor(name, f.dtype, _stack_shape(f), f.stacked, verbatim=_verbatim(f, f.experts))
-
-
-def _verbatim(f: Factor, stored: int) -> tuple[TensorFile, str] | None:
-    """The source tensor when the output is exactly its bytes (a stack kept as it is)."""
-    return f.source if f.source is not None and f.stored == stored else None
+        return OutTensor(name, f.dtype, (1, *f.shape), partial(_one, partial(f.matrix, 0)))
+    return OutTensor(name, f.dtype, _stack_shape(f), f.stacked)
 
 
 def _require_identical(f: Factor, what: str, path: str) -> None:
@@ -354,8 +394,8 @@ def write_numbered(groups: list[Group]) -> tuple[list[OutTensor], list[OutModule
         for e in range(g.experts):
             base = f"{g.prefix}{g.owner}.{e}.{g.proj}"
             a, b = g.a, g.b
-            tensors.append(OutTensor(f"{base}.lora_A.weight", a.dtype, a.shape, partial(_one, partial(a.expert, e))))
-            tensors.append(OutTensor(f"{base}.lora_B.weight", b.dtype, b.shape, partial(_one, partial(b.expert, e))))
+            tensors.append(OutTensor(f"{base}.lora_A.weight", a.dtype, a.shape, partial(_one, partial(a.matrix, e))))
+            tensors.append(OutTensor(f"{base}.lora_B.weight", b.dtype, b.shape, partial(_one, partial(b.matrix, e))))
             mods.append(OutModule(f"{g.owner}.{e}.{g.proj}", g.proj, g.rank, g.alpha))
     return tensors, mods
 
@@ -374,12 +414,11 @@ def write_target_parameters(groups: list[Group], path: str, rename: Callable[[st
         key = f"{g.prefix}{owner}" + (".base_layer" if g.proj == "gate_up_proj" else "")
         e, (r, fin), (out, _) = g.experts, g.a.shape, g.b.shape
         a, b = g.a, g.b
-        tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, (r * e, fin), a.stacked, verbatim=_verbatim(a, e)))
+        tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, (r * e, fin), a.stacked))
 
-        def b_cols(b: Factor = b) -> Iterator[torch.Tensor]:
-            if b.whole is not None and b.stored == b.experts:
-                whole = b.whole()  # [E, out, r] -> (out, r, E): col = j·E + e, done as a 2-D transpose
-                yield whole.reshape(whole.shape[0], -1).t().contiguous()
+        def b_cols(b: Factor = b) -> Iterator[Part]:
+            if b.source is not None and b.stored == b.experts:  # [E, out, r] -> (out, r, E): col = j·E + e
+                yield transposed(b.source[0], b.source[1], b.experts, b.shape[0] * b.shape[1])
             else:
                 yield torch.stack([b.expert(i) for i in range(b.experts)], dim=2)
 

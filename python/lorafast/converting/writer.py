@@ -2,30 +2,54 @@
 into place only when everything succeeded.
 
 The header is known before any data is read (names, dtypes and shapes come from the plan), so it is written
-first and each tensor follows as its producer yields it: a zero-copy view of the source map is written straight
-from the map; a tensor that needs a permutation is made contiguous first, so peak memory is one tensor.
-The source sha256 is computed while the data is written and patched into a fixed-width placeholder at the end.
+first and each tensor follows as its producer yields its parts:
+- `SourceBytes`, a byte range of the source that passes through unchanged, is sent file to file by the kernel
+  (`sendfile`): no page faults on a map, no copy through user space;
+- an in-memory tensor is written with `writev`, consecutive parts batched into one call; a part repeated (one
+  shared factor written once per expert) is one buffer listed E times, so the repeat costs no copy at all;
+- a permuted view is made contiguous first, so peak memory is about one tensor.
+Writeback to disk is started after each tensor (`sync_file_range`, Linux), so the final `fsync` waits for
+little. The source sha256 is computed meanwhile and patched into a fixed-width placeholder at the end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from lorafast.converting.errors import ConvertError
-from lorafast.tensors import _ST_DTYPES, TensorFile
+from lorafast.tensors import _ST_DTYPES, TensorFile, TruncatedFileError
 
 if TYPE_CHECKING:
     import torch
 
 #: placeholder written in the header and replaced by the source's sha256 once it is known
 SHA_PLACEHOLDER = "0" * 64
+#: iovecs per writev call (IOV_MAX on Linux and macOS)
+_IOV_MAX = 1024
+#: start writeback once this much data is dirty
+_WRITEBACK_EVERY = 32 << 20
+
+
+@dataclass(frozen=True)
+class SourceBytes:
+    """`length` bytes of source tensor `name` from byte `start`, unchanged (`length` None: to its end)."""
+
+    tf: TensorFile
+    name: str
+    start: int = 0
+    length: int | None = None
+
+
+Part = Union["torch.Tensor", SourceBytes]
 
 
 @dataclass(frozen=True)
@@ -35,9 +59,7 @@ class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    produce: Callable[[], Iterable[torch.Tensor]]
-    #: (file, tensor name) when the bytes are one source tensor unchanged: copied file to file by the kernel
-    verbatim: tuple[TensorFile, str] | None = None
+    produce: Callable[[], Iterable[Part]]
 
     @property
     def nbytes(self) -> int:
@@ -57,14 +79,102 @@ def header_bytes(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _chunks(t: OutTensor) -> Iterator[memoryview]:
+def _start_writeback() -> Callable[[int, int, int], Any] | None:
+    """libc's sync_file_range (Linux), which starts writeback of a range without waiting for it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda fd, pos, n: fn(fd, pos, n, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+_WRITEBACK = _start_writeback()
+
+
+class _Sink:
+    """The output file's descriptor and what is queued for the next `writev`."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = 0  # bytes written so far
+        self.flushed = 0  # writeback started up to here
+        self.iov: list[memoryview] = []
+        self.queued = 0
+
+    def add(self, mv: memoryview) -> None:
+        self.iov.append(mv)
+        self.queued += len(mv)
+        if len(self.iov) == _IOV_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        iov, left = self.iov, self.queued
+        self.iov, self.queued = [], 0
+        while left:
+            n = os.writev(self.fd, iov)
+            self.pos += n
+            left -= n
+            if left:  # a short write: drop what went out, keep the rest
+                while n >= len(iov[0]):
+                    n -= len(iov[0])
+                    iov = iov[1:]
+                iov = [iov[0][n:], *iov[1:]]
+
+    def send(self, part: SourceBytes) -> int:
+        self.flush()
+        tf = part.tf
+        e = tf.entry(part.name)
+        begin = e.begin + part.start
+        count = (e.end - begin) if part.length is None else part.length
+        if begin + count > e.end:
+            raise ConvertError(f"internal: {part.name!r} has no bytes {part.start}..{part.start + count}", "bad_source")
+        tf.check_size(begin + count)
+        src = tf._fd  # TensorFile keeps its descriptor private; sendfile needs it
+        done = 0
+        while done < count:
+            try:
+                n = os.sendfile(self.fd, src, begin + done, count - done)
+                self.pos += n
+            except OSError:  # no sendfile between these files: through user space
+                data = os.pread(src, min(count - done, 8 << 20), begin + done)
+                n = len(data)
+                self.add(memoryview(data))
+                self.flush()
+            if n <= 0:
+                raise TruncatedFileError(f"{tf.path}: file ended while copying tensor {part.name!r}", tf.path)
+            done += n
+        return count
+
+    def writeback(self) -> None:
+        if _WRITEBACK is not None and self.pos - self.flushed >= _WRITEBACK_EVERY:
+            _WRITEBACK(self.fd, self.flushed, self.pos - self.flushed)
+            self.flushed = self.pos
+
+
+def _write_tensor(sink: _Sink, t: OutTensor) -> int:
     import torch
 
+    written = 0
+    last: object = None
+    last_mv = memoryview(b"")
     for part in t.produce():
-        if not part.is_contiguous():
-            part = part.contiguous()  # a permuted view: one tensor's worth of memory, freed after the write
-        if part.numel():
-            yield part.reshape(-1).view(torch.uint8).numpy().data
+        if isinstance(part, SourceBytes):
+            written += sink.send(part)
+            continue
+        if part is not last:  # the same part again (a shared factor repeated): the same buffer, no copy
+            last = part
+            if not part.is_contiguous():
+                part = part.contiguous()  # a permuted view: one tensor's worth of memory, freed after the write
+            last_mv = part.reshape(-1).view(torch.uint8).numpy().data if part.numel() else memoryview(b"")
+        if len(last_mv):
+            sink.add(last_mv)
+            written += len(last_mv)
+    sink.flush()
+    return written
 
 
 def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sha: Callable[[], str]) -> int:
@@ -72,22 +182,17 @@ def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sh
     head = header_bytes(tensors, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        _write_all(fd, memoryview(struct.pack("<Q", len(head)) + head))
+        sink = _Sink(fd)
+        sink.add(memoryview(struct.pack("<Q", len(head)) + head))
         total = 0
         for t in tensors:
-            written = 0
-            if t.verbatim is not None:
-                t.verbatim[0].copy_range_to(t.verbatim[1], fd)  # copy_file_range: no trip through user space
-                total += t.nbytes
-                continue
-            for mv in _chunks(t):
-                _write_all(fd, mv)
-                written += len(mv)
+            written = _write_tensor(sink, t)
             if written != t.nbytes:  # a producer bug would otherwise leave a file whose header lies
                 raise ConvertError(
                     f"internal: tensor {t.name!r} produced {written} bytes, not {t.nbytes}", "bad_source"
                 )
             total += written
+            sink.writeback()
         at = head.find(SHA_PLACEHOLDER.encode())
         if at >= 0:
             os.pwrite(fd, sha().encode(), 8 + at)
@@ -95,12 +200,6 @@ def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sh
         return total
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        n = os.write(fd, data)
-        data = data[n:]
 
 
 class OutputFolder:
