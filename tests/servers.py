@@ -189,6 +189,12 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     server: _Server
 
+    def setup(self) -> None:
+        super().setup()
+        with self.server.lock:
+            self.server.connections += 1
+            self.connection_number = self.server.connections
+
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
@@ -231,6 +237,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         with self.server.lock:
             self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+            self.server.request_connections.append(self.connection_number)
         try:
             found = self._file()
             if found is None:
@@ -292,6 +299,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+class _KeepAliveHandler(_Handler):
+    """HTTP/1.1: one connection serves many requests (for the tests that count connections, and benches)."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: no delayed-ACK stall
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     root: str
@@ -299,6 +313,9 @@ class _Server(ThreadingHTTPServer):
     requests: list[tuple[str, str, str | None]]
     attempts: dict[str, int]
     lock: threading.Lock
+    #: Connections accepted since the last `clear`, and the number of the one each request came on.
+    connections: int = 0
+    request_connections: list[int]
     #: `slow` requests being held now, and the most at once since the last `clear`.
     in_flight: int = 0
     peak: int = 0
@@ -316,11 +333,12 @@ class RangeServer:
     then ok, per file), hf (`/hf/{org}/{repo}/resolve/{rev}/{path}`, redirected like the Hub).
     """
 
-    def __init__(self, root: str, delay: float = 3.0) -> None:
-        self.httpd = _Server(("127.0.0.1", 0), _Handler)
+    def __init__(self, root: str, delay: float = 3.0, keep_alive: bool = False) -> None:
+        self.httpd = _Server(("127.0.0.1", 0), _KeepAliveHandler if keep_alive else _Handler)
         self.httpd.root = root
         self.httpd.delay = delay
         self.httpd.requests = []
+        self.httpd.request_connections = []
         self.httpd.attempts = {}
         self.httpd.lock = threading.Lock()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -341,8 +359,16 @@ class RangeServer:
     def clear(self) -> None:
         with self.httpd.lock:
             self.httpd.requests.clear()
+            self.httpd.request_connections.clear()
             self.httpd.attempts.clear()
             self.httpd.peak = self.httpd.in_flight
+            self.httpd.connections = 0
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted since the last `clear`."""
+        with self.httpd.lock:
+            return self.httpd.connections
 
     def stop(self) -> None:
         self.httpd.shutdown()
@@ -363,6 +389,7 @@ class _S3Handler(_Handler):
     def _s3(self, head: bool) -> None:
         with self.server.lock:
             self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+            self.server.request_connections.append(self.connection_number)
         try:
             path, _, query = self.path.partition("?")
             bucket, _, key = unquote(path).lstrip("/").partition("/")
@@ -441,8 +468,8 @@ class _S3Handler(_Handler):
 
 
 class _KeepAliveS3Handler(_S3Handler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body are two writes: no delayed-ACK stall
+    protocol_version = _KeepAliveHandler.protocol_version
+    disable_nagle_algorithm = True
 
 
 class _S3Server(_Server):
@@ -476,6 +503,7 @@ class LocalS3:
         self.httpd = _S3Server(("127.0.0.1", 0), _KeepAliveS3Handler if keep_alive else _S3Handler)
         self.httpd.root = root
         self.httpd.requests = []
+        self.httpd.request_connections = []
         self.httpd.etags = {}
         self.httpd.lock = threading.Lock()
         self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -496,9 +524,23 @@ class LocalS3:
         with self.httpd.lock:
             return list(self.httpd.requests)
 
+    @property
+    def connections(self) -> int:
+        """Connections accepted since the last `clear`."""
+        with self.httpd.lock:
+            return self.httpd.connections
+
+    @property
+    def request_connections(self) -> list[int]:
+        """For each request of `requests`, the number of the connection it came on."""
+        with self.httpd.lock:
+            return list(self.httpd.request_connections)
+
     def clear(self) -> None:
         with self.httpd.lock:
             self.httpd.requests.clear()
+            self.httpd.request_connections.clear()
+            self.httpd.connections = 0
 
     def stop(self) -> None:
         self.httpd.shutdown()

@@ -154,6 +154,23 @@ def test_hf_urls_map_to_resolve_urls(site, monkeypatch):
         lorafast.inspect("hf://org/repo")
 
 
+def test_hub_repos_share_one_connection_pool(tmp_path, monkeypatch):
+    """hf:// URLs of many repos go through one store: with one request at a time on a keep-alive server, a
+    fleet spread over six repos reuses connections across repos (a store per repo would open six)."""
+    root = tmp_path / "hub"
+    for i in range(6):
+        write_attention_adapter(root / "org" / f"repo{i}")
+    server = RangeServer(str(root), keep_alive=True)
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"{server.url}/hf")
+        report = lorafast.scan([f"hf://org/repo{i}" for i in range(6)], concurrency=1)
+        assert not report.errors and len(report) == 6
+        assert len(server.requests) == 24  # config and header, each a redirect and its answer
+        assert server.connections < 6
+    finally:
+        server.stop()
+
+
 def test_bad_urls_and_options(site):
     server, _ = site
     report = lorafast.scan(["hf://only-org", f"{server.url}/ok/x.safetensors?sig=1", f"{server.url}/ok/missing"])

@@ -178,3 +178,22 @@ def test_index_follows_moto_etags(s3, tmp_path):
     assert (got.added, got.changed, got.removed) == (["s3://indexed/c"], ["s3://indexed/a"], ["s3://indexed/b"])
     assert got.reads == 2
     same_report(got, lorafast.scan("s3://indexed/", storage_options=opts))
+
+
+def test_listing_and_header_reads_share_connections(tmp_path):
+    """One session per scan: the connection that listed the bucket carries the header reads after it."""
+    from lorafast.testing import write_attention_adapter
+    from servers import LocalS3
+
+    for i in range(4):
+        write_attention_adapter(tmp_path / "pool" / f"a{i}")
+    server = LocalS3(str(tmp_path), keep_alive=True)
+    try:
+        report = lorafast.scan("s3://pool/", storage_options=server.storage_options, concurrency=1)
+        assert not report.errors and len(report) == 4
+        assert len(server.requests) == 9  # the listing, then a config and a header each
+        assert "list-type" in server.requests[0][1]
+        conns = server.request_connections
+        assert conns[1] == conns[0]  # the first read after the listing, on the listing's connection
+    finally:
+        server.stop()

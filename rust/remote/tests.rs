@@ -42,11 +42,12 @@ fn parses_urls() {
 fn parses_hf_urls() {
     let p = parse_url("hf://org/repo@v1/sub/adapter_model.safetensors").unwrap();
     assert_eq!(p.kind, Kind::HuggingFace);
-    assert!(p.base.ends_with("/org/repo/resolve/v1"), "{}", p.base);
-    assert_eq!(p.key, "sub/adapter_model.safetensors");
+    // One store for the whole Hub: repos share its connections.
+    assert_eq!(p.base, parse_url("hf://other/model/x.safetensors").unwrap().base);
+    assert!(!p.base.contains("/org/repo"), "{}", p.base);
+    assert_eq!(p.key, "org/repo/resolve/v1/sub/adapter_model.safetensors");
     let p = parse_url("hf://datasets/org/repo/x.safetensors").unwrap();
-    assert!(p.base.ends_with("/datasets/org/repo/resolve/main"), "{}", p.base);
-    assert_eq!(p.key, "x.safetensors");
+    assert_eq!(p.key, "datasets/org/repo/resolve/main/x.safetensors");
 }
 
 #[test]

@@ -6,7 +6,8 @@ use crate::error::{AdapterErrorCode, Error};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Parsed {
     pub kind: Kind,
-    /// `s3://bucket`, `http://host:port`, or for hf the resolve URL of the repo revision.
+    /// `s3://bucket`, `http://host:port`, or for hf the Hub endpoint: every repo there shares one
+    /// store, so one connection pool serves a fleet spread over many repos.
     pub base: String,
     pub key: String,
 }
@@ -54,7 +55,8 @@ pub(super) fn parse_url(url: &str) -> Result<Parsed, Error> {
     })
 }
 
-/// `hf://[datasets/|spaces/]org/repo[@revision]/path` -> `{HF_ENDPOINT}/[datasets/]org/repo/resolve/{revision}`.
+/// `hf://[datasets/|spaces/]org/repo[@revision]/path` -> `{HF_ENDPOINT}/[datasets/]org/repo/resolve/{revision}/path`,
+/// as the endpoint (the store) and the rest (the key).
 fn parse_hf(url: &str, rest: &str) -> Result<Parsed, Error> {
     let (kind, rest) = match rest.split_once('/') {
         Some((k @ ("datasets" | "spaces" | "models"), r)) => (if k == "models" { "" } else { k }, r),
@@ -75,10 +77,9 @@ fn parse_hf(url: &str, rest: &str) -> Result<Parsed, Error> {
     } else {
         format!("{kind}/{org}/{repo}")
     };
-    let base = format!("{endpoint}/{repo_path}/resolve/{revision}");
     Ok(Parsed {
         kind: Kind::HuggingFace,
-        base,
-        key: parts.next().unwrap_or("").to_owned(),
+        base: endpoint.to_owned(),
+        key: format!("{repo_path}/resolve/{revision}/{}", parts.next().unwrap_or("")),
     })
 }
