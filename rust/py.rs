@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use numpy::ndarray::ArrayView1;
 use numpy::{IntoPyArray, PyArray1};
-use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
+use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
@@ -56,9 +56,52 @@ fn detach_contained<T: Send>(py: Python<'_>, path: &Path, f: impl FnOnce() -> Re
     py.detach(|| core_scan::contain(path, f)).map_err(|e| to_pyerr(py, &e))
 }
 
-fn parse_mode(mode: &str) -> PyResult<ReadMode> {
-    ReadMode::from_name(mode)
-        .ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', not {mode:?}")))
+/// `mode="pread"` or `"mmap"`: any other string is a ValueError, anything else a TypeError. pyo3
+/// shows a default that is no literal as `...`, so the functions taking a mode spell their
+/// `text_signature` with `mode='pread'` (stubtest checks it against `_core.pyi`).
+impl<'a, 'py> FromPyObject<'a, 'py> for ReadMode {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let name = obj.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "mode must be 'pread' or 'mmap', not {}",
+                obj.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        let name = name.to_cow()?;
+        ReadMode::from_name(&name)
+            .ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', not {name:?}")))
+    }
+}
+
+/// `timeout=` in seconds: positive, not NaN (a ValueError otherwise); huge values mean no limit.
+struct Timeout(std::time::Duration);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Timeout {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let seconds: f64 = obj.extract()?;
+        remote::timeout_from_secs(seconds)
+            .map(Timeout)
+            .map_err(PyValueError::new_err)
+    }
+}
+
+/// `concurrency=`: requests in flight at once, at least 1 (a ValueError otherwise).
+struct Concurrency(usize);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Concurrency {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<usize>()? {
+            0 => Err(PyValueError::new_err("concurrency must be at least 1")),
+            // More requests in flight than this gain nothing, and tokio's semaphore panics past 2^61.
+            c => Ok(Concurrency(c.min(remote::MAX_CONCURRENCY))),
+        }
+    }
 }
 
 /// (name, dtype, shape, (begin, end)) of one tensor.
@@ -66,9 +109,9 @@ type TensorRow = (String, &'static str, Vec<u64>, (u64, u64));
 
 /// Header as a dict: tensors as (name, dtype, shape, (begin, end)) in file order.
 #[pyfunction]
-#[pyo3(signature = (path, mode = "pread"))]
-fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: &str) -> PyResult<Bound<'py, PyDict>> {
-    let mode = parse_mode(mode)?;
+#[pyo3(signature = (path, mode = ReadMode::Pread))]
+#[pyo3(text_signature = "(path, mode='pread')")]
+fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: ReadMode) -> PyResult<Bound<'py, PyDict>> {
     let result = detach_contained(py, &path, || {
         core_scan::debug_hook(&path);
         let mut buf = Vec::new();
@@ -262,36 +305,29 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
 
 /// Load options from the Python keywords. Every load keeps its modules; `fresh` (inspect) reads
 /// without the per-thread memo, so `inspect` stays the reference a scan's rows are checked against.
-fn load_options(mode: &str, content_hash: bool, fresh: bool) -> PyResult<ScanOptions> {
-    Ok(ScanOptions {
-        mode: parse_mode(mode)?,
+fn load_options(mode: ReadMode, content_hash: bool, fresh: bool) -> ScanOptions {
+    ScanOptions {
+        mode,
         keep_modules: true,
         content_hash,
         fresh,
-    })
+    }
 }
 
-/// Remote access settings from the Python keywords (defaults: see `remote.rs`).
+/// Remote access settings from the Python keywords, each already checked as it was extracted
+/// (defaults: see `remote/mod.rs`).
 fn remote_options(
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
-    concurrency: Option<usize>,
-) -> PyResult<RemoteOptions> {
-    let mut o = RemoteOptions {
+    timeout: Option<Timeout>,
+    concurrency: Option<Concurrency>,
+) -> RemoteOptions {
+    let default = RemoteOptions::default();
+    RemoteOptions {
         storage_options: storage_options.unwrap_or_default(),
-        ..RemoteOptions::default()
-    };
-    if let Some(t) = timeout {
-        o.timeout = remote::timeout_from_secs(t).map_err(PyValueError::new_err)?;
+        timeout: timeout.map_or(default.timeout, |t| t.0),
+        concurrency: concurrency.map_or(default.concurrency, |c| c.0),
+        ..default
     }
-    if let Some(c) = concurrency {
-        if c == 0 {
-            return Err(PyValueError::new_err("concurrency must be at least 1"));
-        }
-        // More requests in flight than this gain nothing, and tokio's semaphore panics past 2^61.
-        o.concurrency = c.min(remote::MAX_CONCURRENCY);
-    }
-    Ok(o)
 }
 
 /// Does any input name a URL? (A path that is not UTF-8 never does.)
@@ -301,17 +337,18 @@ fn any_url(paths: &[PathBuf]) -> bool {
 
 /// Everything about one adapter, as a dict (lorafast.inspect wraps it in an `Adapter`).
 #[pyfunction]
-#[pyo3(signature = (path, mode = "pread", content_hash = false, storage_options = None, timeout = None))]
+#[pyo3(signature = (path, mode = ReadMode::Pread, content_hash = false, storage_options = None, timeout = None))]
+#[pyo3(text_signature = "(path, mode='pread', content_hash=False, storage_options=None, timeout=None)")]
 fn inspect<'py>(
     py: Python<'py>,
     path: PathBuf,
-    mode: &str,
+    mode: ReadMode,
     content_hash: bool,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
+    timeout: Option<Timeout>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = load_options(mode, content_hash, true)?;
-    let ropts = remote_options(storage_options, timeout, None)?;
+    let opts = load_options(mode, content_hash, true);
+    let ropts = remote_options(storage_options, timeout, None);
     let result = detach_contained(py, &path, || {
         if any_url(std::slice::from_ref(&path)) {
             let mut rows = remote::inspect_many(std::slice::from_ref(&path), opts, None, &ropts);
@@ -339,32 +376,35 @@ fn read_url_range<'py>(
     start: u64,
     end: u64,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
+    timeout: Option<Timeout>,
 ) -> PyResult<(Bound<'py, PyBytes>, u64)> {
     if end < start {
         return Err(PyValueError::new_err(format!("end {end} is before start {start}")));
     }
-    let ropts = remote_options(storage_options, timeout, None)?;
+    let ropts = remote_options(storage_options, timeout, None);
     let (bytes, size) = detach_contained(py, Path::new(&url), || remote::read_range(&url, start..end, &ropts))?;
     Ok((PyBytes::new(py, &bytes), size))
 }
 
 /// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
 #[pyfunction]
-#[pyo3(signature = (paths, mode = "pread", content_hash = false, threads = None, storage_options = None, timeout = None, concurrency = None))]
+#[pyo3(signature = (paths, mode = ReadMode::Pread, content_hash = false, threads = None, storage_options = None, timeout = None, concurrency = None))]
+#[pyo3(
+    text_signature = "(paths, mode='pread', content_hash=False, threads=None, storage_options=None, timeout=None, concurrency=None)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn inspect_many<'py>(
     py: Python<'py>,
     paths: Vec<PathBuf>,
-    mode: &str,
+    mode: ReadMode,
     content_hash: bool,
     threads: Option<usize>,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
-    concurrency: Option<usize>,
+    timeout: Option<Timeout>,
+    concurrency: Option<Concurrency>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let opts = load_options(mode, content_hash, true)?;
-    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let opts = load_options(mode, content_hash, true);
+    let ropts = remote_options(storage_options, timeout, concurrency);
     let results = detach_contained(py, Path::new(""), || {
         use rayon::prelude::*;
         if any_url(&paths) {
@@ -963,24 +1003,27 @@ fn fill_rows(
 
 /// Scans files, folders and URLs in parallel with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (paths, recursive = true, threads = None, mode = "pread", content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
+#[pyo3(signature = (paths, recursive = true, threads = None, mode = ReadMode::Pread, content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
+#[pyo3(
+    text_signature = "(paths, recursive=True, threads=None, mode='pread', content_hash=False, progress=False, storage_options=None, timeout=None, concurrency=None)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn scan(
     py: Python<'_>,
     paths: Vec<PathBuf>,
     recursive: bool,
     threads: Option<usize>,
-    mode: &str,
+    mode: ReadMode,
     content_hash: bool,
     progress: bool,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
-    concurrency: Option<usize>,
+    timeout: Option<Timeout>,
+    concurrency: Option<Concurrency>,
 ) -> PyResult<ScanResult> {
     // Rows keep their modules and metadata (shared between adapters whose headers repeat, see
     // `memo`), so iterating a report and its module table never read a file again.
-    let opts = load_options(mode, content_hash, false)?;
-    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let opts = load_options(mode, content_hash, false);
+    let ropts = remote_options(storage_options, timeout, concurrency);
     let rows = detach_contained(py, Path::new(""), || {
         if any_url(&paths) {
             // One session: the listing's connections carry the header reads.
@@ -1053,10 +1096,10 @@ fn discover_targets(
     recursive: bool,
     threads: Option<usize>,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
-    concurrency: Option<usize>,
+    timeout: Option<Timeout>,
+    concurrency: Option<Concurrency>,
 ) -> PyResult<Vec<TargetItem>> {
-    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let ropts = remote_options(storage_options, timeout, concurrency);
     detach_contained(py, Path::new(""), || {
         Ok(remote::discover(&paths, recursive, threads, &ropts)
             .into_iter()
@@ -1100,11 +1143,11 @@ fn discover_target_stats(
     recursive: bool,
     threads: Option<usize>,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
-    concurrency: Option<usize>,
+    timeout: Option<Timeout>,
+    concurrency: Option<Concurrency>,
 ) -> PyResult<Vec<(TargetItem, Option<ObjectStatItem>, Option<ObjectStatItem>, bool)>> {
     use remote::Stat;
-    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let ropts = remote_options(storage_options, timeout, concurrency);
     let item = |s: &Stat| match s {
         Stat::Found(o) => Some((o.size, o.etag.clone(), o.last_modified_ns)),
         Stat::Unknown | Stat::Missing => None,
@@ -1123,21 +1166,24 @@ fn discover_target_stats(
 
 /// Loads `discover_targets` items (a shard of them); failed items stay failed rows, in place.
 #[pyfunction]
-#[pyo3(signature = (items, threads = None, mode = "pread", content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
+#[pyo3(signature = (items, threads = None, mode = ReadMode::Pread, content_hash = false, progress = false, storage_options = None, timeout = None, concurrency = None))]
+#[pyo3(
+    text_signature = "(items, threads=None, mode='pread', content_hash=False, progress=False, storage_options=None, timeout=None, concurrency=None)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn scan_targets(
     py: Python<'_>,
     items: Vec<TargetItem>,
     threads: Option<usize>,
-    mode: &str,
+    mode: ReadMode,
     content_hash: bool,
     progress: bool,
     storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<f64>,
-    concurrency: Option<usize>,
+    timeout: Option<Timeout>,
+    concurrency: Option<Concurrency>,
 ) -> PyResult<ScanResult> {
-    let opts = load_options(mode, content_hash, false)?;
-    let ropts = remote_options(storage_options, timeout, concurrency)?;
+    let opts = load_options(mode, content_hash, false);
+    let ropts = remote_options(storage_options, timeout, concurrency);
     let rows = detach_contained(py, Path::new(""), || {
         let found = items
             .into_iter()
