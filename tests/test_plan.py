@@ -9,6 +9,7 @@ import argparse
 import itertools
 import json
 import math
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -560,6 +561,13 @@ def test_lorafast_plan_is_the_function_even_after_importing_its_module(fleet: di
 
     p = lorafast.plan(reqs(fleet, "a"))
     assert isinstance(p, module.Plan) and p.actions == {"all": "apply"}
+    assert lorafast.PlanError is module.PlanError
+
+
+def test_plan_error_pickles_with_its_rejections() -> None:
+    err = PlanError(["target 'all': a (dora) cannot be applied", "target 'critic': b (oft) cannot be applied"])
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is PlanError and back.rejections == err.rejections and str(back) == str(err)
 
 
 def test_supplied_adapters_are_used_and_a_reload_reads_the_new_file(fleet: dict[str, str]) -> None:

@@ -33,6 +33,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "plan": ("planner", "plan"),
     "LoraRequest": ("planner", "LoraRequest"),
     "Plan": ("planner", "Plan"),
+    "PlanError": ("planner", "PlanError"),
     "plan_groups": ("groups", "plan_groups"),
     "merge": ("merging", "merge"),
     "convert": ("converting", "convert"),
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from .header import Header, TensorInfo, read_header, read_torch_header
     from .index import Index
     from .merging import MergeHandle, merge
-    from .planner import LoraRequest, Plan, plan
+    from .planner import LoraRequest, Plan, PlanError, plan
     from .scanner import ScanReport, inspect, inspect_many, scan
 
 
@@ -104,6 +105,7 @@ __all__ = [
     "MergeHandle",
     "MoeLayout",
     "Plan",
+    "PlanError",
     "Problem",
     "ScanReport",
     "TensorInfo",

@@ -21,6 +21,9 @@ class PlanError(LorafastError, ValueError):
         self.rejections = tuple(rejections)
         super().__init__("; ".join(self.rejections))
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled as its rejections: the joined message would be split again
+        return (type(self), (self.rejections,))
+
 
 class Action(str, Enum):
     """What happens to a module's weights."""
