@@ -281,194 +281,381 @@ impl<'c> Configs<'c> {
     }
 }
 
+/// Classifies one adapter from its validated header and its config(s): format, modules, ranks,
+/// MoE layout, flags and every problem found. `weight_path` is the file kohya `.alpha` scalars
+/// are read from. Never panics, whatever the header holds.
 pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, opts: Options) -> Classification {
-    let config = configs.any();
-    let tensors = &header.tensors;
-    let mut out = Classification {
-        format: Format::Unknown,
-        peft_type: config.and_then(|c| c.peft_type.clone()),
-        num_tensors: tensors.len() as u32,
-        dtypes: Vec::new(),
-        layers: Vec::new(),
-        base_model: config.and_then(|c| c.base_model_name_or_path.clone()),
-        target_modules: Vec::new(),
-        rank: 0,
-        moe_layout: MoeLayout::Dense,
-        num_experts: 0,
-        flags: if config.is_some() { Flag::HasConfig.bit() } else { 0 },
-        variants: Vec::new(),
-        full_weight_tensors: Vec::new(),
-        problems: Vec::new(),
-        modules: std::sync::Arc::default(),
-        duplicate_tensor: None,
-    };
-    for w in &header.warnings {
-        out.problem(w.code, format_args!("{}", w.message), None);
-    }
+    classify_with(header, configs, weight_path, opts, true)
+}
 
-    // 1. Group tensors by module key.
+/// `classify`, with `reuse` deciding whether modules that repeat per layer may share their
+/// answers (`Template`); the tests compare the two ways.
+fn classify_with(
+    header: &Header<'_>,
+    configs: Configs<'_>,
+    weight_path: &Path,
+    opts: Options,
+    reuse: bool,
+) -> Classification {
+    let mut out = Classification::of_config(header, configs.any());
     let Grouping {
         groups,
         spelling_seen,
         dtype_mask,
         repeat,
-    } = group_tensors(tensors, header.names_checked, &mut out, config);
+    } = group_tensors(&header.tensors, header.names_checked, &mut out, configs.any());
     if let Some(i) = repeat {
-        out.duplicate_tensor = Some(tensors[i].name.to_string());
+        out.duplicate_tensor = Some(header.tensors[i].name.to_string());
         return out;
     }
-    out.dtypes = Dtype::ALL
-        .iter()
-        .copied()
-        .filter(|d| dtype_mask & (1 << (*d as u32)) != 0)
-        .collect();
+    out.dtypes = dtypes_in(dtype_mask);
     out.format = detect_format(header, configs.file, &spelling_seen, &groups);
-    let kohya_names = matches!(out.format, Format::Kohya | Format::Lycoris);
-
     // Scalars (kohya alphas) are the only tensor data we read: a few bytes each.
     let alphas = read_alphas(header, &groups, weight_path, &mut out);
-
-    // 2. Resolve every module.
-    let inner_outer = target_parameter_leaves(config);
-    let components = ComponentIndex::new(configs.components);
-    let mut layers = LayerSet::new(groups.len());
-    let mut leaves = Leaves::default();
-    let mut layouts: u8 = 0;
-    let mut tally = TargetTally {
-        matched: match configs.file.and_then(|c| c.target_modules.as_ref()) {
-            Some(TargetModules::List(list)) => vec![false; list.len()],
-            _ => Vec::new(),
-        },
-        memo: Vec::new(),
-        // With one config for every module, hits that depend on the last component alone repeat.
-        memo_ok: configs.file.is_some_and(|c| c.last_only_hits("").is_some()),
-        params: Vec::new(),
-    };
-    // Modules that differ only in their layer (or expert) number get the same answers from the
-    // checks below, when nothing there reads the whole name (see `Template`): the first of them
-    // is resolved in full and remembered, the rest only add their layer and expert.
-    let templates_ok = !opts.keep_modules
-        && configs.components.is_empty()
-        && configs.file.map_or(true, |c| name_free(c, tally.memo_ok));
-    let mut templates: Vec<Template<'_>> = Vec::new();
-    let mut last_hit = usize::MAX;
-    let mut modules = Modules::default();
-    if opts.keep_modules {
-        let text = tensors.iter().map(|t| t.name.len()).sum();
-        modules.reserve(groups.len(), text, header.dims.len());
-    }
+    let mut modules = ModuleLoop::new(header, configs, &groups, alphas, out.format, opts, reuse);
     for (gi, g) in groups.iter().enumerate() {
-        let shape = |i: Option<u32>| i.map(|i| header.shape(&tensors[i as usize]));
+        modules.resolve(gi, g, &mut out);
+    }
+    report_unmatched_targets(configs.file, &modules.tally.matched, !groups.is_empty(), &mut out);
+    report_config_problems(configs, &mut out);
+    add_config_flags(configs.any(), &mut out);
+    modules.finish(&mut out);
+    out
+}
+
+impl Classification {
+    /// The classification before any tensor is read: what the config says, and the header's warnings.
+    fn of_config(header: &Header<'_>, config: Option<&LoraConfig>) -> Classification {
+        let mut out = Classification {
+            format: Format::Unknown,
+            peft_type: config.and_then(|c| c.peft_type.clone()),
+            num_tensors: header.tensors.len() as u32,
+            dtypes: Vec::new(),
+            layers: Vec::new(),
+            base_model: config.and_then(|c| c.base_model_name_or_path.clone()),
+            target_modules: Vec::new(),
+            rank: 0,
+            moe_layout: MoeLayout::Dense,
+            num_experts: 0,
+            flags: if config.is_some() { Flag::HasConfig.bit() } else { 0 },
+            variants: Vec::new(),
+            full_weight_tensors: Vec::new(),
+            problems: Vec::new(),
+            modules: std::sync::Arc::default(),
+            duplicate_tensor: None,
+        };
+        for w in &header.warnings {
+            out.problem(w.code, format_args!("{}", w.message), None);
+        }
+        out
+    }
+}
+
+/// The dtypes whose bits are set in `mask`, in `Dtype::ALL` order.
+fn dtypes_in(mask: u32) -> Vec<Dtype> {
+    Dtype::ALL
+        .iter()
+        .copied()
+        .filter(|d| mask & (1 << (*d as u32)) != 0)
+        .collect()
+}
+
+/// A module's factors: its A and B tensors (the embedding pair when it has one) and their shapes.
+#[derive(Clone, Copy)]
+struct Factors<'h> {
+    a: Option<u32>,
+    b: Option<u32>,
+    a_shape: Option<&'h [u64]>,
+    b_shape: Option<&'h [u64]>,
+}
+
+/// What a module's shapes (and config) give: ranks as A and B see them, features and experts.
+#[derive(Clone, Copy)]
+struct Dims {
+    rank: Option<u64>,
+    b_rank: Option<u64>,
+    in_f: Option<u64>,
+    out_f: Option<u64>,
+    n_exp: Option<u64>,
+}
+
+/// The module loop: what it knows of the adapter, and what it gathers from one module to the next.
+struct ModuleLoop<'h, 'c> {
+    header: &'h Header<'h>,
+    configs: Configs<'c>,
+    components: ComponentIndex<'c>,
+    /// The leaves of the inner and outer PEFT target-parameter wrappers.
+    inner_outer: (&'static str, &'static str),
+    format: Format,
+    /// Kohya and LyCORIS names: leaves read as kohya spells them.
+    kohya_names: bool,
+    keep_modules: bool,
+    /// Whether modules may share answers through `templates` (see `Template`).
+    templates_ok: bool,
+    /// Each module's `.alpha` value, read from the file.
+    alphas: Vec<Option<f64>>,
+    layers: LayerSet,
+    leaves: Leaves<'h>,
+    /// `MoeLayout` bits seen.
+    layouts: u8,
+    tally: TargetTally<'h>,
+    templates: Vec<Template<'h>>,
+    /// The template the previous module matched (modules come in the same order in every layer).
+    last_hit: usize,
+    modules: Modules,
+}
+
+impl<'h, 'c> ModuleLoop<'h, 'c> {
+    fn new(
+        header: &'h Header<'h>,
+        configs: Configs<'c>,
+        groups: &[Group<'h>],
+        alphas: Vec<Option<f64>>,
+        format: Format,
+        opts: Options,
+        reuse: bool,
+    ) -> Self {
+        let tally = TargetTally {
+            matched: match configs.file.and_then(|c| c.target_modules.as_ref()) {
+                Some(TargetModules::List(list)) => vec![false; list.len()],
+                _ => Vec::new(),
+            },
+            memo: Vec::new(),
+            // With one config for every module, hits that depend on the last component alone repeat.
+            memo_ok: configs.file.is_some_and(|c| c.last_only_hits("").is_some()),
+            params: Vec::new(),
+        };
+        // Modules that differ only in their layer (or expert) number get the same answers from the
+        // checks, when nothing there reads the whole name (see `Template`): the first of them is
+        // resolved in full and remembered, the rest only add their layer, expert and record.
+        let templates_ok =
+            reuse && configs.components.is_empty() && configs.file.map_or(true, |c| name_free(c, tally.memo_ok));
+        let mut modules = Modules::default();
+        if opts.keep_modules {
+            let text = header.tensors.iter().map(|t| t.name.len()).sum();
+            modules.reserve(groups.len(), text, header.dims.len());
+        }
+        ModuleLoop {
+            header,
+            configs,
+            components: ComponentIndex::new(configs.components),
+            inner_outer: target_parameter_leaves(configs.any()),
+            format,
+            kohya_names: matches!(format, Format::Kohya | Format::Lycoris),
+            keep_modules: opts.keep_modules,
+            templates_ok,
+            alphas,
+            layers: LayerSet::new(groups.len()),
+            leaves: Leaves::default(),
+            layouts: 0,
+            tally,
+            templates: Vec::new(),
+            last_hit: usize::MAX,
+            modules,
+        }
+    }
+
+    /// Resolves module `gi` (group `g`): its kind, names, dims, checks, flags and record.
+    fn resolve(&mut self, gi: usize, g: &Group<'h>, out: &mut Classification) {
+        let f = self.factors(g);
+        let parts = names::parts(g.key);
+        let probe = self.probe(g, f, &parts);
+        if let Some(i) = probe.as_ref().and_then(|p| self.find_template(p)) {
+            self.repeat_template(i, gi, g, f, &parts, out);
+            return;
+        }
+        let problems_before = out.problems.len();
+        let kind = module_kind(g, f, parts.expert);
+        let (name, leaf) = self.name_and_leaf(g, kind, &parts);
+        self.leaves.insert(leaf);
+        if let Some(l) = parts.layer {
+            self.layers.insert(l);
+        }
+        let config = self.configs.for_key(g.key, &self.components);
+        let config_rank = config.and_then(|c| c.rank_for(&name));
+        let dims = self.module_dims(kind, g, f, config_rank, &name, out);
+        check_factors(
+            kind,
+            g,
+            f,
+            dims,
+            config_rank,
+            &name,
+            self.format,
+            &self.header.tensors,
+            out,
+        );
+        if let Some(c) = config {
+            check_target(c, kind, &name, parts.last, leaf, &mut self.tally, out);
+        }
+        self.note_flags_and_layout(g, kind, f, out);
+        if let Some(t) = probe {
+            self.remember(t, kind, dims, problems_before, out);
+        }
+        let n_exp = add_totals(dims, parts.expert, out);
+        if self.keep_modules {
+            let layer_expert = (parts.layer, parts.expert);
+            self.record(
+                gi,
+                g,
+                f,
+                kind,
+                &name,
+                leaf,
+                layer_expert,
+                dims,
+                n_exp,
+                config,
+                config_rank,
+            );
+        }
+    }
+
+    /// The A and B factors of `g` and their shapes.
+    fn factors(&self, g: &Group<'h>) -> Factors<'h> {
         let (a, b) = if g.emb_a.is_some() || g.emb_b.is_some() {
             (g.emb_a, g.emb_b)
         } else {
             (g.a, g.b)
         };
-        let (a_shape, b_shape) = (shape(a), shape(b));
-        let is_target_param = || {
-            g.key.ends_with("experts.base_layer")
-                || (g.key.ends_with(".experts") && a_shape.is_some_and(|s| s.len() == 2))
-                || (g.key.ends_with(".experts") && b_shape.is_some_and(|s| s.len() == 2))
-        };
-        let parts = names::parts(g.key);
-        let (layer, expert) = (parts.layer, parts.expert);
-        // A plain A/B module (never target parameters: those read the name) may match a template.
-        let probe = match (g.a, g.b, a_shape, b_shape) {
-            (Some(ia), Some(ib), Some(sa), Some(sb))
-                if templates_ok
-                    && g.variant.is_none()
-                    && g.emb_a.is_none()
-                    && g.emb_b.is_none()
-                    && !g.key.ends_with("experts.base_layer")
-                    && !g.key.ends_with(".experts") =>
-            {
-                let leaf = names::leaf_of(g.key, &parts, kohya_names);
-                Some(Template {
-                    leaf_tag: short_tag(leaf),
-                    leaf,
-                    last: parts.last,
-                    a_shape: sa,
-                    b_shape: sb,
-                    dtypes: (tensors[ia as usize].dtype, tensors[ib as usize].dtype),
-                    bits: u8::from(g.bias.is_some())
-                        | u8::from(g.magnitude.is_some()) << 1
-                        | u8::from(g.alpha.is_some()) << 2
-                        | u8::from(expert.is_some()) << 3
-                        // Read only for a 3-D factor (`Stacked3d`'s layout): a search per module costs.
-                        | u8::from(sa.len() == 3 && memchr::memmem::find(g.key.as_bytes(), b"experts").is_some()) << 4,
-                    rank: None,
-                    n_exp: None,
-                })
-            }
-            _ => None,
-        };
-        // Modules come in the same order in every layer: try the template after the last one hit first.
-        let found = probe.as_ref().and_then(|p| {
-            let next = last_hit.wrapping_add(1) % templates.len().max(1);
-            match templates.get(next) {
-                Some(t) if t.same_inputs(p) => Some(next),
-                _ => templates.iter().position(|t| t.same_inputs(p)),
-            }
-        });
-        if let Some(t) = found.map(|i| {
-            last_hit = i;
-            &templates[i]
-        }) {
-            if let Some(l) = layer {
-                layers.insert(l);
-            }
-            let mut n_exp = t.n_exp;
-            if let Some(e) = expert {
-                n_exp = Some(n_exp.unwrap_or(0).max(u64::from(e) + 1));
-            }
-            out.num_experts = out.num_experts.max(n_exp.unwrap_or(0));
-            out.rank = out.rank.max(t.rank.unwrap_or(0));
-            continue;
+        let header = self.header;
+        let shape = |i: Option<u32>| i.map(|i| header.shape(&header.tensors[i as usize]));
+        Factors {
+            a,
+            b,
+            a_shape: shape(a),
+            b_shape: shape(b),
         }
-        let problems_before = out.problems.len();
-        let kind = if let Some(v) = g.variant {
-            ModuleKind::Variant(v)
-        } else if a.is_none() || b.is_none() {
-            ModuleKind::Incomplete
-        } else if g.emb_a.is_some() {
-            ModuleKind::Embedding
-        } else if is_target_param() {
-            ModuleKind::TargetParameters
-        } else {
-            match a_shape.map_or(0, <[u64]>::len) {
-                3 => ModuleKind::Stacked3d,
-                4 | 5 => ModuleKind::Conv,
-                _ if expert.is_some() => ModuleKind::Expert2d,
-                _ => ModuleKind::Linear,
-            }
-        };
-        let mut name: Cow<'_, str> = Cow::Borrowed(names::strip_prefix(g.key));
-        let leaf: &str = if kind == ModuleKind::TargetParameters {
-            let leaf = if g.key.ends_with("base_layer") {
-                inner_outer.0
-            } else {
-                inner_outer.1
-            };
-            let base = name.trim_end_matches(".base_layer").to_owned();
-            name = Cow::Owned(format!("{base}.{leaf}"));
-            leaf
-        } else {
-            names::leaf_of(g.key, &parts, kohya_names)
-        };
-        leaves.insert(leaf);
-        if let Some(l) = layer {
-            layers.insert(l);
-        }
+    }
 
-        // Ranks and features from shapes.
-        let config = configs.for_key(g.key, &components);
-        let (mut rank, b_rank, mut in_f, mut out_f, mut n_exp) = dims(kind, a_shape, b_shape);
-        let config_rank = config.and_then(|c| c.rank_for(&name));
+    /// The inputs a template compares, for a plain A/B module (never target parameters: those read
+    /// the name); None when this module cannot share answers.
+    fn probe(&self, g: &Group<'h>, f: Factors<'h>, parts: &names::KeyParts<'h>) -> Option<Template<'h>> {
+        let (Some(ia), Some(ib), Some(sa), Some(sb)) = (g.a, g.b, f.a_shape, f.b_shape) else {
+            return None;
+        };
+        if !self.templates_ok
+            || g.variant.is_some()
+            || g.emb_a.is_some()
+            || g.emb_b.is_some()
+            || g.key.ends_with("experts.base_layer")
+            || g.key.ends_with(".experts")
+        {
+            return None;
+        }
+        let tensors = &self.header.tensors;
+        let leaf = names::leaf_of(g.key, parts, self.kohya_names);
+        Some(Template {
+            leaf_tag: short_tag(leaf),
+            leaf,
+            last: parts.last,
+            a_shape: sa,
+            b_shape: sb,
+            dtypes: (tensors[ia as usize].dtype, tensors[ib as usize].dtype),
+            bits: u8::from(g.bias.is_some())
+                | u8::from(g.magnitude.is_some()) << 1
+                | u8::from(g.alpha.is_some()) << 2
+                | u8::from(parts.expert.is_some()) << 3
+                // Read only for a 3-D factor (`Stacked3d`'s layout): a search per module costs.
+                | u8::from(sa.len() == 3 && memchr::memmem::find(g.key.as_bytes(), b"experts").is_some()) << 4,
+            kind: ModuleKind::Incomplete,
+            dims: None,
+        })
+    }
+
+    /// The template with the same inputs as `probe`: first the one after the last one hit.
+    fn find_template(&self, probe: &Template<'_>) -> Option<usize> {
+        let next = self.last_hit.wrapping_add(1) % self.templates.len().max(1);
+        match self.templates.get(next) {
+            Some(t) if t.same_inputs(probe) => Some(next),
+            _ => self.templates.iter().position(|t| t.same_inputs(probe)),
+        }
+    }
+
+    /// A module that matched template `i`: the template's answers, its own layer, expert and record.
+    fn repeat_template(
+        &mut self,
+        i: usize,
+        gi: usize,
+        g: &Group<'h>,
+        f: Factors<'h>,
+        parts: &names::KeyParts<'h>,
+        out: &mut Classification,
+    ) {
+        self.last_hit = i;
+        let t = self.templates[i];
+        let Some(dims) = t.dims else { return };
+        if let Some(l) = parts.layer {
+            self.layers.insert(l);
+        }
+        let n_exp = add_totals(dims, parts.expert, out);
+        if self.keep_modules {
+            // The name and config answers are this module's own (a template never has a
+            // `rank_pattern` to read, but the alpha may come from an `alpha_pattern`).
+            let name = names::strip_prefix(g.key);
+            let leaf = names::leaf_of(g.key, parts, self.kohya_names);
+            let config = self.configs.for_key(g.key, &self.components);
+            let config_rank = config.and_then(|c| c.rank_for(name));
+            let layer_expert = (parts.layer, parts.expert);
+            self.record(
+                gi,
+                g,
+                f,
+                t.kind,
+                name,
+                leaf,
+                layer_expert,
+                dims,
+                n_exp,
+                config,
+                config_rank,
+            );
+        }
+    }
+
+    /// Remembers a fully resolved module's answers for the same module in later layers. Only a
+    /// module that raised no problem: a problem's message names its module.
+    fn remember(&mut self, mut t: Template<'h>, kind: ModuleKind, dims: Dims, before: usize, out: &Classification) {
+        if out.problems.len() == before && before < MAX_PROBLEMS && self.templates.len() < 32 {
+            (t.kind, t.dims) = (kind, Some(dims));
+            self.templates.push(t);
+            self.last_hit = self.templates.len() - 1;
+        }
+    }
+
+    /// The module's name in the base model and its leaf. A target-parameters module is named by
+    /// the wrapper's module (`...experts.gate_up_proj`), whose leaf the config decides.
+    fn name_and_leaf(&self, g: &Group<'h>, kind: ModuleKind, parts: &names::KeyParts<'h>) -> (Cow<'h, str>, &'h str) {
+        let name = names::strip_prefix(g.key);
+        if kind != ModuleKind::TargetParameters {
+            return (Cow::Borrowed(name), names::leaf_of(g.key, parts, self.kohya_names));
+        }
+        let leaf = if g.key.ends_with("base_layer") {
+            self.inner_outer.0
+        } else {
+            self.inner_outer.1
+        };
+        let base = name.trim_end_matches(".base_layer");
+        (Cow::Owned(format!("{base}.{leaf}")), leaf)
+    }
+
+    /// Ranks, features and experts from the factors' shapes: a target-parameters module's experts
+    /// come from the configured rank, a variant's numbers from its own factors.
+    fn module_dims(
+        &self,
+        kind: ModuleKind,
+        g: &Group<'h>,
+        f: Factors<'h>,
+        config_rank: Option<u64>,
+        name: &str,
+        out: &mut Classification,
+    ) -> Dims {
+        let mut d = dims(kind, f.a_shape, f.b_shape);
         if kind == ModuleKind::TargetParameters {
-            if let (Some(rows), Some(r)) = (rank, config_rank) {
+            if let (Some(rows), Some(r)) = (d.rank, config_rank) {
                 if r > 0 && rows % r == 0 {
-                    n_exp = Some(rows / r);
-                    rank = Some(r);
+                    d.n_exp = Some(rows / r);
+                    d.rank = Some(r);
                 } else {
                     out.problem(
                         ProblemCode::MoeRankNotDivisible,
@@ -481,70 +668,13 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             }
         }
         if let ModuleKind::Variant(v) = kind {
-            (rank, in_f, out_f) = variant_dims(v, g, header);
+            (d.rank, d.in_f, d.out_f) = variant_dims(v, g, self.header);
         }
+        d
+    }
 
-        // Consistency checks.
-        match kind {
-            ModuleKind::Incomplete => {
-                let what = if a.is_some() {
-                    (ProblemCode::MissingLoraB, "has lora_A but no lora_B")
-                } else if b.is_some() {
-                    (ProblemCode::MissingLoraA, "has lora_B but no lora_A")
-                } else {
-                    (ProblemCode::OrphanTensor, "has no lora_A/lora_B pair")
-                };
-                out.problem(what.0, format_args!("module {:?} {}", g.key, what.1), None);
-            }
-            ModuleKind::Variant(_) => {}
-            _ => {
-                if let (Some(ra), Some(rb)) = (
-                    if kind == ModuleKind::TargetParameters {
-                        a_shape.and_then(|s| s.first().copied())
-                    } else {
-                        rank
-                    },
-                    b_rank,
-                ) {
-                    if ra != rb {
-                        out.problem(
-                            ProblemCode::RankMismatch,
-                            format_args!("module {:?}: lora_A rank {ra} but lora_B rank {rb}", g.key),
-                            None,
-                        );
-                    }
-                }
-                let dtype = |i: Option<u32>| i.and_then(|i| tensors.get(i as usize)).map(|t| t.dtype);
-                if let Some((da, db)) = dtype(a).zip(dtype(b)).filter(|(da, db)| da != db) {
-                    out.problem(
-                        ProblemCode::DtypeMismatch,
-                        format_args!(
-                            "module {:?}: lora_A is {} but lora_B is {}",
-                            g.key,
-                            da.name(),
-                            db.name()
-                        ),
-                        None,
-                    );
-                }
-                if kind != ModuleKind::TargetParameters {
-                    if let (Some(r), Some(cr)) = (rank, config_rank) {
-                        if r != cr && out.format == Format::Peft {
-                            out.problem(
-                                ProblemCode::ConfigRankMismatch,
-                                format_args!("module {name:?}: rank {r} in the tensors but the config (r / rank_pattern) gives {cr}"),
-                                None,
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        if let Some(c) = config {
-            check_target(c, kind, &name, parts.last, leaf, &mut tally, &mut out);
-        }
-
-        // Flags and MoE layout.
+    /// The adapter flags and MoE layout bits a module shows.
+    fn note_flags_and_layout(&mut self, g: &Group<'h>, kind: ModuleKind, f: Factors<'h>, out: &mut Classification) {
         if g.magnitude.is_some() {
             out.flags |= Flag::Dora.bit();
         }
@@ -558,13 +688,13 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             ModuleKind::Embedding => out.flags |= Flag::Embeddings.bit(),
             ModuleKind::Conv => out.flags |= Flag::Conv.bit(),
             ModuleKind::Variant(v) if !out.variants.contains(&v) => out.variants.push(v),
-            ModuleKind::Expert2d => layouts |= 1 << MoeLayout::PerExpert2d as u8,
-            ModuleKind::TargetParameters => layouts |= 1 << MoeLayout::PeftTargetParameters as u8,
+            ModuleKind::Expert2d => self.layouts |= 1 << MoeLayout::PerExpert2d as u8,
+            ModuleKind::TargetParameters => self.layouts |= 1 << MoeLayout::PeftTargetParameters as u8,
             ModuleKind::Stacked3d if g.key.contains("experts") => {
                 // A 0-d factor has no leading dim: it says nothing about the layout.
-                let outer =
-                    a_shape.is_some_and(|s| s.first() == Some(&1)) || b_shape.is_some_and(|s| s.first() == Some(&1));
-                layouts |= 1
+                let outer = f.a_shape.is_some_and(|s| s.first() == Some(&1))
+                    || f.b_shape.is_some_and(|s| s.first() == Some(&1));
+                self.layouts |= 1
                     << if outer {
                         MoeLayout::SharedOuter as u8
                     } else {
@@ -573,70 +703,213 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             }
             _ => {}
         }
-        if let Some(mut t) = probe {
-            // Only a module that raised no problem: a problem's message names its module.
-            if out.problems.len() == problems_before && problems_before < MAX_PROBLEMS && templates.len() < 32 {
-                (t.rank, t.n_exp) = (rank, n_exp);
-                templates.push(t);
-                last_hit = templates.len() - 1;
-            }
-        }
-        if let Some(e) = expert {
-            n_exp = Some(n_exp.unwrap_or(0).max(u64::from(e) + 1));
-        }
-        out.num_experts = out.num_experts.max(n_exp.unwrap_or(0));
-        out.rank = out.rank.max(rank.unwrap_or(0));
+    }
 
-        if opts.keep_modules {
-            let use_rslora = config.is_some_and(|c| c.use_rslora);
-            let alpha = alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(&name)));
-            let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.as_ref());
-            let mut extra: Vec<&str> = g
-                .variant_tensors
-                .iter()
-                .map(|&i| tensors[i as usize].name.as_ref())
-                .collect();
-            if let Some(m) = g.mid {
-                extra.push(&tensors[m as usize].name);
-            }
-            modules.push(&ModuleInfo {
-                key: g.key,
-                name: &name,
-                leaf,
-                kind,
-                layer,
-                expert,
-                num_experts: n_exp,
-                rank,
-                in_features: in_f,
-                out_features: out_f,
-                dtype: a.or(b).map(|i| tensors[i as usize].dtype),
-                a_key: tname(a),
-                b_key: tname(b),
-                a_shape,
-                b_shape,
-                alpha,
-                alpha_key: tname(g.alpha),
-                bias_key: tname(g.bias),
-                magnitude_key: tname(g.magnitude),
-                extra_keys: extra,
-                config_rank,
-                use_rslora,
-            });
+    /// Adds the module's record (`keep_modules`).
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        gi: usize,
+        g: &Group<'h>,
+        f: Factors<'h>,
+        kind: ModuleKind,
+        name: &str,
+        leaf: &str,
+        (layer, expert): (Option<u32>, Option<u32>),
+        dims: Dims,
+        n_exp: Option<u64>,
+        config: Option<&LoraConfig>,
+        config_rank: Option<u64>,
+    ) {
+        let tensors = &self.header.tensors;
+        let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.as_ref());
+        let mut extra: Vec<&str> = g
+            .variant_tensors
+            .iter()
+            .map(|&i| tensors[i as usize].name.as_ref())
+            .collect();
+        if let Some(m) = g.mid {
+            extra.push(&tensors[m as usize].name);
+        }
+        self.modules.push(&ModuleInfo {
+            key: g.key,
+            name,
+            leaf,
+            kind,
+            layer,
+            expert,
+            num_experts: n_exp,
+            rank: dims.rank,
+            in_features: dims.in_f,
+            out_features: dims.out_f,
+            dtype: f.a.or(f.b).map(|i| tensors[i as usize].dtype),
+            a_key: tname(f.a),
+            b_key: tname(f.b),
+            a_shape: f.a_shape,
+            b_shape: f.b_shape,
+            alpha: self.alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(name))),
+            alpha_key: tname(g.alpha),
+            bias_key: tname(g.bias),
+            magnitude_key: tname(g.magnitude),
+            extra_keys: extra,
+            config_rank,
+            use_rslora: config.is_some_and(|c| c.use_rslora),
+        });
+    }
+
+    /// What the loop gathered, into `out`: layers, target modules, MoE layout, the records.
+    fn finish(mut self, out: &mut Classification) {
+        out.variants.sort();
+        if out.flags & Flag::Dora.bit() != 0 || out.variants.iter().any(|v| *v != Variant::Diff) {
+            out.flags |= Flag::NonAdditive.bit();
+        }
+        out.moe_layout = match self.layouts.count_ones() {
+            0 => MoeLayout::Dense,
+            1 => match self.layouts.trailing_zeros() {
+                1 => MoeLayout::PerExpert2d,
+                2 => MoeLayout::Stacked3d,
+                3 => MoeLayout::SharedOuter,
+                _ => MoeLayout::PeftTargetParameters,
+            },
+            _ => MoeLayout::Mixed,
+        };
+        out.layers = self.layers.into_sorted();
+        out.target_modules = self.leaves.list.into_iter().map(|(_, l)| l.to_owned()).collect();
+        // A per-expert module's expert count is the adapter's, known only now.
+        self.modules.set_expert_2d_count(out.num_experts);
+        if let Some(kept) = std::sync::Arc::get_mut(&mut out.modules) {
+            *kept = self.modules;
         }
     }
-    if let Some(Some(TargetModules::List(list))) = configs.file.map(|c| c.target_modules.as_ref()) {
-        for (t, matched) in list.iter().zip(&tally.matched) {
-            if !matched && !groups.is_empty() {
+}
+
+/// The kind of module a group's tensors make.
+fn module_kind(g: &Group<'_>, f: Factors<'_>, expert: Option<u32>) -> ModuleKind {
+    let two_d = |s: Option<&[u64]>| s.is_some_and(|s| s.len() == 2);
+    if let Some(v) = g.variant {
+        ModuleKind::Variant(v)
+    } else if f.a.is_none() || f.b.is_none() {
+        ModuleKind::Incomplete
+    } else if g.emb_a.is_some() {
+        ModuleKind::Embedding
+    } else if g.key.ends_with("experts.base_layer")
+        || (g.key.ends_with(".experts") && (two_d(f.a_shape) || two_d(f.b_shape)))
+    {
+        ModuleKind::TargetParameters
+    } else {
+        match f.a_shape.map_or(0, <[u64]>::len) {
+            3 => ModuleKind::Stacked3d,
+            4 | 5 => ModuleKind::Conv,
+            _ if expert.is_some() => ModuleKind::Expert2d,
+            _ => ModuleKind::Linear,
+        }
+    }
+}
+
+/// A module's consistency problems: a missing factor, ranks or dtypes that disagree between A and
+/// B, a rank the config does not give.
+#[allow(clippy::too_many_arguments)]
+fn check_factors(
+    kind: ModuleKind,
+    g: &Group<'_>,
+    f: Factors<'_>,
+    dims: Dims,
+    config_rank: Option<u64>,
+    name: &str,
+    format: Format,
+    tensors: &[TensorEntry<'_>],
+    out: &mut Classification,
+) {
+    match kind {
+        ModuleKind::Incomplete => {
+            let what = if f.a.is_some() {
+                (ProblemCode::MissingLoraB, "has lora_A but no lora_B")
+            } else if f.b.is_some() {
+                (ProblemCode::MissingLoraA, "has lora_B but no lora_A")
+            } else {
+                (ProblemCode::OrphanTensor, "has no lora_A/lora_B pair")
+            };
+            out.problem(what.0, format_args!("module {:?} {}", g.key, what.1), None);
+        }
+        ModuleKind::Variant(_) => {}
+        _ => {
+            let a_rank = if kind == ModuleKind::TargetParameters {
+                f.a_shape.and_then(|s| s.first().copied())
+            } else {
+                dims.rank
+            };
+            if let (Some(ra), Some(rb)) = (a_rank, dims.b_rank) {
+                if ra != rb {
+                    out.problem(
+                        ProblemCode::RankMismatch,
+                        format_args!("module {:?}: lora_A rank {ra} but lora_B rank {rb}", g.key),
+                        None,
+                    );
+                }
+            }
+            let dtype = |i: Option<u32>| i.and_then(|i| tensors.get(i as usize)).map(|t| t.dtype);
+            if let Some((da, db)) = dtype(f.a).zip(dtype(f.b)).filter(|(da, db)| da != db) {
                 out.problem(
-                    ProblemCode::TargetModulesMismatch,
-                    format_args!("config target_modules entry {t:?} matches no tensor in the file"),
+                    ProblemCode::DtypeMismatch,
+                    format_args!(
+                        "module {:?}: lora_A is {} but lora_B is {}",
+                        g.key,
+                        da.name(),
+                        db.name()
+                    ),
                     None,
                 );
             }
+            if kind != ModuleKind::TargetParameters {
+                if let (Some(r), Some(cr)) = (dims.rank, config_rank) {
+                    if r != cr && format == Format::Peft {
+                        out.problem(
+                            ProblemCode::ConfigRankMismatch,
+                            format_args!(
+                                "module {name:?}: rank {r} in the tensors but the config (r / rank_pattern) gives {cr}"
+                            ),
+                            None,
+                        );
+                    }
+                }
+            }
         }
     }
-    if let Some(c) = config {
+}
+
+/// Adds a module's experts and rank to the adapter's; returns the module's expert count (its
+/// own expert number counts).
+fn add_totals(dims: Dims, expert: Option<u32>, out: &mut Classification) -> Option<u64> {
+    let mut n_exp = dims.n_exp;
+    if let Some(e) = expert {
+        n_exp = Some(n_exp.unwrap_or(0).max(u64::from(e) + 1));
+    }
+    out.num_experts = out.num_experts.max(n_exp.unwrap_or(0));
+    out.rank = out.rank.max(dims.rank.unwrap_or(0));
+    n_exp
+}
+
+/// Entries of the config file's `target_modules` list that no module matched (none are reported
+/// for a file without modules).
+fn report_unmatched_targets(file: Option<&LoraConfig>, matched: &[bool], any_module: bool, out: &mut Classification) {
+    let Some(TargetModules::List(list)) = file.and_then(|c| c.target_modules.as_ref()) else {
+        return;
+    };
+    for (t, matched) in list.iter().zip(matched) {
+        if !matched && any_module {
+            out.problem(
+                ProblemCode::TargetModulesMismatch,
+                format_args!("config target_modules entry {t:?} matches no tensor in the file"),
+                None,
+            );
+        }
+    }
+}
+
+/// Problems of the config(s) themselves: patterns lorafast cannot evaluate, and fields of the
+/// wrong type (read as absent) in every config read, each diffusers component's included.
+fn report_config_problems(configs: Configs<'_>, out: &mut Classification) {
+    if let Some(c) = configs.any() {
         for p in &c.bad_patterns {
             out.problem(
                 ProblemCode::UnsupportedPattern,
@@ -644,11 +917,7 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
                 None,
             );
         }
-        if !c.unsupported_features.is_empty() {
-            out.flags |= Flag::UnsupportedFeatures.bit();
-        }
     }
-    // Every config read, each diffusers component's included: a wrong-typed field is read as absent.
     let components = configs.components.iter().map(|(p, c)| (p.as_str(), c));
     for (prefix, c) in configs.file.map(|c| ("", c)).into_iter().chain(components) {
         for message in &c.invalid_fields {
@@ -666,45 +935,30 @@ pub fn classify(header: &Header<'_>, configs: Configs<'_>, weight_path: &Path, o
             );
         }
     }
-    if let Some(c) = config {
-        if c.use_dora {
-            out.flags |= Flag::Dora.bit();
+}
+
+/// The flags and variant the config states: features lorafast does not model, DoRA, a non-LoRA
+/// `peft_type`.
+fn add_config_flags(config: Option<&LoraConfig>, out: &mut Classification) {
+    let Some(c) = config else { return };
+    if !c.unsupported_features.is_empty() {
+        out.flags |= Flag::UnsupportedFeatures.bit();
+    }
+    if c.use_dora {
+        out.flags |= Flag::Dora.bit();
+    }
+    if let Some(v) = c.peft_type.as_deref().and_then(variant_of_peft_type) {
+        if !out.variants.contains(&v) {
+            out.variants.push(v);
         }
-        if let Some(pt) = c.peft_type.as_deref() {
-            if let Some(v) = variant_of_peft_type(pt) {
-                if !out.variants.contains(&v) {
-                    out.variants.push(v);
-                }
-            }
-        }
     }
-    modules.set_expert_2d_count(out.num_experts);
-    if let Some(kept) = std::sync::Arc::get_mut(&mut out.modules) {
-        *kept = modules;
-    }
-    out.variants.sort();
-    if out.flags & Flag::Dora.bit() != 0 || out.variants.iter().any(|v| *v != Variant::Diff) {
-        out.flags |= Flag::NonAdditive.bit();
-    }
-    out.moe_layout = match layouts.count_ones() {
-        0 => MoeLayout::Dense,
-        1 => match layouts.trailing_zeros() {
-            1 => MoeLayout::PerExpert2d,
-            2 => MoeLayout::Stacked3d,
-            3 => MoeLayout::SharedOuter,
-            _ => MoeLayout::PeftTargetParameters,
-        },
-        _ => MoeLayout::Mixed,
-    };
-    out.layers = layers.into_sorted();
-    out.target_modules = leaves.list.into_iter().map(|(_, l)| l.to_owned()).collect();
-    out
 }
 
 /// What the module loop reads of a plain A/B module besides its name, and what it concluded.
 /// Two modules with equal inputs whose names differ only where nothing reads them (the layer and
-/// expert numbers, when `name_free` holds) get the same kind, rank, flags, layout and target
-/// matches; the second then only adds its layer and expert.
+/// expert numbers, when `name_free` holds) get the same kind, dims, flags, layout and target
+/// matches; the second then only adds its layer, expert and record.
+#[derive(Clone, Copy)]
 struct Template<'h> {
     leaf_tag: u64,
     leaf: &'h str,
@@ -714,12 +968,14 @@ struct Template<'h> {
     dtypes: (Dtype, Dtype),
     /// bias, magnitude, alpha present; an expert number; a 3-D A with "experts" in the key.
     bits: u8,
-    rank: Option<u64>,
-    n_exp: Option<u64>,
+    /// The answers: set when the template is remembered.
+    kind: ModuleKind,
+    dims: Option<Dims>,
 }
 
 impl Template<'_> {
-    #[inline]
+    /// Inlined: an out-of-line call per module and template costs more than the compare.
+    #[inline(always)]
     fn same_inputs(&self, other: &Template<'_>) -> bool {
         self.leaf_tag == other.leaf_tag
             && self.bits == other.bits
@@ -1009,21 +1265,24 @@ fn target_parameter_leaves(config: Option<&LoraConfig>) -> (&'static str, &'stat
     }
 }
 
-/// (rank from A, rank from B, in, out, experts) for a module kind.
-#[allow(clippy::type_complexity)]
-fn dims(
-    kind: ModuleKind,
-    a: Option<&[u64]>,
-    b: Option<&[u64]>,
-) -> (Option<u64>, Option<u64>, Option<u64>, Option<u64>, Option<u64>) {
+/// Ranks (as A and B give them), features and experts from a module's factor shapes.
+fn dims(kind: ModuleKind, a: Option<&[u64]>, b: Option<&[u64]>) -> Dims {
     let at = |s: Option<&[u64]>, i: usize| s.and_then(|s| s.get(i).copied());
     match kind {
-        ModuleKind::Stacked3d => {
-            let e = at(a, 0).max(at(b, 0));
-            (at(a, 1), at(b, 2), at(a, 2), at(b, 1), e)
-        }
-        ModuleKind::Incomplete | ModuleKind::Variant(_) => (at(a, 0), at(b, 1), at(a, 1), at(b, 0), None),
-        _ => (at(a, 0), at(b, 1), at(a, 1), at(b, 0), None),
+        ModuleKind::Stacked3d => Dims {
+            rank: at(a, 1),
+            b_rank: at(b, 2),
+            in_f: at(a, 2),
+            out_f: at(b, 1),
+            n_exp: at(a, 0).max(at(b, 0)),
+        },
+        _ => Dims {
+            rank: at(a, 0),
+            b_rank: at(b, 1),
+            in_f: at(a, 1),
+            out_f: at(b, 0),
+            n_exp: None,
+        },
     }
 }
 
@@ -1361,19 +1620,31 @@ mod tests {
     }
 
     /// Modules that repeat per layer share their answers (`Template`), except where the name or a
-    /// problem decides: every problem is still reported for its own module, as `inspect` (which
-    /// keeps modules, so never uses templates) reports it.
+    /// problem decides: every problem is still reported for its own module, and every record is
+    /// the module's own, as a module-by-module pass (`reuse` off) gives them.
     #[test]
     fn templates_give_what_a_module_by_module_pass_gives() {
         let mut tensors = Vec::new();
         for layer in 0..6u64 {
-            for (m, out) in [("q_proj", 64), ("v_proj", 16), ("mlp.experts.3.up_proj", 32)] {
+            for (m, out) in [
+                ("q_proj", 64),
+                ("v_proj", 16),
+                ("mlp.experts.3.up_proj", 32),
+                ("o_proj", 64),
+            ] {
                 let key = format!("base_model.model.model.layers.{layer}.{m}");
                 // Layer 2's q_proj B disagrees on the rank, layer 4's v_proj A has another rank.
                 let rb = if layer == 2 && m == "q_proj" { 4 } else { 8 };
                 let ra = if layer == 4 && m == "v_proj" { 16 } else { 8 };
                 tensors.push((format!("{key}.lora_A.weight"), vec![ra, 64]));
                 tensors.push((format!("{key}.lora_B.weight"), vec![out, rb]));
+                // o_proj has a bias from layer 3 on, and a DoRA magnitude in odd layers.
+                if m == "o_proj" && layer >= 3 {
+                    tensors.push((format!("{key}.lora_B.bias"), vec![out]));
+                }
+                if m == "o_proj" && layer % 2 == 1 {
+                    tensors.push((format!("{key}.lora_magnitude_vector"), vec![out]));
+                }
             }
         }
         let (json, size) = header_json(&tensors);
@@ -1381,30 +1652,26 @@ mod tests {
         for config in [
             r#"{"r": 8, "target_modules": ["q_proj", "up_proj"]}"#,
             r#"{"r": 8, "target_modules": "all-linear"}"#,
+            r#"{"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "alpha_pattern": {"layers.3.o_proj": 4}}"#,
             r#"{"r": 8, "target_modules": ["q_proj", "v_proj", "up_proj"], "rank_pattern": {"layers.1.q_proj": 4}}"#,
             r#"{"r": 8, "target_modules": ".*q_proj"}"#,
         ] {
             let c = LoraConfig::from_json(config).unwrap();
-            let run = |keep_modules| {
+            let run = |keep_modules, reuse| {
                 let configs = Configs {
                     file: Some(&c),
                     components: &[],
                 };
-                classify(&header, configs, Path::new("x"), Options { keep_modules })
+                classify_with(&header, configs, Path::new("x"), Options { keep_modules }, reuse)
             };
-            let (fast, full) = (run(false), run(true));
-            assert_eq!(fast.problems, full.problems, "{config}");
-            assert!(!fast.problems.is_empty(), "{config}");
-            assert_eq!(
-                (fast.rank, fast.num_experts, fast.flags, fast.moe_layout),
-                (full.rank, full.num_experts, full.flags, full.moe_layout)
-            );
-            assert_eq!(
-                (&fast.layers, &fast.target_modules),
-                (&full.layers, &full.target_modules)
-            );
-            assert_eq!(fast.layers, (0..6).collect::<Vec<u32>>());
-            assert_eq!(fast.num_experts, 4);
+            for keep_modules in [false, true] {
+                let (fast, full) = (run(keep_modules, true), run(keep_modules, false));
+                assert_eq!(format!("{fast:?}"), format!("{full:?}"), "{config}");
+                assert!(!fast.problems.is_empty(), "{config}");
+                assert_eq!(fast.layers, (0..6).collect::<Vec<u32>>());
+                assert_eq!(fast.num_experts, 4);
+                assert_eq!(fast.modules.len(), if keep_modules { 24 } else { 0 });
+            }
         }
     }
 
