@@ -301,8 +301,16 @@ def test_kohya_to_peft_folder_keeps_every_scale(tmp_path: Path) -> None:
     assert sorted(os.listdir(res.out)) == ["adapter_config.json", "adapter_model.safetensors"]
     conv = lorafast.inspect(res.out)
     assert conv.format.value in ("peft", "diffusers") and conv.config is not None
-    before = {m.name.removeprefix("lora_unet_"): m.scale for m in lorafast.inspect(src).modules}
+    # the dots come back as diffusers' kohya converter puts them (names written out by hand)
+    dotted = {"down_blocks_0_attentions_0_proj_in": "down_blocks.0.attentions.0.proj_in",
+              "mid_block_attentions_0_proj_out": "mid_block.attentions.0.proj_out",
+              "up_blocks_1_attentions_0_proj_in": "up_blocks.1.attentions.0.proj_in",
+              "down_blocks_1_resnets_0_conv1": "down_blocks.1.resnets.0.conv1"}  # fmt: skip
+    before = {dotted[m.name.removeprefix("lora_unet_")]: m.scale for m in lorafast.inspect(src).modules}
     assert {m.name: m.scale for m in conv.modules} == before
+    keys = set(lorafast.read_header(os.path.join(res.out, "adapter_model.safetensors")).tensors)
+    assert keys == {f"unet.{d}.lora_{ab}.weight" for d in dotted.values() for ab in "AB"}
+    assert res.notes == ()
     assert_bit_identical(merged(_unet_base(), src), merged(_unet_base(), res.out))
 
 

@@ -48,6 +48,8 @@ class ConvertResult:
     source_bytes: int  # tensor data of the source
     source_sha256: str  # sha256 of the source's data section (kohya's content hash)
     seconds: float
+    #: what the caller should know about the output (kohya names kept flattened, ...); also in the metadata
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +131,7 @@ def convert(
     try:
         with TensorFile(src) as tf:
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
-            tensors, config = _plan(ad, tf, found, to)
+            tensors, config, notes = _plan(ad, tf, found, to)
             box: list[str | BaseException] = []
             hasher = threading.Thread(target=_content_hash, args=(src, tf.data_start, box), daemon=True)
             hasher.start()
@@ -145,7 +147,8 @@ def convert(
             meta.setdefault("format", "pt")
             meta["lorafast.converted"] = json.dumps(
                 {"from": found, "to": to, "source": os.path.basename(src), "source_sha256": SHA_PLACEHOLDER,
-                 "lorafast_version": _version()}, separators=(",", ":"))  # fmt: skip
+                 "lorafast_version": _version(), **({"notes": list(notes)} if notes else {})},
+                separators=(",", ":"))  # fmt: skip
             written = write_file(folder.join(WEIGHTS_NAME), tensors, meta, sha)
             digest = sha()
         files = [WEIGHTS_NAME]
@@ -162,7 +165,7 @@ def convert(
     finally:
         folder.discard()
     return ConvertResult(path, folder.out, found, to, tuple(os.path.join(folder.out, f) for f in files),
-                         len(tensors), written, sizes, digest, time.perf_counter() - started)  # fmt: skip
+                         len(tensors), written, sizes, digest, time.perf_counter() - started, notes)  # fmt: skip
 
 
 def _version() -> str:
@@ -176,10 +179,13 @@ def _copy(tf: TensorFile, name: str, new: str | None = None) -> OutTensor:
     return OutTensor(new or name, e.dtype, e.shape, lambda: iter([SourceBytes(tf, name)]))
 
 
-def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTensor], dict[str, Any] | None]:
+def _plan(
+    ad: Adapter, tf: TensorFile, found: str, to: str
+) -> tuple[list[OutTensor], dict[str, Any] | None, tuple[str, ...]]:
     if to == "peft":
-        tensors, wants = kohya.plan_peft(ad, tf)
-        return tensors, build(None, wants, [])
+        tensors, wants, dotted = kohya.plan_peft(ad, tf)
+        notes = () if dotted else (kohya.FLATTENED_NOTE,)
+        return tensors, build(None, wants, []), notes
     groups, covered = moe.read_groups(ad, tf)
     if not groups:
         raise ConvertError(f"{ad.path}: no expert modules found", "layout_mismatch", ad.path)
@@ -196,11 +202,11 @@ def _plan(ad: Adapter, tf: TensorFile, found: str, to: str) -> tuple[list[OutTen
     others = [n for n in sorted(tf.tensors, key=lambda n: tf.tensors[n].begin) if n not in covered]
     tensors = [_copy(tf, n, rename(n) if rename else None) for n in others] + new
     if ad.config is None:
-        return tensors, None
+        return tensors, None, ()
     wants = [Want(rename(m.name) if rename else m.name, m.leaf, m.rank or 0, m.alpha) for m in kept]
     wants += [Want(m.name, m.leaf, m.rank, m.alpha, m.parameter) for m in mods]
     params = [".".join(m.name.split(".")[-3:]) for m in mods if m.parameter]
-    return tensors, build(ad.config, wants, params, widest=True)
+    return tensors, build(ad.config, wants, params, widest=True), ()
 
 
 __all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout"]

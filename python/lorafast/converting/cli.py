@@ -18,6 +18,8 @@ def _run(args: argparse.Namespace) -> int:
         rate = res.bytes / res.seconds / 1e9 if res.seconds > 0 else 0.0
         print(f"{res.source}: {res.from_layout} -> {res.to_layout}, {res.tensors} tensors, {res.bytes:,} bytes "
               f"in {res.seconds:.2f} s ({rate:.2f} GB/s) -> {res.out}")  # fmt: skip
+        for note in res.notes:
+            print(f"note: {note}")
     return 0
 
 

@@ -3,9 +3,19 @@
 Keys are renamed to `<component>.<module>.lora_A.weight` / `lora_B.weight`; the tensors are copied unchanged.
 Each module's alpha (kohya's `.alpha` tensor; 0 or none means alpha = rank) goes into the config: the most
 common (rank, alpha) become `r`/`lora_alpha`, the others `rank_pattern`/`alpha_pattern` entries, so every
-module keeps its exact scale. kohya names flatten the module path with `_`, which cannot be undone without the
-model; the names keep that form and resolve as kohya names do (the merge engine matches them to the
-base's weights the same way).
+module keeps its exact scale.
+
+kohya flattens the module path with `_` (`lora_unet_down_blocks_0_attentions_0_proj_in`), and some module names
+hold a `_` themselves (`down_blocks`, `proj_in`, `to_q`). The dots are put back as diffusers'
+`_convert_unet_lora_key`/`_convert_text_encoder_lora_key` do for the models whose names kohya writes in
+diffusers' spelling: the SD 1.x/2.x UNet, the CLIP text encoders (`te`, `te1`, `te2`) and diffusers-named
+transformers (Flux's `transformer_blocks`/`single_transformer_blocks`): each name is split at every `_` and
+the pieces are joined back into the longest known module name (`_JOINED`). That is done only when every
+piece of every module of the adapter is then a known module name or an index, so a guess never renames a
+module. Otherwise (SDXL's sgm names `input_blocks_4_1_...`, Flux's BFL names `double_blocks_0_img_attn_qkv`,
+anything unknown), the architecture cannot be told from the names alone, and every name keeps its flattened
+form under the component prefix (`unet.input_blocks_4_1_...`): `lorafast.merge` resolves those against a base as
+it resolves kohya names, PEFT and the engines do not. `ConvertResult` and the metadata say which was done.
 """
 
 from __future__ import annotations
@@ -26,13 +36,72 @@ _KOHYA_COMPONENTS = (("lora_unet_", "unet."), ("lora_te1_", "text_encoder."), ("
                      ("lora_prior_unet_", "prior."))  # fmt: skip
 SOURCE_FORMATS = (AdapterFormat.KOHYA, AdapterFormat.DIFFUSERS_LEGACY)
 
+#: module names that hold a `_` (diffusers UNet and transformer blocks, CLIP text encoders)
+_JOINED = frozenset(
+    """down_blocks up_blocks mid_block transformer_blocks single_transformer_blocks proj_in proj_out to_q to_k to_v
+    to_out conv_in conv_out conv_shortcut conv_norm_out time_emb_proj time_embedding linear_1 linear_2
+    add_embedding add_q_proj add_k_proj add_v_proj to_add_out proj_mlp norm1_context ff_context norm_out
+    norm_q norm_k norm_added_q norm_added_k x_embedder context_embedder time_text_embed timestep_embedder
+    guidance_embedder text_embedder text_model self_attn q_proj k_proj v_proj out_proj text_projection
+    final_layer_norm layer_norm1 layer_norm2 token_embedding position_embedding""".split()
+)
+#: module names without a `_` that those models have
+_SINGLE = frozenset(
+    """attentions resnets downsamplers upsamplers conv conv1 conv2 attn attn1 attn2 ff net proj norm norm1 norm2
+    norm3 linear encoder layers mlp fc1 fc2 embeddings""".split()
+)
+_LONGEST = max(len(w.split("_")) for w in _JOINED)
+#: `ConvertResult.notes` entry when the names could not be unflattened
+FLATTENED_NOTE = (
+    "kohya module names kept in their flattened form (unknown architecture): lorafast.merge resolves them, "
+    "PEFT and the engines do not"
+)
 
-def _peft_key(fmt: AdapterFormat, key: str) -> str:
+
+def unflatten(flat: str) -> str | None:
+    """kohya's flattened module path with its dots back (`down_blocks_0_proj_in` -> `down_blocks.0.proj_in`),
+    or None when a piece is not a known module name: the path cannot be told without the model."""
+    pieces = flat.split("_")
+    out: list[str] = []
+    i = 0
+    while i < len(pieces):
+        for n in range(min(_LONGEST, len(pieces) - i), 0, -1):  # the longest known name first
+            word = "_".join(pieces[i : i + n])
+            if (n > 1 and word in _JOINED) or (n == 1 and (word in _SINGLE or word.isdigit())):
+                out.append(word)
+                i += n
+                break
+        else:
+            return None
+    return ".".join(out)
+
+
+def _kohya_split(key: str) -> tuple[str, str]:
+    """(component prefix, flattened module path) of a kohya module key."""
+    for old, new in _KOHYA_COMPONENTS:
+        if key.startswith(old):
+            return new, key[len(old) :]
+    return "", key
+
+
+def kohya_names(keys: list[str]) -> dict[str, str] | None:
+    """Every kohya module key's dotted PEFT name, or None when one of them cannot be unflattened."""
+    names = {}
+    for key in keys:
+        prefix, flat = _kohya_split(key)
+        dotted = unflatten(flat)
+        if not prefix or dotted is None:
+            return None
+        names[key] = prefix + dotted
+    return names
+
+
+def _peft_key(fmt: AdapterFormat, key: str, dotted: dict[str, str] | None) -> str:
     if fmt == AdapterFormat.KOHYA:
-        for old, new in _KOHYA_COMPONENTS:
-            if key.startswith(old):
-                return new + key[len(old) :]
-        return key
+        if dotted is not None:
+            return dotted[key]
+        prefix, flat = _kohya_split(key)
+        return prefix + flat
     # old diffusers attention processors: `attn1.processor.to_q_lora` sits on `attn1.to_q`, and `to_out` on `to_out.0`
     parts = [p for p in key.split(".") if p != "processor"]
     if parts and parts[-1] == "to_out":
@@ -40,17 +109,20 @@ def _peft_key(fmt: AdapterFormat, key: str) -> str:
     return ".".join(parts)
 
 
-def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[Want]]:
+def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[Want], bool]:
+    """The tensors and config wants of the PEFT folder, and whether kohya names were unflattened."""
     if adapter.variants or "dora" in adapter.flags:
         what = ", ".join([*adapter.variants, *(["dora"] if "dora" in adapter.flags else [])])
         raise ConvertError(f"{adapter.path}: {what} modules have no plain PEFT LoRA form", "unsupported", adapter.path)
     tensors: list[OutTensor] = []
     wants: list[Want] = []
     used: set[str] = set()
+    kohya = adapter.format == AdapterFormat.KOHYA
+    dotted = kohya_names([m.key for m in adapter.modules]) if kohya else None
     for m in adapter.modules:
         if m.kind not in ("linear", "conv") or m.a_key is None or m.b_key is None or m.a_shape is None:
             raise ConvertError(f"{m.key}: a {m.kind} module has no PEFT LoRA form", "unsupported", adapter.path)
-        key = _peft_key(adapter.format, m.key)
+        key = _peft_key(adapter.format, m.key, dotted)
         for src, dst in ((m.a_key, f"{key}.lora_A.weight"), (m.b_key, f"{key}.lora_B.weight")):
             e = tf.entry(src)
             tensors.append(OutTensor(dst, e.dtype, e.shape, partial(_one, partial(SourceBytes, tf, src))))
@@ -67,4 +139,4 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
     if left:
         raise ConvertError(f"{adapter.path}: tensors {left[:4]} belong to no LoRA module; converting would drop "
                            "them", "lossy", adapter.path)  # fmt: skip
-    return tensors, wants
+    return tensors, wants, dotted is not None or not kohya
