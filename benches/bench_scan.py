@@ -13,6 +13,7 @@ one it has seen (same names, shapes, offsets, data size and config; see rust/mem
 set has four distinct headers, as a fleet trained from a few recipes does; in "unique" every
 adapter is parsed and classified anew.
 Prints adapters/s and the ratio to lorafast. Usage: python benches/bench_scan.py [--dense N] [--moe N]
+[--sets dense,unique,MoE] [--dir DIR] (DIR keeps the generated sets for later runs).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -159,55 +161,72 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     return min(times)
 
 
+def make_set(root: str, label: str, args: argparse.Namespace) -> list[str]:
+    """The adapters of one set under `root/label`: written there, or the ones a previous run with the
+    same counts left (`--dir`)."""
+    sroot = os.path.join(root, label)
+    n = args.moe if label == "MoE" else args.dense
+    if os.path.isdir(sroot) and len(os.listdir(sroot)) == n:
+        return sorted(os.path.join(sroot, d) for d in os.listdir(sroot))
+    shutil.rmtree(sroot, ignore_errors=True)
+    os.makedirs(sroot)
+    if label == "MoE":
+        return make_moe(sroot, n)
+    return make_dense(sroot, n, unique=label == "unique")
+
+
+def time_set(label: str, dirs: list[str], sroot: str, args: argparse.Namespace) -> list[tuple[str, str, float, float]]:
+    """(set, method, adapters/s, lorafast all cores / method) for every method on one set."""
+    t_lf = best_of(lambda: lorafast.scan([sroot], progress=False), args.repeat)
+    t_lf1 = best_of(lambda: lorafast.scan([sroot], threads=1, progress=False), args.repeat)
+    sub = dirs[: args.b1_subset]
+    results = {
+        "lorafast.scan (all cores)": (t_lf, len(dirs)),
+        "lorafast.scan (1 thread)": (t_lf1, len(dirs)),
+        "B1 load_file + shapes": (best_of(lambda: b1_load_file(sub), 1), len(sub)),
+        "B2 safe_open + get_shape": (best_of(lambda: b2_safe_open(dirs), 2), len(dirs)),
+        "B3 struct + json.loads": (best_of(lambda: b3_json(dirs), args.repeat), len(dirs)),
+        "B4 orjson": (best_of(lambda: b4_orjson(dirs), args.repeat), len(dirs)),
+        "floor: open/read/close": (best_of(lambda: floor_read(dirs), args.repeat), len(dirs)),
+    }
+    lf_rate = len(dirs) / t_lf
+    return [(label, name, n / secs, lf_rate / (n / secs)) for name, (secs, n) in results.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dense", type=int, default=2000)
     ap.add_argument("--moe", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--b1-subset", type=int, default=200, help="B1 reads all data; time it on this many")
+    ap.add_argument("--sets", default="dense,unique,MoE", help="the sets to time, comma-separated")
+    ap.add_argument("--dir", help="write the sets here and reuse them in later runs (default: a temporary folder)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="lorafast-bench-") as root:
-        dense_root, moe_root = os.path.join(root, "dense"), os.path.join(root, "moe")
-        unique_root = os.path.join(root, "unique")
-        for d in (dense_root, moe_root, unique_root):
-            os.makedirs(d)
+    labels = [s for s in ("dense", "unique", "MoE") if s in args.sets.split(",")]
+    with tempfile.TemporaryDirectory(prefix="lorafast-bench-") as tmp:
+        root = args.dir or tmp
         t = time.perf_counter()
-        dense = make_dense(dense_root, args.dense)
-        unique = make_dense(unique_root, args.dense, unique=True)
-        moe = make_moe(moe_root, args.moe)
-        print(
-            f"generated {len(dense)} + {len(unique)} dense and {len(moe)} MoE adapters in {time.perf_counter() - t:.1f}s",
-            file=sys.stderr,
-        )
+        sets = {label: make_set(root, label, args) for label in labels}
+        counts = ", ".join(f"{len(dirs)} {label}" for label, dirs in sets.items())
+        print(f"sets ready ({counts}) in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         os.sync()  # write the new files back now, not while the methods are being timed
 
-        report = lorafast.scan([dense_root])
-        assert len(report) == len(dense) and not report.errors, report.errors[:3]
-        cols = report.columns()
-        assert int(cols["rank"].max()) == 64 and int((cols["status"] != 0).sum()) == 0
+        for label, dirs in sets.items():
+            report = lorafast.scan([os.path.join(root, label)])
+            assert len(report) == len(dirs) and not report.errors, report.errors[:3]
+            cols = report.columns()
+            if label != "MoE":  # MoE adapters carry problems (status 1) on purpose
+                assert int(cols["rank"].max()) == 64 and int((cols["status"] != 0).sum()) == 0
 
         rows = []
-        sets = (("dense", dense, dense_root), ("unique", unique, unique_root), ("MoE", moe, moe_root))
-        for label, dirs, sroot in sets:
-            t_lf = best_of(lambda sroot=sroot: lorafast.scan([sroot], progress=False), args.repeat)
-            t_lf1 = best_of(lambda sroot=sroot: lorafast.scan([sroot], threads=1, progress=False), args.repeat)
-            sub = dirs[: args.b1_subset]
-            results = {
-                "lorafast.scan (all cores)": (t_lf, len(dirs)),
-                "lorafast.scan (1 thread)": (t_lf1, len(dirs)),
-                "B1 load_file + shapes": (best_of(lambda sub=sub: b1_load_file(sub), 1), len(sub)),
-                "B2 safe_open + get_shape": (best_of(lambda dirs=dirs: b2_safe_open(dirs), 2), len(dirs)),
-                "B3 struct + json.loads": (best_of(lambda dirs=dirs: b3_json(dirs), args.repeat), len(dirs)),
-                "B4 orjson": (best_of(lambda dirs=dirs: b4_orjson(dirs), args.repeat), len(dirs)),
-                "floor: open/read/close": (best_of(lambda dirs=dirs: floor_read(dirs), args.repeat), len(dirs)),
-            }
-            lf_rate = len(dirs) / t_lf
-            for name, (secs, n) in results.items():
-                rate = n / secs
-                rows.append((label, name, rate, lf_rate / rate))
+        for label, dirs in sets.items():
+            rows += time_set(label, dirs, os.path.join(root, label), args)
         print(f"\n{'set':<6} {'method':<28} {'adapters/s':>12} {'lorafast is x faster':>22}")
         for label, name, rate, ratio in rows:
             print(f"{label:<6} {name:<28} {rate:>12,.0f} {ratio:>22.1f}")
+        if "dense" not in sets:
+            print(f"\ncores: {os.cpu_count()}")
+            return 0
         # Memory: a 10,000-adapter scan (the dense set five times over) in a fresh process.
         # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec from this (large) parent.
         code = (
@@ -217,6 +236,7 @@ def main() -> int:
             "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
             "print(len(r), int(hwm.split()[1]) / 1024)\n"
         )
+        dense_root = os.path.join(root, "dense")
         out = subprocess.run([sys.executable, "-c", code, dense_root], capture_output=True, text=True, check=True)
         n, rss = out.stdout.split()
         print(f"\npeak RSS of a fresh process scanning {n} adapters: {float(rss):.0f} MB; cores: {os.cpu_count()}")
