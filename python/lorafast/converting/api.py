@@ -105,11 +105,16 @@ def convert(
     *,
     overwrite: bool = False,
     source_layout: str | None = None,
+    gate_up: str | None = None,
 ) -> ConvertResult:
     """Write `adapter` converted to layout `to` (one of `LAYOUTS`) as a PEFT folder `out`.
 
     `source_layout` (`--from`) asserts the source layout; without it the scan's classification is used. The
     result is exact (the merged delta is bit-identical) or the call raises `ConvertError` and writes nothing.
+    `gate_up` (`--gate-up`): `interleaved` when the adapter was made on (or is meant for) transformers' GPT-OSS,
+    whose fused gate_up alternates gate and up rows; `concatenated` otherwise; default: `interleaved` when the
+    adapter config's `base_model_name_or_path` names a GPT-OSS. It orders the `target_parameters` side only: the
+    SGLang layouts always hold gate rows then up rows (SGLang interleaves them itself on load).
     """
     started = time.perf_counter()
     if to not in LAYOUTS:
@@ -131,7 +136,7 @@ def convert(
     try:
         with TensorFile(src) as tf:
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
-            tensors, config, notes = _plan(ad, tf, found, to)
+            tensors, config, notes = _plan(ad, tf, found, to, moe.gate_up_order(ad, gate_up))
             box: list[str | BaseException] = []
             hasher = threading.Thread(target=_content_hash, args=(src, tf.data_start, box), daemon=True)
             hasher.start()
@@ -180,7 +185,7 @@ def _copy(tf: TensorFile, name: str, new: str | None = None) -> OutTensor:
 
 
 def _plan(
-    ad: Adapter, tf: TensorFile, found: str, to: str
+    ad: Adapter, tf: TensorFile, found: str, to: str, gate_up: str = "concatenated"
 ) -> tuple[list[OutTensor], dict[str, Any] | None, tuple[str, ...]]:
     if to == "peft":
         tensors, wants, dotted = kohya.plan_peft(ad, tf)
@@ -189,6 +194,13 @@ def _plan(
     groups, covered = moe.read_groups(ad, tf)
     if not groups:
         raise ConvertError(f"{ad.path}: no expert modules found", "layout_mismatch", ad.path)
+    interleaved = gate_up == "interleaved"
+    notes: tuple[str, ...] = ()
+    if interleaved and found == "peft_target_parameters":
+        groups = moe.deinterleave(groups, ad.path)
+        notes = ("gate_up lora_B rows read in GPT-OSS's interleaved order, written gate rows then up rows",)
+    elif interleaved and to in ("peft_target_parameters", "transformers5"):
+        notes = ("gate_up lora_B rows written in GPT-OSS's interleaved order",)
     rename = moe.mixtral_to_v5 if to == "transformers5" else None
     if to == "stacked_3d":
         new, mods = moe.write_stacked(groups, False, ad.path)
@@ -197,16 +209,16 @@ def _plan(
     elif to == "per_expert_2d":
         new, mods = moe.write_numbered(groups)
     else:
-        new, mods = moe.write_target_parameters(groups, ad.path, rename)
+        new, mods = moe.write_target_parameters(groups, ad.path, rename, interleaved)
     kept = [m for m in ad.modules if m.a_key not in covered]
     others = [n for n in sorted(tf.tensors, key=lambda n: tf.tensors[n].begin) if n not in covered]
     tensors = [_copy(tf, n, rename(n) if rename else None) for n in others] + new
     if ad.config is None:
-        return tensors, None, ()
+        return tensors, None, notes
     wants = [Want(rename(m.name) if rename else m.name, m.leaf, m.rank or 0, m.alpha) for m in kept]
     wants += [Want(m.name, m.leaf, m.rank, m.alpha, m.parameter) for m in mods]
     params = [".".join(m.name.split(".")[-3:]) for m in mods if m.parameter]
-    return tensors, build(ad.config, wants, params, widest=True), ()
+    return tensors, build(ad.config, wants, params, widest=True), notes
 
 
 __all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout"]

@@ -11,7 +11,8 @@ from typing import Any
 def _run(args: argparse.Namespace) -> int:
     from lorafast.converting.api import convert
 
-    res = convert(args.path, args.to, args.out, overwrite=args.overwrite, source_layout=args.from_layout)
+    res = convert(args.path, args.to, args.out, overwrite=args.overwrite, source_layout=args.from_layout,
+                  gate_up=args.gate_up)  # fmt: skip
     if args.json:
         sys.stdout.write(json.dumps(res.to_dict(), indent=2) + "\n")
     else:
@@ -38,5 +39,8 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="output folder (adapter_model.safetensors + adapter_config.json)")
     p.add_argument("--from", dest="from_layout", default=None, help="expected source layout (checked)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--gate-up", choices=("concatenated", "interleaved"), default=None,
+                   help="row order of a target_parameters gate_up lora_B: interleaved for GPT-OSS (default: from "
+                   "the adapter config's base_model_name_or_path)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)

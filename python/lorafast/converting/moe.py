@@ -16,6 +16,10 @@ Every target layout is then written from that model, so each pair of layouts is 
   (both keep the shared A; B's halves).
 - `target_parameters` ⇄ stacked: A `(r·E, in)` is expert-major (a reshape); B `(out, r·E)` is rank-major
   (`col = j·E + e`, a permutation).
+- GPT-OSS interleaved gate/up: transformers' GPT-OSS keeps `gate_up_proj` with gate and up alternating along the
+  output (`[..., ::2]` gate, `[..., 1::2]` up), so a PEFT `target_parameters` adapter made on it has lora_B's rows
+  in that order; SGLang takes gate rows then up rows and interleaves them itself for GPT-OSS. Reading such an
+  adapter puts B's rows in gate-then-up order, writing one puts them back: a row permutation (exact).
 - transformers 4 → 5: numbered `experts.N.w1/w3/w2` (or gate/up/down_proj) become the `target_parameters` keys
   PEFT loads into transformers 5 fused experts (`experts.base_layer` for gate_up, `experts` for down), and
   Mixtral's `block_sparse_moe` becomes `mlp`, as transformers 5 renames it.
@@ -222,6 +226,51 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
 # gate/up fusion and splitting
 
 
+#: `gate_up` values: how a fused gate_up's output rows are ordered in a transformers-layout adapter
+GATE_UP_ORDERS = ("concatenated", "interleaved")
+
+
+def gate_up_order(adapter: Adapter, asked: str | None) -> str:
+    """`asked`, else `interleaved` when the adapter's base model is a GPT-OSS (its config says so)."""
+    if asked is not None:
+        if asked not in GATE_UP_ORDERS:
+            raise ConvertError(f"gate_up must be one of {', '.join(GATE_UP_ORDERS)}, not {asked!r}", "unsupported")
+        return asked
+    base = str((adapter.config or {}).get("base_model_name_or_path") or "").lower().replace("_", "-")
+    return "interleaved" if "gpt-oss" in base else "concatenated"
+
+
+def _deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """(2I, r) rows gate0, up0, gate1, ... -> gate0..gateI-1, up0..upI-1."""
+    return x.reshape(-1, 2, x.shape[-1]).transpose(0, 1).reshape(x.shape)
+
+
+def _interleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """(2I, r) rows gate then up -> gate0, up0, gate1, up1, ..."""
+    return x.reshape(2, -1, x.shape[-1]).transpose(0, 1).reshape(x.shape)
+
+
+def _reordered(g: Group, fn: Callable[[torch.Tensor], torch.Tensor], path: str) -> Group:
+    if g.proj != "gate_up_proj":
+        return g
+    b = g.b
+    if b.shape[0] % 2:
+        raise ConvertError(f"{g.owner}.gate_up_proj: lora_B has {b.shape[0]} rows, not gate and up halves", "bad_source",
+                           path)  # fmt: skip
+    rows = Factor(b.dtype, b.experts, b.stored, b.shape, lambda i: fn(b.expert(i)))
+    return Group(g.prefix, g.owner, g.proj, g.a, rows, g.rank, g.alpha, g.rslora)
+
+
+def deinterleave(groups: list[Group], path: str) -> list[Group]:
+    """A GPT-OSS-ordered adapter's groups with every gate_up lora_B in gate-then-up row order."""
+    return [_reordered(g, _deinterleave_rows, path) for g in groups]
+
+
+def interleave(groups: list[Group], path: str) -> list[Group]:
+    """Groups with every gate_up lora_B in GPT-OSS's alternating row order."""
+    return [_reordered(g, _interleave_rows, path) for g in groups]
+
+
 def _fuse(gate: Group, up: Group, path: str) -> Group:
     """gate and up into one gate_up_proj, as PEFT's transformers-5 conversion: A concatenated along r, B
     block-diagonal; rank doubles and so does alpha (alpha/r is kept exactly: both are doubled)."""
@@ -400,14 +449,16 @@ def write_numbered(groups: list[Group]) -> tuple[list[OutTensor], list[OutModule
     return tensors, mods
 
 
-def write_target_parameters(groups: list[Group], path: str, rename: Callable[[str], str] | None = None
-                            ) -> tuple[list[OutTensor], list[OutModule]]:  # fmt: skip
-    """PEFT ParamWrapper keys: gate_up at `experts.base_layer` (the inner wrapper), down at `experts`."""
+def write_target_parameters(groups: list[Group], path: str, rename: Callable[[str], str] | None = None,
+                            interleaved: bool = False) -> tuple[list[OutTensor], list[OutModule]]:  # fmt: skip
+    """PEFT ParamWrapper keys: gate_up at `experts.base_layer` (the inner wrapper), down at `experts`;
+    `interleaved`: gate_up's B rows in GPT-OSS's alternating order."""
     import torch
 
     tensors: list[OutTensor] = []
     mods: list[OutModule] = []
-    for g in fuse_gate_up(groups, path):
+    fused = fuse_gate_up(groups, path)
+    for g in interleave(fused, path) if interleaved else fused:
         if g.proj not in ("gate_up_proj", "down_proj"):
             raise ConvertError(f"{g.owner}.{g.proj}: target_parameters has no place for {g.proj}", "unsupported", path)
         owner = rename(g.owner) if rename else g.owner
