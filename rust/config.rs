@@ -13,8 +13,10 @@ use serde_json::{Map, Value};
 
 use crate::json::{Cursor, Number};
 
+/// A config's `target_modules`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TargetModules {
+    /// Module names, each matching a name equal to it or ending in `.` and it.
     List(Vec<String>),
     /// A regex (`re.fullmatch` against the full module name), or `all-linear`.
     Pattern(String),
@@ -24,8 +26,11 @@ pub enum TargetModules {
 /// `re.match(rf"(.*\.)?({key})$", module_name)`.
 #[derive(Debug, Clone)]
 pub struct Pattern {
+    /// The key as the config writes it.
     pub key: String,
+    /// How the key is matched.
     pub matcher: Matcher,
+    /// The rank or alpha it gives.
     pub value: f64,
 }
 
@@ -35,6 +40,7 @@ pub enum Matcher {
     /// A key whose only regex syntax is `.` (most are: PEFT writes module names), matched
     /// without a regex: each `.` is any character but a newline, the rest is text.
     Plain,
+    /// Any other key, compiled.
     Regex(Regex),
     /// A key lorafast cannot evaluate (Python-only syntax, or over the size limits); never matches.
     Bad,
@@ -71,6 +77,7 @@ fn build_regex(pattern: &str) -> Option<Regex> {
 }
 
 impl Pattern {
+    /// Whether this entry applies to the module `name`.
     pub fn is_match(&self, name: &str) -> bool {
         match &self.matcher {
             Matcher::Plain => plain_match(&self.key, name),
@@ -80,19 +87,33 @@ impl Pattern {
     }
 }
 
+/// The fields of an adapter config that classification reads (PEFT's names; kohya and
+/// diffusers spellings are read into them).
 #[derive(Debug, Clone, Default)]
 pub struct LoraConfig {
+    /// `peft_type` (`LORA`, `LOHA`, ...).
     pub peft_type: Option<String>,
+    /// `r`: the default rank.
     pub r: Option<u64>,
+    /// `lora_alpha` (or `alpha`): the default alpha.
     pub lora_alpha: Option<f64>,
+    /// `use_rslora`: scale by alpha / sqrt(r) instead of alpha / r.
     pub use_rslora: bool,
+    /// `use_dora`.
     pub use_dora: bool,
+    /// `rank_pattern`: per-module ranks.
     pub rank_pattern: Vec<Pattern>,
+    /// `alpha_pattern`: per-module alphas.
     pub alpha_pattern: Vec<Pattern>,
+    /// `target_modules`.
     pub target_modules: Option<TargetModules>,
+    /// `target_parameters`: parameter names adapted directly (MoE expert weights).
     pub target_parameters: Vec<String>,
+    /// `base_model_name_or_path`.
     pub base_model_name_or_path: Option<String>,
+    /// `modules_to_save`: modules stored in full.
     pub modules_to_save: Vec<String>,
+    /// `lora_bias`: the adapter trains lora_B biases.
     pub lora_bias: bool,
     /// Keys that make this not a plain LoRA delta (PiSSA-style init, aLoRA, ...).
     pub unsupported_features: Vec<String>,

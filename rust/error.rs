@@ -167,42 +167,94 @@ struct Context {
 /// the second is stricter than the crate.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HeaderError {
+    /// The file is too short to hold the header length (its size).
     #[error("file is {0} bytes, shorter than the 8-byte header length")]
     HeaderTooSmall(u64),
+    /// The header length is over the limit (the length).
     #[error("header length {0} exceeds the 100000000-byte limit")]
     HeaderTooLarge(u64),
+    /// The header runs past the end of the file.
     #[error("header length {n} runs past the end of the {file_size}-byte file")]
-    InvalidHeaderLength { n: u64, file_size: u64 },
+    InvalidHeaderLength {
+        /// The header length the file gives.
+        n: u64,
+        /// The file's size.
+        file_size: u64,
+    },
+    /// The header is not UTF-8 (the offset of the first bad byte).
     #[error("header is not valid UTF-8 (byte {0})")]
     InvalidUtf8(usize),
+    /// The header is not JSON.
     #[error("header is not valid JSON: {message} at byte {offset}")]
-    InvalidJson { message: &'static str, offset: usize },
+    InvalidJson {
+        /// What the parser expected.
+        message: &'static str,
+        /// Where in the header.
+        offset: usize,
+    },
+    /// The header JSON is not an object.
     #[error("header JSON is not an object")]
     HeaderNotObject,
+    /// `__metadata__` is not a map of strings to strings (what is wrong).
     #[error("__metadata__ must map strings to strings: {0}")]
     InvalidMetadata(String),
+    /// A tensor entry lacks a field or has one of the wrong type.
     #[error("tensor {name:?}: {message}")]
-    InvalidTensorEntry { name: String, message: String },
+    InvalidTensorEntry {
+        /// The tensor.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A dtype safetensors does not define.
     #[error("tensor {name:?}: unknown dtype {dtype:?}")]
-    UnknownDtype { name: String, dtype: String },
+    UnknownDtype {
+        /// The tensor.
+        name: String,
+        /// The dtype as written.
+        dtype: String,
+    },
+    /// A tensor's data does not start where the previous one's ends.
     #[error("tensor {name:?}: data_offsets {begin}..{end} are not contiguous with the previous tensor (expected begin {expected})")]
     InvalidOffset {
+        /// The tensor.
         name: String,
+        /// Its first data offset.
         begin: u64,
+        /// Its end data offset.
         end: u64,
+        /// Where the previous tensor's data ends.
         expected: u64,
     },
+    /// A tensor's shape or byte size overflows 64 bits (the tensor).
     #[error("tensor {0:?}: shape or byte size overflows 64 bits")]
     Overflow(String),
+    /// A tensor's size in bits is not a whole number of bytes (the tensor).
     #[error("tensor {0:?}: size in bits is not a whole number of bytes")]
     MisalignedSlice(String),
+    /// A tensor's data offsets span another size than its dtype and shape need.
     #[error("tensor {name:?}: data_offsets span {span} bytes but dtype and shape need {expected}")]
-    TensorSizeMismatch { name: String, span: u64, expected: u64 },
+    TensorSizeMismatch {
+        /// The tensor.
+        name: String,
+        /// The bytes its offsets span.
+        span: u64,
+        /// The bytes its dtype and shape need.
+        expected: u64,
+    },
+    /// The data section ends before the last tensor's data.
     #[error("tensor data ends at {data_end} but the file holds {available} data bytes")]
-    IncompleteBuffer { data_end: u64, available: u64 },
+    IncompleteBuffer {
+        /// Where the tensors' data ends.
+        data_end: u64,
+        /// The data bytes the file holds.
+        available: u64,
+    },
     // Stricter than the crate:
+    /// A tensor name appears twice (the name).
     #[error("tensor {0:?} appears more than once in the header")]
     DuplicateTensor(String),
+    /// A key appears twice in one JSON object (the key).
     #[error("key {0:?} appears more than once in one JSON object")]
     DuplicateKey(String),
 }

@@ -82,10 +82,12 @@ const DTYPES: &[(&str, Option<&str>, u64, Option<Dtype>)] = &[
 const UINT8: TorchDtype = TorchDtype(8);
 
 impl TorchDtype {
+    /// torch's name (`bfloat16`, ...).
     pub fn name(self) -> &'static str {
         DTYPES[self.0 as usize].0
     }
 
+    /// Bytes per element.
     pub fn itemsize(self) -> u64 {
         DTYPES[self.0 as usize].2
     }
@@ -110,8 +112,11 @@ impl TorchDtype {
 /// A storage as a persistent id names it: the record `data/<key>`, `numel` elements of `dtype`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Storage {
+    /// The record's name under `data/`.
     pub key: String,
+    /// The element type.
     pub dtype: TorchDtype,
+    /// Elements it holds.
     pub numel: u64,
 }
 
@@ -125,11 +130,15 @@ impl Storage {
 /// One tensor as `set_(storage, offset, shape, stride)` would rebuild it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tensor {
+    /// Where its elements live (shared by views of one storage).
     pub storage: Rc<Storage>,
+    /// Its element type.
     pub dtype: TorchDtype,
     /// In elements of `dtype`.
     pub offset: u64,
+    /// Its dimensions.
     pub shape: Vec<u64>,
+    /// Elements between neighbours along each dimension.
     pub stride: Vec<u64>,
 }
 
@@ -153,7 +162,9 @@ impl Tensor {
 /// its last value, as in Python), and the keys whose values are not tensors.
 #[derive(Debug, Default)]
 pub struct StateDict {
+    /// (name, tensor) in insertion order.
     pub tensors: Vec<(String, Tensor)>,
+    /// Keys whose values are not tensors.
     pub skipped: Vec<String>,
 }
 

@@ -29,10 +29,13 @@ const MAX_COMMENT: usize = 0xFFFF;
 pub struct Record {
     /// Full name, prefix included (`archive/data/0`).
     pub name: String,
+    /// Its stored (uncompressed) size in bytes.
     pub size: u64,
     local_offset: u64,
 }
 
+/// The stored records of a zip archive (torch.save writes them uncompressed), from its central
+/// directory.
 #[derive(Debug)]
 pub struct Archive<'f> {
     file: &'f File,
@@ -272,14 +275,17 @@ impl<'f> Archive<'f> {
         })
     }
 
+    /// The folder every record lookup is relative to.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
 
+    /// The number of records.
     pub fn len(&self) -> usize {
         self.records.len()
     }
 
+    /// Whether the archive has no record.
     pub fn is_empty(&self) -> bool {
         self.records.is_empty()
     }
