@@ -15,20 +15,30 @@ use crate::names::{self, Role, Spelling, Variant};
 mod modules;
 pub use modules::{ModuleInfo, Modules};
 
+/// The tensor naming scheme an adapter is written in (docs/scan.md describes each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Format {
+    /// PEFT: `base_model.model.<module>.lora_A.weight`.
     Peft = 0,
+    /// diffusers: PEFT spelling under component prefixes (`unet.`, `transformer.`).
     Diffusers = 1,
+    /// Old diffusers attention processors (`.lora_linear_layer.down.weight`, `_lora.down.weight`).
     DiffusersLegacy = 2,
+    /// kohya sd-scripts: `lora_unet_..._proj.lora_down.weight` with `.alpha` scalars.
     Kohya = 3,
+    /// LyCORIS variants (LoHa, LoKr, ...) by their factor names.
     Lycoris = 4,
+    /// XLabs Flux adapters.
     Xlabs = 5,
+    /// ai-toolkit Flux adapters (PEFT spelling on `double_blocks.` / `single_blocks.`).
     AiToolkit = 6,
+    /// None of the above.
     Unknown = 7,
 }
 
 impl Format {
+    /// Every format's name, in discriminant order (the `format` column's dictionary).
     pub const NAMES: [&'static str; 8] = [
         "peft",
         "diffusers",
@@ -39,23 +49,33 @@ impl Format {
         "ai_toolkit",
         "unknown",
     ];
+
+    /// The format's name (`"peft"`).
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
     }
 }
 
+/// How an adapter stores mixture-of-experts LoRA weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum MoeLayout {
+    /// No expert modules.
     Dense = 0,
+    /// One 2-D A/B pair per expert (`experts.3.w1`).
     PerExpert2d = 1,
+    /// 3-D factors with a leading expert dimension.
     Stacked3d = 2,
+    /// 3-D factors, one side shared by every expert (leading dimension 1).
     SharedOuter = 3,
+    /// PEFT `target_parameters` on fused expert weights (`experts.base_layer`).
     PeftTargetParameters = 4,
+    /// More than one of the above.
     Mixed = 5,
 }
 
 impl MoeLayout {
+    /// Every layout's name, in discriminant order (the `moe_layout` column's dictionary).
     pub const NAMES: [&'static str; 6] = [
         "dense",
         "per_expert_2d",
@@ -64,19 +84,29 @@ impl MoeLayout {
         "peft_target_parameters",
         "mixed",
     ];
+
+    /// The layout's name (`"stacked_3d"`).
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
     }
 }
 
+/// What kind of module a group of tensors makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModuleKind {
+    /// A 2-D A/B pair on a linear layer.
     Linear,
+    /// 4-D or 5-D factors on a convolution.
     Conv,
+    /// `lora_embedding_A` / `lora_embedding_B` on an embedding.
     Embedding,
+    /// A 2-D pair on one expert of a MoE layer.
     Expert2d,
+    /// 3-D factors holding every expert.
     Stacked3d,
+    /// PEFT `target_parameters` on fused expert weights.
     TargetParameters,
+    /// A LyCORIS / PEFT variant (LoHa, LoKr, OFT, ...).
     Variant(Variant),
     /// Only orphan tensors (an A without B, an alpha alone).
     Incomplete,
@@ -116,6 +146,7 @@ impl ModuleKind {
         .chain([ModuleKind::Incomplete])
     }
 
+    /// The kind's name, as in [`ModuleKind::NAMES`].
     pub fn name(self) -> &'static str {
         match self {
             ModuleKind::Linear => "linear",
@@ -130,10 +161,14 @@ impl ModuleKind {
     }
 }
 
+/// One inconsistency found in an adapter (docs/errors.md lists the codes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
+    /// What kind of problem.
     pub code: ProblemCode,
+    /// What is wrong, naming the module or tensor.
     pub message: String,
+    /// The tensor concerned, when one is.
     pub tensor: Option<String>,
 }
 
@@ -143,19 +178,33 @@ const MAX_PROBLEMS: usize = 200;
 /// Everything known about one adapter.
 #[derive(Debug, Clone)]
 pub struct Classification {
+    /// The naming scheme.
     pub format: Format,
+    /// The config's `peft_type`.
     pub peft_type: Option<String>,
+    /// Tensors in the header.
     pub num_tensors: u32,
+    /// The dtypes the tensors use, in `Dtype::ALL` order.
     pub dtypes: Vec<Dtype>,
+    /// The layer numbers in module names, sorted, without repeats.
     pub layers: Vec<u32>,
+    /// The config's `base_model_name_or_path`.
     pub base_model: Option<String>,
+    /// The distinct module leaves (`q_proj`), in first-seen order.
     pub target_modules: Vec<String>,
+    /// The largest LoRA rank of any module.
     pub rank: u64,
+    /// How MoE weights are laid out.
     pub moe_layout: MoeLayout,
+    /// The largest expert count of any module (0 for a dense adapter).
     pub num_experts: u64,
+    /// `Flag` bits.
     pub flags: u32,
+    /// The LyCORIS / PEFT variants present, sorted.
     pub variants: Vec<Variant>,
+    /// Tensors saved whole (`modules_to_save`, embeddings), not as LoRA factors.
     pub full_weight_tensors: Vec<String>,
+    /// Every inconsistency found, in the order found (at most `MAX_PROBLEMS` and one more).
     pub problems: Vec<Problem>,
     /// Shared: a remembered classification (`memo`) hands the same modules to every adapter it matches.
     pub modules: std::sync::Arc<Modules>,
@@ -240,7 +289,7 @@ impl KeyIndex {
 /// Options for one classification.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Options {
-    /// Build per-module records with owned names (inspect); a bulk scan leaves them out.
+    /// Build the per-module records (`Classification::modules`); a scan for rows alone leaves them out.
     pub keep_modules: bool,
 }
 

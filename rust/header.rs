@@ -18,36 +18,61 @@ use crate::json::{Cursor, SyntaxError};
 
 /// Same limit as the safetensors crate.
 pub const MAX_HEADER_SIZE: u64 = 100_000_000;
+/// Bytes of the little-endian header length that opens a safetensors file.
 pub const N_LEN: u64 = 8;
 
+/// A tensor's element type, spelled as safetensors spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum Dtype {
+    /// Boolean, one byte.
     BOOL,
+    /// 4-bit float (FP4 E2M1).
     F4,
+    /// 6-bit float, 2 exponent and 3 mantissa bits.
     F6_E2M3,
+    /// 6-bit float, 3 exponent and 2 mantissa bits.
     F6_E3M2,
+    /// Unsigned 8-bit integer.
     U8,
+    /// Signed 8-bit integer.
     I8,
+    /// 8-bit float, 5 exponent and 2 mantissa bits.
     F8_E5M2,
+    /// 8-bit float, 4 exponent and 3 mantissa bits.
     F8_E4M3,
+    /// 8-bit exponent-only scale (MX formats).
     F8_E8M0,
+    /// 8-bit float E4M3, finite, no negative zero.
     F8_E4M3FNUZ,
+    /// 8-bit float E5M2, finite, no negative zero.
     F8_E5M2FNUZ,
+    /// Signed 16-bit integer.
     I16,
+    /// Unsigned 16-bit integer.
     U16,
+    /// IEEE half precision.
     F16,
+    /// bfloat16.
     BF16,
+    /// Signed 32-bit integer.
     I32,
+    /// Unsigned 32-bit integer.
     U32,
+    /// IEEE single precision.
     F32,
+    /// Complex of two 32-bit floats.
     C64,
+    /// IEEE double precision.
     F64,
+    /// Signed 64-bit integer.
     I64,
+    /// Unsigned 64-bit integer.
     U64,
 }
 
 impl Dtype {
+    /// Every dtype, in declaration order.
     pub const ALL: [Dtype; 22] = [
         Dtype::BOOL,
         Dtype::F4,
@@ -73,6 +98,7 @@ impl Dtype {
         Dtype::U64,
     ];
 
+    /// Bits per element.
     pub fn bits(self) -> u64 {
         match self {
             Dtype::F4 => 4,
@@ -91,6 +117,7 @@ impl Dtype {
         }
     }
 
+    /// The safetensors spelling (`"BF16"`).
     pub fn name(self) -> &'static str {
         match self {
             Dtype::BOOL => "BOOL",
@@ -118,11 +145,13 @@ impl Dtype {
         }
     }
 
+    /// The dtype spelled `name`, if any.
     pub fn from_name(name: &str) -> Option<Dtype> {
         Dtype::from_bytes(name.as_bytes())
     }
 
-    /// Runs once per tensor: a match on the bytes compiles to length and word compares.
+    /// The dtype spelled `name`, if any. Runs once per tensor: a match on the bytes compiles to
+    /// length and word compares.
     #[inline]
     pub fn from_bytes(name: &[u8]) -> Option<Dtype> {
         Some(match name {
@@ -156,43 +185,59 @@ impl Dtype {
 /// One tensor entry. `shape` indexes into `Header::dims`, which keeps one allocation per header.
 #[derive(Debug, Clone)]
 pub struct TensorEntry<'a> {
+    /// The tensor's name, borrowed from the header unless it had escapes.
     pub name: Cow<'a, str>,
+    /// The element type.
     pub dtype: Dtype,
+    /// Where the shape starts in `Header::dims`.
     pub shape_start: u32,
+    /// The number of dimensions.
     pub shape_len: u32,
+    /// The first byte of the data, counted from the start of the data section.
     pub begin: u64,
+    /// The byte after the data, counted from the start of the data section.
     pub end: u64,
 }
 
 /// A non-fatal finding: the file is readable, but something is off.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Warning {
+    /// What kind of finding (`unknown_field`, `misaligned_offset`).
     pub code: ProblemCode,
+    /// What was found, naming the tensor.
     pub message: String,
 }
 
 /// `__metadata__` pairs in file order.
 pub type Metadata<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
 
+/// A parsed and validated safetensors header, borrowing its strings from the header bytes.
 #[derive(Debug, Clone)]
 pub struct Header<'a> {
     /// In file (JSON) order.
     pub tensors: Vec<TensorEntry<'a>>,
+    /// Every tensor's shape, back to back (see `TensorEntry::shape_start`).
     pub dims: Vec<u64>,
+    /// `__metadata__`, when the header has it.
     pub metadata: Option<Metadata<'a>>,
+    /// The header's length in bytes (the N of the length prefix).
     pub header_size: u64,
+    /// The whole file's size in bytes.
     pub file_size: u64,
+    /// Non-fatal findings, in the order found.
     pub warnings: Vec<Warning>,
     /// False when the no-duplicate-names rule was left to the caller (`parse_header_unchecked_names`).
     pub names_checked: bool,
 }
 
 impl<'a> Header<'a> {
+    /// The shape of tensor `t`.
     pub fn shape(&self, t: &TensorEntry<'_>) -> &[u64] {
         let start = t.shape_start as usize;
         &self.dims[start..start + t.shape_len as usize]
     }
 
+    /// The `__metadata__` value of `key`, if the header has one.
     pub fn metadata_value(&self, key: &str) -> Option<&str> {
         self.metadata
             .as_ref()?
@@ -875,12 +920,15 @@ pub fn first_repeat<'n>(names: impl ExactSizeIterator<Item = &'n str>) -> Option
 /// How to fetch header bytes from disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReadMode {
+    /// `pread` the length, then the header (no mapping: a shrinking file is a short read).
     #[default]
     Pread,
+    /// Map the file and copy the header out.
     Mmap,
 }
 
 impl ReadMode {
+    /// The mode named `name` (`"pread"`, `"mmap"`), if any.
     pub fn from_name(name: &str) -> Option<ReadMode> {
         match name {
             "pread" => Some(ReadMode::Pread),

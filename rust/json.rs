@@ -12,10 +12,13 @@ use std::sync::OnceLock;
 /// A syntax error: what went wrong and where.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyntaxError {
+    /// What is wrong.
     pub message: &'static str,
+    /// The byte offset in the input where it was found.
     pub offset: usize,
 }
 
+/// A result whose error is a [`SyntaxError`].
 pub type Result<T> = std::result::Result<T, SyntaxError>;
 
 /// The message of the one syntax error that is really an encoding error (see header.rs).
@@ -27,8 +30,11 @@ const MAX_OPEN: u32 = 128;
 /// A number as serde_json reads it: integers that fit stay integers, the rest become `f64`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Number {
+    /// A non-negative integer that fits 64 bits.
     U64(u64),
+    /// A negative integer that fits 64 bits.
     I64(i64),
+    /// Any other number.
     F64(f64),
 }
 
@@ -107,12 +113,15 @@ fn pow10(e: usize) -> f64 {
     })[e]
 }
 
+/// A position in JSON text, read forward by the methods below.
 pub struct Cursor<'a> {
     src: &'a [u8],
+    /// The byte offset of the next byte to read.
     pub pos: usize,
 }
 
 impl<'a> Cursor<'a> {
+    /// A cursor at the start of `src`.
     pub fn new(src: &'a [u8]) -> Self {
         // Callers need not pre-validate UTF-8: strings are checked as they are read, and the
         // grammar outside strings is ASCII, so any other high byte is a syntax error.
@@ -125,6 +134,7 @@ impl<'a> Cursor<'a> {
         self.src
     }
 
+    /// A syntax error `message` at the cursor.
     pub fn err<T>(&self, message: &'static str) -> Result<T> {
         Err(SyntaxError {
             message,
@@ -132,6 +142,7 @@ impl<'a> Cursor<'a> {
         })
     }
 
+    /// Moves past JSON whitespace.
     #[inline]
     pub fn skip_ws(&mut self) {
         while let Some(&b) = self.src.get(self.pos) {
@@ -149,6 +160,7 @@ impl<'a> Cursor<'a> {
         self.src.get(self.pos).copied()
     }
 
+    /// Consumes `byte` after any whitespace, or fails with `message`.
     #[inline]
     pub fn expect(&mut self, byte: u8, message: &'static str) -> Result<()> {
         if self.peek() == Some(byte) {
@@ -440,6 +452,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    /// Consumes `word` (`true`, `false`, `null`) at the cursor, or fails.
     pub fn literal(&mut self, word: &[u8]) -> Result<()> {
         if self.src[self.pos..].starts_with(word) {
             self.pos += word.len();

@@ -10,7 +10,9 @@ pub enum Role {
     B,
     /// `lora_B.bias` (PEFT `lora_bias=True`).
     Bias,
+    /// PEFT `lora_embedding_A` (an embedding's A factor).
     EmbeddingA,
+    /// PEFT `lora_embedding_B` (an embedding's B factor).
     EmbeddingB,
     /// DoRA magnitude: PEFT `lora_magnitude_vector`, kohya/LyCORIS `dora_scale`.
     Magnitude,
@@ -24,14 +26,22 @@ pub enum Role {
     TrainableTokens,
 }
 
+/// A family of adapters that are not plain LoRA, told by its factor names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Variant {
+    /// LoHa: Hadamard product of two low-rank pairs (`hada_w1_a`, ...).
     Loha,
+    /// LoKr: Kronecker product (`lokr_w1`, `lokr_w2_a`, ...).
     Lokr,
+    /// OFT: orthogonal finetuning blocks.
     Oft,
+    /// BOFT: butterfly orthogonal finetuning.
     Boft,
+    /// IA3: learned rescaling vectors.
     Ia3,
+    /// GLoRA: generalised LoRA (`a1`, `b1`, ...).
     Glora,
+    /// A full weight difference (`.diff`).
     Diff,
 }
 
@@ -47,6 +57,7 @@ impl Variant {
         Variant::Diff,
     ];
 
+    /// The variant's name (`"loha"`), as module kinds and the `variants` column spell it.
     pub fn name(self) -> &'static str {
         match self {
             Variant::Loha => "loha",
@@ -213,6 +224,8 @@ const PREFIXES: &[&str] = &[
     "diffusion_model.",
 ];
 
+/// A module key without its wrapper prefix (`base_model.model.`, a diffusers component): the
+/// module's name in the base model.
 pub fn strip_prefix(key: &str) -> &str {
     // Fixed-size compares (no `memcmp` call), choosing by the first byte: at most one prefix
     // can match a key, so this gives the answer trying all of them in order would.

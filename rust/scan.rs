@@ -36,7 +36,9 @@ use crate::memo;
 use crate::open::{not_regular, open_error, open_nonblocking, open_unchecked, stat};
 use crate::torch;
 
+/// The PEFT config file whose presence makes a folder one PEFT adapter.
 pub const CONFIG_NAME: &str = "adapter_config.json";
+/// A PEFT folder's weights file.
 pub const PEFT_WEIGHTS: &str = "adapter_model.safetensors";
 /// A config larger than this is not an adapter config; refuse rather than read it whole.
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
@@ -44,15 +46,22 @@ const MAX_CONFIG_BYTES: u64 = 16 << 20;
 /// One adapter found on disk.
 #[derive(Debug, Clone)]
 pub struct Target {
+    /// The adapter as found: its folder, or the file itself.
     pub path: PathBuf,
+    /// The weights file.
     pub weights: PathBuf,
+    /// `adapter_config.json`, for a PEFT folder.
     pub config: Option<PathBuf>,
 }
 
+/// How to load each adapter.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ScanOptions {
+    /// How header bytes are read.
     pub mode: ReadMode,
+    /// Keep each module's record (`Classification::modules`) and the header's metadata.
     pub keep_modules: bool,
+    /// Hash the data section (sha256), as kohya's `sshs_model_hash` does.
     pub content_hash: bool,
     /// Parse and classify every adapter anew, even one whose header and config equal one this
     /// thread has seen (see `memo`); for measuring the full path.
@@ -62,12 +71,19 @@ pub struct ScanOptions {
 /// What a successful load gives.
 #[derive(Debug, Clone)]
 pub struct AdapterResult {
+    /// Where the adapter is.
     pub target: Target,
+    /// The config's text: the file's, or the one a diffusers header carries in its metadata.
     pub config_json: Option<String>,
+    /// The header's `__metadata__` pairs in file order (kept with `keep_modules`).
     pub metadata: Option<Vec<(String, String)>>,
+    /// The header's length in bytes.
     pub header_size: u64,
+    /// The weights file's size in bytes.
     pub file_size: u64,
+    /// What the adapter is.
     pub class: Classification,
+    /// sha256 of the data section, with `content_hash`.
     pub content_hash: Option<String>,
 }
 
@@ -550,11 +566,13 @@ pub fn contain<T>(path: &Path, f: impl FnOnce() -> Result<T, Error>) -> Result<T
 static PANIC_ON: RwLock<Option<PathBuf>> = RwLock::new(None);
 static PANIC_ARMED: AtomicBool = AtomicBool::new(false);
 
+/// Arms (`Some`) or disarms (`None`) the test hook that makes loading `path` panic.
 pub fn debug_panic_on(path: Option<PathBuf>) {
     PANIC_ARMED.store(path.is_some(), Ordering::SeqCst);
     *PANIC_ON.write().unwrap_or_else(PoisonError::into_inner) = path;
 }
 
+/// Panics when the test hook is armed for `path` (see `debug_panic_on`); else does nothing.
 pub fn debug_hook(path: &Path) {
     if PANIC_ARMED.load(Ordering::Relaxed) && PANIC_ON.read().is_ok_and(|p| p.as_deref() == Some(path)) {
         panic!("debug hook: forced panic while classifying {}", path.display());
@@ -809,6 +827,7 @@ pub fn is_url(s: &str) -> bool {
     })
 }
 
+/// Whether this process is a fork of the one that loaded the module (rayon's threads are gone).
 pub fn is_forked() -> bool {
     FORKED.load(Ordering::SeqCst)
 }
