@@ -124,7 +124,8 @@ def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
     """Source tensor `key` read as a (rows, cols) matrix and returned transposed, (cols, rows), contiguous.
 
     Read with `preadv` (no page faults on the map) and moved as unsigned integers of the element's width (any
-    dtype, bits unchanged), in blocks of about 1 MiB of source rows that stay in cache: one read, one copy."""
+    dtype, bits unchanged), in blocks of about 256 KiB of source rows, which stay in cache (the fastest block here:
+    3.4 GB per CPU-second for bf16, against 1.6 at 64 KiB and 2.7 at 2 MiB): one read, one copy."""
     import numpy as np
     import torch
 
@@ -134,7 +135,7 @@ def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
     tf.read_into(key, buf)
     src = buf.numpy().view(_UINT[width]).reshape(rows, cols)
     out = np.empty((cols, rows), dtype=src.dtype)
-    step = max(1, (1 << 20) // max(1, cols * width))
+    step = max(1, (256 << 10) // max(1, cols * width))
     for i in range(0, rows, step):
         np.copyto(out[:, i : i + step], src[i : i + step].T)
     return torch.from_numpy(out.view(np.uint8)).view(torch_dtype(e.dtype)).view(cols, rows)
