@@ -34,9 +34,10 @@ fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
             }
         }
         Error::Header { .. } | Error::Adapter { .. } => {
-            let class = match err {
-                Error::Header { .. } => "HeaderError",
-                _ if err.is(AdapterErrorCode::Internal) => "InternalError",
+            // By code, so that a header error read back from an index is a HeaderError too.
+            let class = match err.error_code() {
+                ErrorCode::Header(_) => "HeaderError",
+                ErrorCode::Adapter(AdapterErrorCode::Internal) => "InternalError",
                 _ => "AdapterError",
             };
             let build = || -> PyResult<PyErr> {

@@ -6,6 +6,11 @@ OS failures surface as the builtin `FileNotFoundError`, `PermissionError` or `OS
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from lorafast.types import AdapterErrorCode, HeaderErrorCode, TorchErrorCode
+
 
 class LorafastError(Exception):
     """Base class of every error lorafast raises itself."""
@@ -28,14 +33,21 @@ class _CodedError(_Coded, ValueError):
 class HeaderError(_CodedError):
     """A safetensors header breaks a rule. `code` names the rule (see `HEADER_ERROR_CODES`)."""
 
+    code: HeaderErrorCode
+
 
 class AdapterError(_CodedError):
-    """A file or folder is not a usable adapter (no weights, a broken config, ...)."""
+    """A file or folder is not a usable adapter (no weights, a broken config, ...): a code from
+    `ADAPTER_ERROR_CODES`, or from `TORCH_ERROR_CODES` for refused torch weights."""
+
+    code: AdapterErrorCode | TorchErrorCode
 
 
 class InternalError(_Coded, RuntimeError):
     """A bug in lorafast (code `internal`): a panic in the core, caught and raised as an ordinary
     exception. In a scan it is the failed adapter's row instead, and the other rows stand."""
+
+    code: Literal["internal"]
 
 
 __all__ = ["AdapterError", "HeaderError", "InternalError", "LorafastError"]
