@@ -126,3 +126,22 @@ def test_a_torch_warning_problem_survives_the_index(tmp_path: Path) -> None:
     again = lorafast.Index(tmp_path / "fleet.db").scan([tmp_path / "fleet"])
     assert again.reads == 0
     assert [[p.code for p in a.problems] for a in again] == [["non_tensor_value"]]
+
+
+def test_codes_from_python_are_read_back_by_the_core() -> None:
+    """A failed `discover_targets` item keeps its code through `scan_targets`, whichever list the code is from; any
+    other text becomes an `internal` row that names it."""
+    items = [
+        ("/a", None, None, "no_adapter", "nothing here"),
+        ("/b", None, None, "invalid_zip", "not a zip"),
+        ("/c", None, None, "duplicate_key", "key twice"),
+        ("/d", None, None, "no_such_code", "made up"),
+    ]
+    errors = _core.scan_targets(items).errors()
+    assert [(path, code) for _, path, code, _ in errors] == [
+        ("/a", "no_adapter"),
+        ("/b", "invalid_zip"),
+        ("/c", "duplicate_key"),
+        ("/d", "internal"),
+    ]
+    assert "no_such_code" in errors[3][3] and "made up" in errors[3][3]
