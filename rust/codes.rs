@@ -172,7 +172,7 @@ code_enum! {
         UnknownTensor = "unknown_tensor",
         /// An alpha value that cannot be read or is no scalar.
         InvalidAlpha = "invalid_alpha",
-        /// A MoE rank that does not divide among the experts.
+        /// A stacked MoE lora_A whose rows are no multiple of the configured rank.
         MoeRankNotDivisible = "moe_rank_not_divisible",
         /// A config pattern lorafast cannot evaluate.
         UnsupportedPattern = "unsupported_pattern",
@@ -180,7 +180,7 @@ code_enum! {
         InvalidConfigField = "invalid_config_field",
         /// A tensor entry has a field safetensors does not define (ignored).
         UnknownField = "unknown_field",
-        /// A tensor's data is not aligned to its element size.
+        /// A tensor's data offset is no multiple of its element size.
         MisalignedOffset = "misaligned_offset",
         /// A torch file's value that is no tensor.
         NonTensorValue = "non_tensor_value",
@@ -202,7 +202,7 @@ code_enum! {
         LoraBias = "lora_bias",
         /// PEFT trainable tokens.
         TrainableTokens = "trainable_tokens",
-        /// Full weight tensors besides the low-rank factors.
+        /// Full weight tensors besides the low-rank factors (saved embeddings, `modules_to_save`).
         FullWeights = "full_weights",
         /// Convolution modules.
         Conv = "conv",
@@ -212,7 +212,7 @@ code_enum! {
         NonAdditive = "non_additive",
         /// The adapter has a config.
         HasConfig = "has_config",
-        /// Config features engines do not support.
+        /// Config keys that make the adapter more than a plain LoRA delta (PiSSA-style init, aLoRA, ...).
         UnsupportedFeatures = "unsupported_features",
     }
 }
