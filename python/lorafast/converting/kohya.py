@@ -10,16 +10,18 @@ hold a `_` themselves (`down_blocks`, `proj_in`, `to_q`). The dots are put back 
 `_convert_unet_lora_key`/`_convert_text_encoder_lora_key` do for the models whose names kohya writes in
 diffusers' spelling: the SD 1.x/2.x UNet, the CLIP text encoders (`te`, `te1`, `te2`) and diffusers-named
 transformers (Flux's `transformer_blocks`/`single_transformer_blocks`): each name is split at every `_` and
-the pieces are joined back into the longest known module name (`_JOINED`). That is done only when every
-piece of every module of the adapter is then a known module name or an index, so a guess never renames a
-module. Otherwise (SDXL's sgm names `input_blocks_4_1_...`, Flux's BFL names `double_blocks_0_img_attn_qkv`,
-anything unknown), the architecture cannot be told from the names alone, and every name keeps its flattened
-form under the component prefix (`unet.input_blocks_4_1_...`): `lorafast.merge` resolves those against a base as
+the pieces are joined back into the longest known module name (`_JOINED`). SDXL's UNet, which kohya names as
+sgm does (`input_blocks_4_1_...`), is mapped block by block as diffusers maps it for SDXL (`sgm_unflatten`). That
+is done only when every piece of every module of the adapter is then a known module name or an index, so a
+guess never renames a module. Otherwise (Flux's BFL names `double_blocks_0_img_attn_qkv`, whose fused qkv is
+split rather than renamed, anything unknown), the architecture cannot be told from the names alone, and every
+name keeps its flattened form under the component prefix (`transformer.double_blocks_0_...`): `lorafast.merge` resolves those against a base as
 it resolves kohya names, PEFT and the engines do not. `ConvertResult` and the metadata say which was done.
 """
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 from lorafast.adapter import Adapter, AdapterFormat
@@ -76,6 +78,50 @@ def unflatten(flat: str) -> str | None:
     return ".".join(out)
 
 
+#: SDXL's sgm UNet (kohya's SDXL names) has 2 layers per block, and a downsampler or upsampler as the third
+_SGM_LAYERS = 3
+#: sgm names of a resnet's layers -> diffusers'
+_SGM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
+               "skip_connection": "conv_shortcut"}  # fmt: skip
+#: sgm modules outside the blocks -> diffusers'
+_SGM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding.linear_1",
+            "time_embed_2": "time_embedding.linear_2", "label_emb_0_0": "add_embedding.linear_1",
+            "label_emb_0_2": "add_embedding.linear_2"}  # fmt: skip
+_SGM_BLOCK = re.compile(r"^(input_blocks|middle_block|output_blocks)_(\d+)_(?:(\d+)_)?(.+)$")
+
+
+def sgm_unflatten(flat: str) -> str | None:
+    """An SDXL sgm UNet path (`input_blocks_4_1_transformer_blocks_0_attn1_to_q`) as diffusers' SDXL UNet names it
+    (`down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`), mapped as diffusers'
+    `_maybe_map_sgm_blocks_to_diffusers` maps it with SDXL's 2 layers per block; None when it is not one."""
+    if flat in _SGM_TOP:
+        return _SGM_TOP[flat]
+    hit = _SGM_BLOCK.match(flat)
+    if hit is None:
+        return None
+    kind, i, j, rest = hit.group(1), int(hit.group(2)), hit.group(3), hit.group(4)
+    if kind == "middle_block":  # no inner index: middle_block_1_proj_in
+        rest = rest if j is None else f"{j}_{rest}"
+        head = {0: "mid_block.resnets.0", 1: "mid_block.attentions.0", 2: "mid_block.resnets.1"}.get(i)
+    elif j is None:
+        return None
+    elif kind == "input_blocks":
+        if i == 0:
+            return None
+        block, layer = divmod(i - 1, _SGM_LAYERS)
+        if rest == "op":
+            return f"down_blocks.{block}.downsamplers.0.conv"
+        head = {"0": f"down_blocks.{block}.resnets.{layer}", "1": f"down_blocks.{block}.attentions.{layer}"}.get(j)
+    else:
+        block, layer = divmod(i, _SGM_LAYERS)
+        head = {"0": f"up_blocks.{block}.resnets.{layer}", "1": f"up_blocks.{block}.attentions.{layer}",
+                "2": f"up_blocks.{block}.upsamplers.0"}.get(j)  # fmt: skip
+    if head is None:
+        return None
+    tail = _SGM_RESNET.get(rest) if ".resnets." in head else unflatten(rest)
+    return None if tail is None else f"{head}.{tail}"
+
+
 def _kohya_split(key: str) -> tuple[str, str]:
     """(component prefix, flattened module path) of a kohya module key."""
     for old, new in _KOHYA_COMPONENTS:
@@ -84,12 +130,16 @@ def _kohya_split(key: str) -> tuple[str, str]:
     return "", key
 
 
+def _is_sgm(flat: str) -> bool:
+    return flat.startswith(("input_blocks_", "middle_block_", "output_blocks_", "time_embed_", "label_emb_", "out_"))
+
+
 def kohya_names(keys: list[str]) -> dict[str, str] | None:
     """Every kohya module key's dotted PEFT name, or None when one of them cannot be unflattened."""
     names = {}
     for key in keys:
         prefix, flat = _kohya_split(key)
-        dotted = unflatten(flat)
+        dotted = unflatten(flat) if prefix != "unet." or not _is_sgm(flat) else sgm_unflatten(flat)
         if not prefix or dotted is None:
             return None
         names[key] = prefix + dotted
