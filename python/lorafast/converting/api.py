@@ -169,6 +169,7 @@ def convert(
         raise ConvertError(f"cannot read {src}: {exc}", "bad_source", path) from exc
     finally:
         folder.discard()
+        moe.release_scratch()
     return ConvertResult(path, folder.out, found, to, tuple(os.path.join(folder.out, f) for f in files),
                          len(tensors), written, sizes, digest, time.perf_counter() - started, notes)  # fmt: skip
 

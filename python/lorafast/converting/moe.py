@@ -28,6 +28,7 @@ Every target layout is then written from that model, so each pair of layouts is 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +41,7 @@ from lorafast.merging.sources import peft_pattern_value
 from lorafast.tensors import _ST_DTYPES, TensorFile, torch_dtype
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: target layouts this module writes
@@ -120,21 +122,50 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
 _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
+class _Scratch(threading.local):
+    """Two buffers per thread (the source read, the transposed result), reused by every transpose of a
+    conversion: a fresh buffer per tensor costs a zero-filled page fault per 4 KiB, as much CPU as the copy."""
+
+    bufs: dict[str, np.ndarray]
+
+    def __init__(self) -> None:
+        self.bufs = {}
+
+    def get(self, which: str, nbytes: int) -> np.ndarray:
+        import numpy as np
+
+        buf = self.bufs.get(which)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.bufs[which] = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes]
+
+
+_SCRATCH = _Scratch()
+
+
+def release_scratch() -> None:
+    """Free this thread's transpose buffers (at the end of a conversion)."""
+    _SCRATCH.bufs.clear()
+
+
 def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
     """Source tensor `key` read as a (rows, cols) matrix and returned transposed, (cols, rows), contiguous.
 
-    Read with `preadv` (no page faults on the map) and moved as unsigned integers of the element's width (any
-    dtype, bits unchanged), in blocks of about 256 KiB of source rows, which stay in cache (the fastest block here:
-    3.4 GB per CPU-second for bf16, against 1.6 at 64 KiB and 2.7 at 2 MiB): one read, one copy."""
+    Read with `preadv` (so the source's pages are not mapped into this process: its RSS stays a few tensors)
+    and moved as unsigned integers of the element's width (any dtype, bits unchanged), in blocks of about 256 KiB
+    of source rows, which stay in cache (the fastest block here: 3.4 GB per CPU-second for bf16, against 1.6 at
+    64 KiB and 2.7 at 2 MiB). Both buffers are the thread's scratch: the result is valid until the next call in
+    the same thread, and the writer writes it before it asks for the next tensor."""
     import numpy as np
     import torch
 
     e = tf.entry(key)
     width = _ST_DTYPES[e.dtype][1]
-    buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
-    tf.read_into(key, buf)
-    src = buf.numpy().view(_UINT[width]).reshape(rows, cols)
-    out = np.empty((cols, rows), dtype=src.dtype)
+    nbytes = e.end - e.begin
+    raw = _SCRATCH.get("in", nbytes)
+    tf.read_into(key, torch.from_numpy(raw))
+    src = raw.view(_UINT[width]).reshape(rows, cols)
+    out = _SCRATCH.get("out", nbytes).view(src.dtype).reshape(cols, rows)
     step = max(1, (256 << 10) // max(1, cols * width))
     for i in range(0, rows, step):
         np.copyto(out[:, i : i + step], src[i : i + step].T)
