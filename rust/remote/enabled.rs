@@ -74,6 +74,7 @@ impl Session {
     /// `discover_urls` with each target's weights and config [`Stat`]: the listing's answer where
     /// the object was listed, else a `HEAD` (all of them at once, within the permits).
     pub fn discover_stat_urls(&self, urls: &[String], recursive: bool) -> Vec<Vec<StatTarget>> {
+        self.remote.keep_listed.store(true, Ordering::Relaxed);
         let found = self.discover_urls(urls, recursive);
         let remote = &self.remote;
         let concurrency = remote.opts.concurrency.max(1);

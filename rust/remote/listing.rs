@@ -59,21 +59,26 @@ impl Remote {
             .await
             .map_err(|e| self.fail(loc, &e, false))?;
         loc.store.stalls.store(0, Ordering::Relaxed);
+        let keep = self.keep_listed.load(Ordering::Relaxed);
         let mut listed = Vec::with_capacity(objects.len());
-        let mut stats = Vec::with_capacity(objects.len());
+        let mut stats = Vec::new();
         for o in objects {
             let parts: Vec<String> = o.location.parts().skip(depth).map(|p| p.as_ref().to_owned()).collect();
             if parts.is_empty() {
                 continue;
             }
-            // The URL `Dir::walk` gives this object: the prefix's URL and the parts, joined by '/'.
-            stats.push((join(&loc.url, &parts.join("/")), object_stat(&o)));
+            if keep {
+                // The URL `Dir::walk` gives this object: the prefix's URL and the parts, joined by '/'.
+                stats.push((join(&loc.url, &parts.join("/")), object_stat(&o)));
+            }
             listed.push(parts);
         }
-        self.listed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend(stats);
+        if keep {
+            self.listed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(stats);
+        }
         Ok(listed)
     }
 

@@ -48,8 +48,10 @@ pub(super) struct Remote {
     pub(super) opts: RemoteOptions,
     pub(super) stores: Mutex<HashMap<String, Result<Arc<Store>, StoreError>>>,
     pub(super) permits: Semaphore,
-    /// What the listings of this call said about each object, by URL (for `Remote::stat`).
+    /// What the listings of this call said about each object, by URL (for `Remote::stat`); kept only
+    /// once `keep_listed` is set, so a plain scan does not hold a map of its whole listing.
     pub(super) listed: Mutex<HashMap<String, ObjectStat>>,
+    pub(super) keep_listed: AtomicBool,
 }
 
 fn store_error(e: impl std::fmt::Display) -> StoreError {
@@ -63,6 +65,7 @@ impl Remote {
             stores: Mutex::new(HashMap::new()),
             permits: Semaphore::new(opts.concurrency.max(1)),
             listed: Mutex::new(HashMap::new()),
+            keep_listed: AtomicBool::new(false),
         }
     }
 
