@@ -20,6 +20,8 @@ use crate::remote::{self, RemoteOptions};
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
 use crate::torch;
 
+mod adapters;
+
 /// Paths go to Python as `str` decoded the way `os.fsdecode` does (surrogateescape), so a name
 /// that is not UTF-8 round-trips to the same bytes.
 fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
@@ -581,6 +583,33 @@ impl ScanResult {
             })
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)
+    }
+
+    /// `Adapter` objects of the successful rows in `start..stop`, and the config texts Python
+    /// parses into them (`py/adapters.rs`; `types` is `lorafast.scanner._ADAPTER_TYPES`).
+    #[allow(clippy::type_complexity)]
+    fn adapter_objects<'py, 'r>(
+        slf: &'r Bound<'py, Self>,
+        start: usize,
+        stop: usize,
+        types: &Bound<'py, PyTuple>,
+    ) -> PyResult<(Bound<'py, PyList>, Vec<(usize, &'r str)>)> {
+        let rows = &slf.get().rows;
+        let (start, stop) = (start.min(rows.len()), stop.min(rows.len()));
+        adapters::build(slf.py(), slf.as_any(), &rows[start.min(stop)..stop], start, types)
+    }
+
+    /// The `LoraModule` objects of row `row`, an adapter `adapter_objects` gave without them.
+    fn module_objects<'py>(
+        &self,
+        py: Python<'py>,
+        row: usize,
+        types: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        match self.rows.get(row) {
+            Some(Ok(a)) => adapters::modules(py, a, types),
+            _ => Err(pyo3::exceptions::PyIndexError::new_err(row)),
+        }
     }
 
     /// Summary records (no modules) of the successful rows in `start..stop`.

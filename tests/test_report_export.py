@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
 import io
 import json
 import os
+import pickle
 import shutil
 
 import lorafast
@@ -60,12 +63,85 @@ def test_iteration_equals_fresh_inspect_field_by_field(fleet):
         fa, fw = adapter_fields(a), adapter_fields(want)
         for name in fw:
             assert fa[name] == fw[name], (a.path, name)
+            assert type(fa[name]) is type(fw[name]), (a.path, name)
+        # The core builds these objects without the dataclass __init__: same instance dict, same order.
+        assert type(a) is lorafast.Adapter and list(vars(a)) == list(vars(want)) and a == want
+        assert repr(a) == repr(want)
         assert len(a.modules) == len(want.modules)
         for ma, mw in zip(a.modules, want.modules, strict=True):
             assert dataclasses.asdict(ma) == dataclasses.asdict(mw), (a.path, mw.name)
+            assert type(ma) is type(mw) and list(vars(ma)) == list(vars(mw))
+            assert [type(v) for v in vars(ma).values()] == [type(v) for v in vars(mw).values()]
+        for pa, pw in zip(a.problems, want.problems, strict=True):
+            assert type(pa) is type(pw) and vars(pa) == vars(pw)
+        assert [type(v) for v in a.dtypes + a.target_modules + a.variants] == [
+            type(v) for v in want.dtypes + want.target_modules + want.variants
+        ]
     # Per-copy metadata is each adapter's own, though the copies share one remembered classification.
     seeds = sorted(a.metadata["ss_seed"] for a in got if a.metadata and "ss_seed" in a.metadata)
     assert seeds == [str(i) for i in range(6)]
+
+
+def test_adapters_sharing_a_classification_share_no_mutable_field(fleet):
+    """Copies share one remembered classification, whose immutable parts (tuples, enums, problems) the objects may
+    share; every dict (config, patterns, metadata, extra, a module's fields) and every module is the adapter's own."""
+    report = lorafast.scan([fleet / "copies", fleet / "samples"], threads=1)
+    same: dict[tuple, list[lorafast.Adapter]] = {}  # a sample and its copy: the same header and config
+    for a in report:
+        modules = tuple((m.key, m.a_shape, m.b_shape, m.dtype) for m in a.modules)
+        same.setdefault((a.format, a.num_tensors, modules, repr(a.config)), []).append(a)
+    pairs = [(x, y) for group in same.values() for x, y in zip(group, group[1:], strict=False) if x.modules]
+    assert len(pairs) >= 20
+    assert any(x.dtypes is y.dtypes for x, y in pairs)  # some do share a classification's parts
+    for x, y in pairs:
+        for name in ("config", "rank_pattern", "alpha_pattern", "metadata", "extra"):
+            vx, vy = getattr(x, name), getattr(y, name)
+            assert vx is None or vx is not vy, name
+        assert not {id(m) for m in x.modules} & {id(m) for m in y.modules}
+        assert not {id(vars(m)) for m in x.modules} & {id(vars(m)) for m in y.modules}
+    x, y = pairs[0]
+    x.extra["mine"] = 1  # type: ignore[index]
+    assert "mine" not in y.extra
+
+
+def test_modules_built_on_first_access_survive_copies_pickles_and_the_report(fleet):
+    """Iteration builds an adapter's modules when they are first read: a copy, a pickle or a `replace` of an
+    adapter whose modules were never read equals `inspect`'s, and so do modules first read after the report is gone."""
+    report = lorafast.scan([fleet], threads=2)
+    wants = {p: lorafast.inspect(p) for p in report.ok_paths}
+    makers = [copy.copy, copy.deepcopy, lambda a: pickle.loads(pickle.dumps(a)), dataclasses.replace]
+    for make in makers:
+        for a in report:
+            b, want = make(a), wants[a.path]
+            assert b == want and list(vars(b)) == list(vars(want)) and list(vars(a)) == list(vars(want))
+    fresh = list(report)
+    del report
+    gc.collect()
+    assert [a.modules for a in fresh] == [wants[a.path].modules for a in fresh]
+    assert sum(len(a.modules) for a in fresh) > 1000
+    with pytest.raises(AttributeError, match="'Adapter' object has no attribute 'nope'"):
+        fresh[0].nope  # noqa: B018
+
+
+class _WithoutObjects:
+    """A scan result without `adapter_objects`, as a merged distributed result: iteration converts dicts."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def __getattr__(self, name):
+        if name == "adapter_objects":
+            raise AttributeError(name)
+        return getattr(self._result, name)
+
+
+def test_iteration_from_dicts_equals_iteration_from_objects(fleet):
+    report = lorafast.scan([fleet], threads=2)
+    plain = lorafast.ScanReport(_WithoutObjects(report._result))
+    got, want = list(report), list(plain)
+    assert len(got) == len(want) > 150
+    for a, w in zip(got, want, strict=True):
+        assert a == w and list(vars(a)) == list(vars(w))
 
 
 def test_iteration_reads_no_file(tmp_path, fleet):

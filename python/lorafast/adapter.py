@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +148,29 @@ class Adapter:
     metadata: Mapping[str, str] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
+    if not TYPE_CHECKING:  # to type checkers, an Adapter has only its declared attributes
+
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for a name not in the instance dict: an adapter from iterating a report builds its
+            # `modules` on first access (`_modules_pending` holds what to build them from; see rust/py/adapters.rs).
+            pending = self.__dict__.get("_modules_pending") if name == "modules" else None
+            if pending is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            from .scanner import _ADAPTER_TYPES
+
+            report, row = pending
+            fields = self.__dict__
+            fields["modules"] = modules = report.module_objects(row, _ADAPTER_TYPES)
+            # The instance dict as `__init__` leaves it: every field, in field order, and nothing else.
+            object.__setattr__(self, "__dict__", {f: fields[f] for f in _ADAPTER_FIELDS})
+            return modules
+
+        def __getstate__(self) -> dict[str, Any]:
+            # Copies and pickles hold the modules, not a reference to the report they would be built from.
+            if "_modules_pending" in self.__dict__:
+                self.modules  # noqa: B018 (builds them)
+            return self.__dict__
+
     @property
     def ranks(self) -> dict[str, int]:
         """Rank per module name, read from the tensor shapes."""
@@ -185,3 +208,7 @@ class Adapter:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+#: `Adapter`'s field names, in order.
+_ADAPTER_FIELDS = tuple(f.name for f in fields(Adapter))

@@ -51,16 +51,28 @@ def _module(fields: _core.RawModule) -> LoraModule:
     return module
 
 
-def _adapter(raw: _core.RawAdapter) -> Adapter:
-    config_json = raw["config_json"]
+def _config_fields(config_json: str | None, config_path: str | None) -> dict[str, Any]:
+    """The `Adapter` fields read from the config text: `config`, `r`, `lora_alpha`, `use_rslora`, `rank_pattern`
+    and `alpha_pattern`. Shared by `inspect` and report iteration, so both give the same adapter."""
     config = json.loads(config_json) if config_json else None
     if config is not None and not isinstance(config, dict):
         config = None
     # diffusers keeps a component-prefixed config in metadata; expose it without the prefix.
-    if config is not None and raw["config_path"] is None:
+    if config is not None and config_path is None:
         prefix = next((k[: -len("r")] for k in config if k.endswith(".r")), "")
         config = {k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)}
     cfg = config or {}
+    return {
+        "config": config,
+        "r": _count(cfg.get("r")),
+        "lora_alpha": _number(cfg.get("lora_alpha", cfg.get("alpha"))),  # PEFT LoHa/LoKr call it `alpha`
+        "use_rslora": cfg.get("use_rslora") is True,
+        "rank_pattern": _object(cfg.get("rank_pattern")),
+        "alpha_pattern": _object(cfg.get("alpha_pattern")),
+    }
+
+
+def _adapter(raw: _core.RawAdapter) -> Adapter:
     modules = tuple(map(_module, raw["modules"]))
     return Adapter(
         path=raw["path"],
@@ -73,12 +85,7 @@ def _adapter(raw: _core.RawAdapter) -> Adapter:
         layers=tuple(raw["layers"]),
         base_model_name_or_path=raw["base_model_name_or_path"],
         target_modules=tuple(raw["target_modules"]),
-        config=config,
-        r=_count(cfg.get("r")),
-        lora_alpha=_number(cfg.get("lora_alpha", cfg.get("alpha"))),  # PEFT LoHa/LoKr call it `alpha`
-        use_rslora=cfg.get("use_rslora") is True,
-        rank_pattern=_object(cfg.get("rank_pattern")),
-        alpha_pattern=_object(cfg.get("alpha_pattern")),
+        **_config_fields(raw["config_json"], raw["config_path"]),
         modules=modules,
         rank=raw["rank"],
         moe_layout=MoeLayout(raw["moe_layout"]),
@@ -90,6 +97,19 @@ def _adapter(raw: _core.RawAdapter) -> Adapter:
         content_hash=raw["content_hash"],
         metadata=raw["metadata"],
     )
+
+
+#: What the core builds report iteration's objects from (`ScanResult.adapter_objects`): `object.__new__`, `object.
+#: __setattr__`, the classes, and the enum members in column-code order.
+_ADAPTER_TYPES = (
+    object.__new__,
+    object.__setattr__,
+    Adapter,
+    LoraModule,
+    Problem,
+    tuple(AdapterFormat(name) for name in FORMATS),
+    tuple(MoeLayout(name) for name in MOE_LAYOUTS),
+)
 
 
 def _storage_items(storage_options: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:
@@ -198,10 +218,16 @@ class ScanReport:
         # Batch ends: every 512 rows, and wherever the running tensor count crosses a multiple of 32,768.
         tensors = np.cumsum(self.columns()["num_tensors"], dtype=np.int64)
         ends = set(range(512, n, 512)) | set((np.flatnonzero(np.diff(tensors // 32768)) + 1).tolist())
+        build = getattr(self._result, "adapter_objects", None)  # None: a merged distributed result
         start = 0
         for stop in [*sorted(ends), n]:
-            for raw in self._result.adapters(start, stop):
-                yield _adapter(raw)
+            if build is None:
+                yield from map(_adapter, self._result.adapters(start, stop))
+            else:
+                adapters, configs = build(start, stop, _ADAPTER_TYPES)
+                for i, text in configs:
+                    adapters[i].__dict__.update(_config_fields(text, adapters[i].config_path))
+                yield from adapters
             start = stop
 
     def columns(self) -> dict[str, np.ndarray]:
