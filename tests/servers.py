@@ -229,15 +229,19 @@ class _Handler(BaseHTTPRequestHandler):
         return int(a), min(int(b) + 1 if b else size, size)
 
     def do_HEAD(self) -> None:
+        self._log()
         self._serve(head=True)
 
     def do_GET(self) -> None:
+        self._log()
         self._serve(head=False)
 
-    def _serve(self, head: bool) -> None:
+    def _log(self) -> None:
         with self.server.lock:
             self.server.requests.append((self.command, self.path, self.headers.get("Range")))
             self.server.request_connections.append(self.connection_number)
+
+    def _serve(self, head: bool) -> None:
         try:
             found = self._file()
             if found is None:
@@ -380,16 +384,7 @@ class _S3Handler(_Handler):
 
     server: _S3Server
 
-    def do_GET(self) -> None:
-        self._s3(head=False)
-
-    def do_HEAD(self) -> None:
-        self._s3(head=True)
-
-    def _s3(self, head: bool) -> None:
-        with self.server.lock:
-            self.server.requests.append((self.command, self.path, self.headers.get("Range")))
-            self.server.request_connections.append(self.connection_number)
+    def _serve(self, head: bool) -> None:
         try:
             path, _, query = self.path.partition("?")
             bucket, _, key = unquote(path).lstrip("/").partition("/")
