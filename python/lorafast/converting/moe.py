@@ -123,13 +123,21 @@ _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 class _Scratch(threading.local):
-    """Two buffers per thread (the source read, the transposed result), reused by every transpose of a
-    conversion: a fresh buffer per tensor costs a zero-filled page fault per 4 KiB, as much CPU as the copy."""
+    """Buffers per thread (the source read, and two for results: one may be in the writer thread's hands),
+    reused by every transpose of a conversion: a fresh buffer per tensor costs a zero-filled page fault per
+    4 KiB, as much CPU as the copy."""
 
     bufs: dict[str, np.ndarray]
+    turn: int
 
     def __init__(self) -> None:
         self.bufs = {}
+        self.turn = 0
+
+    def next_out(self) -> str:
+        """`out0` and `out1` in turn: the writer thread may still be writing the previous result."""
+        self.turn ^= 1
+        return f"out{self.turn}"
 
     def get(self, which: str, nbytes: int) -> np.ndarray:
         import numpy as np
@@ -154,8 +162,8 @@ def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
     Read with `preadv` (so the source's pages are not mapped into this process: its RSS stays a few tensors)
     and moved as unsigned integers of the element's width (any dtype, bits unchanged), in blocks of about 256 KiB
     of source rows, which stay in cache (the fastest block here: 3.4 GB per CPU-second for bf16, against 1.6 at
-    64 KiB and 2.7 at 2 MiB). Both buffers are the thread's scratch: the result is valid until the next call in
-    the same thread, and the writer writes it before it asks for the next tensor."""
+    64 KiB and 2.7 at 2 MiB). The buffers are the thread's scratch: the result is valid until the call after
+    next in the same thread; `writer.write_file` has written it by then."""
     import numpy as np
     import torch
 
@@ -165,7 +173,7 @@ def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
     raw = _SCRATCH.get("in", nbytes)
     tf.read_into(key, torch.from_numpy(raw))
     src = raw.view(_UINT[width]).reshape(rows, cols)
-    out = _SCRATCH.get("out", nbytes).view(src.dtype).reshape(cols, rows)
+    out = _SCRATCH.get(_SCRATCH.next_out(), nbytes).view(src.dtype).reshape(cols, rows)
     step = max(1, (256 << 10) // max(1, cols * width))
     for i in range(0, rows, step):
         np.copyto(out[:, i : i + step], src[i : i + step].T)

@@ -22,6 +22,7 @@ import struct
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -155,44 +156,73 @@ class _Sink:
             self.flushed = self.pos
 
 
-def _write_tensor(sink: _Sink, t: OutTensor) -> int:
+def _prepared(t: OutTensor) -> list[Part]:
+    """The tensor's parts, made contiguous in the calling thread, for the writer thread. A part the producer
+    repeats (one shared factor written once per expert) stays one object, listed again."""
+    parts: list[Part] = []
+    last: object = None
+    ready: Part | None = None
+    for part in t.produce():
+        if isinstance(part, SourceBytes):
+            parts.append(part)
+            continue
+        if part is not last:
+            last = part
+            ready = part if part.is_contiguous() else part.contiguous()  # a permuted view: one tensor's memory
+        assert ready is not None
+        parts.append(ready)
+    return parts
+
+
+def _write_parts(sink: _Sink, t: OutTensor, parts: list[Part]) -> int:
     import torch
 
     written = 0
     last: object = None
     last_mv = memoryview(b"")
-    for part in t.produce():
+    for part in parts:
         if isinstance(part, SourceBytes):
             written += sink.send(part)
             continue
-        if part is not last:  # the same part again (a shared factor repeated): the same buffer, no copy
+        if part is not last:  # the same part again: the same buffer, listed again in the writev, no copy
             last = part
-            if not part.is_contiguous():
-                part = part.contiguous()  # a permuted view: one tensor's worth of memory, freed after the write
             last_mv = part.reshape(-1).view(torch.uint8).numpy().data if part.numel() else memoryview(b"")
         if len(last_mv):
             sink.add(last_mv)
             written += len(last_mv)
     sink.flush()
+    if written != t.nbytes:  # a producer bug would otherwise leave a file whose header lies
+        raise ConvertError(f"internal: tensor {t.name!r} produced {written} bytes, not {t.nbytes}", "bad_source")
+    sink.writeback()
     return written
 
 
 def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sha: Callable[[], str]) -> int:
-    """Write `path` (a new file inside the temporary folder); `sha()` gives the source hash after the data."""
+    """Write `path` (a new file inside the temporary folder); `sha()` gives the source hash after the data.
+
+    Two stages: this thread produces tensor i+1 (reads, transposes) while a writer thread writes tensor i, so
+    the copies into the page cache overlap the computing. A producer may reuse a buffer every other tensor
+    (`moe.transposed`): tensor i's write has finished before tensor i+2 is produced."""
     head = header_bytes(tensors, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         sink = _Sink(fd)
         sink.add(memoryview(struct.pack("<Q", len(head)) + head))
         total = 0
-        for t in tensors:
-            written = _write_tensor(sink, t)
-            if written != t.nbytes:  # a producer bug would otherwise leave a file whose header lies
-                raise ConvertError(
-                    f"internal: tensor {t.name!r} produced {written} bytes, not {t.nbytes}", "bad_source"
-                )
-            total += written
-            sink.writeback()
+        with ThreadPoolExecutor(1, thread_name_prefix="lorafast-convert-writer") as pool:
+            pending: Future[int] | None = None
+            try:
+                for t in tensors:
+                    parts = _prepared(t)
+                    if pending is not None:
+                        total += pending.result()
+                    pending = pool.submit(_write_parts, sink, t, parts)
+                if pending is not None:
+                    total += pending.result()
+            finally:
+                if pending is not None:
+                    pending.cancel()
+                    wait([pending])  # never leave the writer running on a descriptor about to be closed
         at = head.find(SHA_PLACEHOLDER.encode())
         if at >= 0:
             os.pwrite(fd, sha().encode(), 8 + at)
