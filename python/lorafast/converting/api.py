@@ -190,8 +190,7 @@ def _plan(
 ) -> tuple[list[OutTensor], dict[str, Any] | None, tuple[str, ...]]:
     if to == "peft":
         tensors, wants, dotted = kohya.plan_peft(ad, tf)
-        notes = () if dotted else (kohya.FLATTENED_NOTE,)
-        return tensors, build(None, wants, []), notes
+        return tensors, build(None, wants, []), () if dotted else (kohya.FLATTENED_NOTE,)
     groups, covered = moe.read_groups(ad, tf)
     if not groups:
         raise ConvertError(f"{ad.path}: no expert modules found", "layout_mismatch", ad.path)

@@ -188,6 +188,16 @@ def _named_raw(tf: TensorFile, keys: list[str], i: int) -> SourceBytes:
     return SourceBytes(tf, keys[i])
 
 
+def _tp_a_expert(tf: TensorFile, key: str, e: int, r: int, i: int) -> torch.Tensor:
+    """Expert i's A of a target_parameters A `(r·E, in)`: rows i·r .. (i+1)·r (expert-major)."""
+    return tf.view(key).view(e, r, -1)[i]
+
+
+def _tp_b_expert(tf: TensorFile, key: str, e: int, r: int, i: int) -> torch.Tensor:
+    """Expert i's B of a target_parameters B `(out, r·E)`: columns j·E + i (rank-major), a strided view."""
+    return tf.view(key).view(-1, r, e)[:, :, i]
+
+
 def _rows(tf: TensorFile, key: str, per: int, i: int) -> SourceBytes:
     return SourceBytes(tf, key, i * per, per)
 
@@ -232,11 +242,11 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
                                    f"{e} experts", "bad_source", tf.path)  # fmt: skip
             r = a_e.shape[0] // e
             out, fin = b_e.shape[0], a_e.shape[1]
-            a_key, b_key, n = m.a_key, m.b_key, e
-            a = Factor(a_e.dtype, e, e, (r, fin), lambda i, k=a_key, n=n, r=r: tf.view(k).view(n, r, -1)[i],
-                       partial(SourceBytes, tf, a_key), partial(_rows, tf, a_key, r * fin * _ST_DTYPES[a_e.dtype][1]),
+            a_key, b_key = m.a_key, m.b_key
+            a = Factor(a_e.dtype, e, e, (r, fin), partial(_tp_a_expert, tf, a_key, e, r), partial(SourceBytes, tf, a_key),
+                       partial(_rows, tf, a_key, r * fin * _ST_DTYPES[a_e.dtype][1]),
                        (tf, a_key))  # fmt: skip  # expert-major: a reshape
-            b = Factor(b_e.dtype, e, e, (out, r), lambda i, k=b_key, n=n, r=r: tf.view(k).view(-1, r, n)[:, :, i],
+            b = Factor(b_e.dtype, e, e, (out, r), partial(_tp_b_expert, tf, b_key, e, r),
                        partial(_b_expert_major, tf, b_key, out, r, e))  # fmt: skip  # rank-major: a transpose
         groups.append(Group(prefix, owner, leaf, a, b, m.rank or a.shape[0], _alpha(adapter, m, m.name), m.use_rslora))
         covered.update((m.a_key, m.b_key))
