@@ -130,7 +130,7 @@ def web(tmp_path):
         server.stop()
 
 
-def test_http_rescan_is_heads_only_and_sees_change_and_delete(tmp_path, web):
+def test_http_rescan_is_heads_only_and_sees_change_delete_and_add(tmp_path, web):
     """Web servers cannot be listed: a rescan asks for each file's ETag with a HEAD, and reads no header."""
     server, root = web
     urls = [f"{server.url}/ok/a", f"{server.url}/ok/b", f"{server.url}/ok/solo.safetensors"]
@@ -160,6 +160,13 @@ def test_http_rescan_is_heads_only_and_sees_change_and_delete(tmp_path, web):
     }
     same_report(got, lorafast.scan(urls))
     assert index.paths() == sorted(urls[:2])
+
+    # A URL new to the index is added: read, while the others cost a HEAD each.
+    peft(str(root / "c"))
+    server.clear()
+    got = index.scan([*urls[:2], f"{server.url}/ok/c"])
+    assert (got.added, got.changed, got.removed, got.reads) == ([f"{server.url}/ok/c"], [], [], 1)
+    assert {p for m, p, _ in server.requests if m == "GET"} == {"/ok/c/adapter_config.json", f"/ok/c/{WEIGHTS}"}
 
 
 def test_http_without_validators_is_read_every_time(tmp_path, web, monkeypatch):
