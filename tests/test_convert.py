@@ -264,25 +264,31 @@ def test_stacked_to_numbered_splits_gate_up(tmp_path: Path) -> None:
                            a.view(f"{PEFT}.1.mlp.experts.gate_up_proj.lora_A.weight")[2])  # fmt: skip
 
 
-def _kohya(folder: Path) -> str:
-    gen = torch.Generator().manual_seed(8)
+def write_kohya(
+    folder: Path, modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], float | None]], seed: int
+) -> str:
+    """A kohya file: {module key: (lora_down shape, lora_up shape, alpha or None)}."""
+    gen = torch.Generator().manual_seed(seed)
     t = {}
-    # (module, rank, alpha): alpha 0 and a missing alpha both mean alpha = rank
-    for name, r, alpha in (("down_blocks_0_attentions_0_proj_in", 4, 1.5), ("mid_block_attentions_0_proj_out", 2, 0.0),
-                           ("up_blocks_1_attentions_0_proj_in", 4, None), ("down_blocks_1_resnets_0_conv1", 3, 7.0)):  # fmt: skip
-        key = f"lora_unet_{name}"
-        if name.endswith("conv1"):
-            t[f"{key}.lora_down.weight"] = _rnd(gen, r, H, 3, 3)
-            t[f"{key}.lora_up.weight"] = _rnd(gen, H, r, 1, 1)
-        else:
-            t[f"{key}.lora_down.weight"] = _rnd(gen, r, H)
-            t[f"{key}.lora_up.weight"] = _rnd(gen, H, r)
+    for key, (down, up, alpha) in modules.items():
+        t[f"{key}.lora_down.weight"] = _rnd(gen, *down)
+        t[f"{key}.lora_up.weight"] = _rnd(gen, *up)
         if alpha is not None:
             t[f"{key}.alpha"] = torch.tensor(alpha)
     folder.mkdir()
     path = folder / "kohya.safetensors"
     safetensors_torch.save_file(t, str(path))
     return str(path)
+
+
+def _kohya(folder: Path) -> str:
+    # (module, rank, alpha): alpha 0 and a missing alpha both mean alpha = rank
+    modules = {}
+    for name, r, alpha in (("down_blocks_0_attentions_0_proj_in", 4, 1.5), ("mid_block_attentions_0_proj_out", 2, 0.0),
+                           ("up_blocks_1_attentions_0_proj_in", 4, None), ("down_blocks_1_resnets_0_conv1", 3, 7.0)):  # fmt: skip
+        conv = name.endswith("conv1")
+        modules[f"lora_unet_{name}"] = ((r, H, 3, 3) if conv else (r, H), (H, r, 1, 1) if conv else (H, r), alpha)
+    return write_kohya(folder, modules, 8)
 
 
 def _unet_base() -> dict[str, torch.Tensor]:

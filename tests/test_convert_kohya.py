@@ -16,23 +16,12 @@ import lorafast  # noqa: E402
 from lorafast import convert  # noqa: E402
 from lorafast.converting.kohya import FLATTENED_NOTE, unflatten  # noqa: E402
 from oracle import engines  # noqa: E402
-
-H = 16
+from test_convert import H, write_kohya  # noqa: E402
 
 
 def _kohya(folder: Path, modules: dict[str, tuple[int, float | None]]) -> str:
     """A kohya file: {kohya module key: (rank, alpha or None)}, linear modules of width H."""
-    gen = torch.Generator().manual_seed(11)
-    t = {}
-    for key, (r, alpha) in modules.items():
-        t[f"{key}.lora_down.weight"] = torch.randn(r, H, generator=gen)
-        t[f"{key}.lora_up.weight"] = torch.randn(H, r, generator=gen)
-        if alpha is not None:
-            t[f"{key}.alpha"] = torch.tensor(alpha)
-    folder.mkdir()
-    path = folder / "lora.safetensors"
-    safetensors_torch.save_file(t, str(path))
-    return str(path)
+    return write_kohya(folder, {k: ((r, H), (H, r), alpha) for k, (r, alpha) in modules.items()}, 11)
 
 
 def _base(names: list[str]) -> dict[str, torch.Tensor]:
