@@ -97,6 +97,20 @@ def test_s3_same_size_rewrite_is_seen_by_its_etag(tmp_path, bucket):
     same_report(got, lorafast.scan("s3://fleet/team/", storage_options=opts))
 
 
+def test_s3_renamed_folder_keeps_its_row_unread(tmp_path, bucket):
+    """Objects under a new key with the ETags of a gone adapter's objects are that adapter, moved."""
+    server, fleet = bucket
+    opts = server.storage_options
+    index = lorafast.Index(tmp_path / "fleet.db")
+    index.scan("s3://fleet/team/", storage_options=opts)
+    os.rename(fleet / "team" / "a", fleet / "team" / "z")
+    server.clear()
+    got = index.scan("s3://fleet/team/", storage_options=opts)
+    assert (got.added, got.removed, got.reads) == (["s3://fleet/team/z"], ["s3://fleet/team/a"], 0)
+    assert len(server.requests) == 1
+    same_report(got, lorafast.scan("s3://fleet/team/", storage_options=opts))
+
+
 def test_local_and_remote_in_one_index(tmp_path, bucket):
     server, fleet = bucket
     opts = server.storage_options
