@@ -600,14 +600,16 @@ impl ScanResult {
     }
 
     /// The `LoraModule` objects of row `row`, an adapter `adapter_objects` gave without them.
+    #[pyo3(signature = (row, types, templates = None))]
     fn module_objects<'py>(
         &self,
         py: Python<'py>,
         row: usize,
         types: &Bound<'py, PyTuple>,
+        templates: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         match self.rows.get(row) {
-            Some(Ok(a)) => adapters::modules(py, a, types),
+            Some(Ok(a)) => adapters::modules(py, a, types, templates),
             _ => Err(pyo3::exceptions::PyIndexError::new_err(row)),
         }
     }

@@ -142,7 +142,9 @@ fn class_fields<'py, 'r>(
 ///
 /// Modules are built on first access (`Adapter.__getattr__`): a dense adapter has hundreds, and
 /// building them all cost several times a memo-assisted scan. An adapter with modules gets, in
-/// place of its `modules` field, `_modules_pending`: `(report, row)` for `module_objects`.
+/// place of its `modules` field, `_modules_pending`: `(report, row, templates)` for
+/// `module_objects`, where `templates` is a dict the batch's adapters that share a classification
+/// share (None for the others), so that classification's module dicts are built once and copied.
 #[allow(clippy::type_complexity)]
 pub(super) fn build<'py, 'r>(
     py: Python<'py>,
@@ -166,10 +168,12 @@ pub(super) fn build<'py, 'r>(
     let mut templates: rustc_hash::FxHashMap<*const Modules, Bound<'py, PyDict>> = Default::default();
     let mut names = Names::default();
     let mut out = Vec::with_capacity(uses.values().sum());
+    let module_templates = PyDict::new(py);
     let mut configs = Vec::new();
     for (row, a) in ok() {
         let shared = std::sync::Arc::as_ptr(&a.class.modules);
-        let d = if uses[&shared] > 1 {
+        let is_shared = uses[&shared] > 1;
+        let d = if is_shared {
             match templates.entry(shared) {
                 std::collections::hash_map::Entry::Occupied(e) => e.get().copy()?,
                 std::collections::hash_map::Entry::Vacant(e) => {
@@ -208,18 +212,21 @@ pub(super) fn build<'py, 'r>(
             d.set_item(intern!(py, "modules"), PyTuple::empty(py))?;
         } else {
             d.del_item(intern!(py, "modules"))?;
-            d.set_item(intern!(py, "_modules_pending"), (report, row))?;
+            let templates = is_shared.then_some(&module_templates);
+            d.set_item(intern!(py, "_modules_pending"), (report, row, templates))?;
         }
         out.push(t.object(&t.adapter, d)?);
     }
     Ok((PyList::new(py, out)?, configs))
 }
 
-/// The `LoraModule`s of one adapter, as `inspect` gives them.
+/// The `LoraModule`s of one adapter, as `inspect` gives them. With `templates` (see `build`), its
+/// classification's module dicts are copied from there, or built and left there for the others.
 pub(super) fn modules<'py>(
     py: Python<'py>,
     a: &AdapterResult,
     types: &Bound<'py, PyTuple>,
+    templates: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let t = Types::of(types)?;
     let weight_file = a
@@ -228,11 +235,41 @@ pub(super) fn modules<'py>(
         .as_os_str()
         .into_pyobject(py)?
         .cast_into::<PyString>()?;
-    let modules = a
-        .class
-        .modules
-        .iter()
-        .map(|m| t.object(&t.module, module_dict(py, &m, &weight_file)?))
+    let key = std::sync::Arc::as_ptr(&a.class.modules) as usize;
+    let cached = match templates {
+        Some(templates) => templates.get_item(key)?,
+        None => None,
+    };
+    let dicts = match cached {
+        Some(cached) => {
+            let weight_file_key = intern!(py, "weight_file");
+            cached
+                .cast_into::<PyTuple>()?
+                .iter()
+                .map(|m| {
+                    let m = m.cast_into::<PyDict>()?.copy()?;
+                    m.set_item(weight_file_key, &weight_file)?;
+                    Ok(m)
+                })
+                .collect::<PyResult<Vec<_>>>()?
+        }
+        None => {
+            let dicts = a
+                .class
+                .modules
+                .iter()
+                .map(|m| module_dict(py, &m, &weight_file))
+                .collect::<PyResult<Vec<_>>>()?;
+            if let Some(templates) = templates {
+                let copies = dicts.iter().map(|d| d.copy()).collect::<PyResult<Vec<_>>>()?;
+                templates.set_item(key, PyTuple::new(py, copies)?)?;
+            }
+            dicts
+        }
+    };
+    let modules = dicts
+        .into_iter()
+        .map(|d| t.object(&t.module, d))
         .collect::<PyResult<Vec<_>>>()?;
     PyTuple::new(py, modules)
 }
