@@ -260,13 +260,6 @@ def test_moved_files_keep_their_rows_unread(tmp_path):
     assert index.scan([root]).reads == 0
 
 
-def test_cli_index_refuses_urls(tmp_path):
-    cmd = [sys.executable, "-m", "lorafast", "scan", "--index", str(tmp_path / "i.db"), "s3://bucket/prefix/"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 2
-    assert "--index scans local paths" in out.stderr and "Traceback" not in out.stderr
-
-
 def test_a_damaged_row_is_read_again(tmp_path):
     for i in range(3):
         peft(tmp_path / "f" / f"a{i}", r=4)

@@ -45,10 +45,10 @@ def cmd_scan(args: argparse.Namespace) -> int:
     storage = dict(args.storage_option) or None
     report: ScanReport
     if args.index:
-        from .index import Index, _is_url
+        from .index import Index
 
-        if any(_is_url(p) for p in args.paths) or args.backend != "local":
-            print("lorafast scan: error: --index scans local paths, with the local backend", file=sys.stderr)
+        if args.backend != "local":
+            print("lorafast scan: error: --index scans with the local backend", file=sys.stderr)
             return 2
         with Index(args.index) as index:
             report = index.scan(
@@ -57,6 +57,8 @@ def cmd_scan(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 progress=progress,
                 content_hash=args.hash,
+                storage_options=storage,
+                timeout=args.timeout,
             )
         changes = f"{len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed"
         print(f"index {args.index}: {changes}, {report.reads} read", file=sys.stderr)
