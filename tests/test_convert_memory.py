@@ -1,4 +1,5 @@
-"""lorafast.convert streams: its peak memory is bounded by a few tensors, not by the adapter's size.
+"""lorafast.convert streams: its peak memory is bounded by a few tensors, not by the adapter's size (measured:
+23-33 MiB of growth on 100-230 MiB adapters whose largest tensor is 4 MiB).
 
 Each conversion runs in a child process that resets its peak-RSS mark (`/proc/self/clear_refs`, value 5) after its
 imports and reads `VmHWM` after the conversion. The same child then reads the whole source file into memory and
@@ -84,8 +85,9 @@ def test_peak_memory_is_a_few_tensors_not_the_adapter(tmp_path: Path, layout: st
     assert run.returncode == 0, run.stderr
     grew = json.loads(run.stdout.strip().splitlines()[-1])
     written = (tmp_path / "out" / "adapter_model.safetensors").stat().st_size
-    # a transpose holds its source and its result; the hash thread has an 8 MiB buffer; the rest is slack
-    bound = 3 * largest + 24 * MIB
-    assert min(total, written) > 2.5 * bound, "the adapter must dwarf the bound for the test to mean anything"
+    # a transpose holds its source read and two results (one with the writer thread), the writer the tensor
+    # before; the hash thread has an 8 MiB buffer; the rest is slack
+    bound = 4 * largest + 24 * MIB
+    assert min(total, written) > 2 * bound, "the adapter must dwarf the bound for the test to mean anything"
     assert grew["convert"] < bound, f"convert grew RSS by {grew['convert'] / MIB:.0f} MiB (bound {bound / MIB:.0f})"
     assert grew["read"] > 0.9 * total, "the measurement must see an adapter-sized allocation"
