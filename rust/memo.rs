@@ -12,7 +12,7 @@
 //! never remembered, because the data is not part of the key.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use crate::classify::Classification;
 use crate::codes::Flag;
@@ -39,9 +39,19 @@ struct Entry {
     config_json: Option<String>,
 }
 
+/// After this many misses in a row, a thread remembers only one new header in `SAMPLE`.
+const STREAK: u32 = 32;
+/// One new header in this many is remembered during a streak of misses.
+const SAMPLE: u32 = 8;
+
 thread_local! {
     /// Most recently used first.
     static ENTRIES_OF_THREAD: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
+    /// Misses since this thread's last hit. In a fleet whose headers never repeat, remembering
+    /// each one copies its entries (57 KB for 448 tensors) and a classification for nothing: past
+    /// `STREAK` misses only every `SAMPLE`th is remembered, so a header that does repeat is
+    /// remembered within `SAMPLE` of its loads, and its first hit ends the streak.
+    static MISSES: Cell<u32> = const { Cell::new(0) };
 }
 
 /// The input a validation and classification depend on.
@@ -109,7 +119,11 @@ impl Entry {
 pub fn get(key: &Key<'_>) -> Option<(Classification, Option<String>)> {
     ENTRIES_OF_THREAD.with(|entries| {
         let mut entries = entries.borrow_mut();
-        let i = entries.iter().position(|e| e.matches(key))?;
+        let Some(i) = entries.iter().position(|e| e.matches(key)) else {
+            MISSES.with(|m| m.set(m.get().saturating_add(1)));
+            return None;
+        };
+        MISSES.with(|m| m.set(0));
         entries[..=i].rotate_right(1);
         Some((entries[0].class.clone(), entries[0].config_json.clone()))
     })
@@ -118,6 +132,10 @@ pub fn get(key: &Key<'_>) -> Option<(Classification, Option<String>)> {
 /// Remembers `class` for `key`, unless it depends on more than the key.
 pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
     if class.flags & Flag::KohyaAlpha.bit() != 0 || key.entries.len() > MAX_HEADER {
+        return;
+    }
+    let misses = MISSES.with(Cell::get);
+    if misses > STREAK && misses % SAMPLE != 0 {
         return;
     }
     ENTRIES_OF_THREAD.with(|entries| {
@@ -148,4 +166,48 @@ pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
             },
         );
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-tensor header whose tensor is named after `i`.
+    fn header(i: usize) -> String {
+        format!(r#"{{"t{i}.lora_A.weight":{{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}}}"#)
+    }
+
+    #[test]
+    fn a_streak_of_misses_remembers_one_header_in_sample_and_a_hit_ends_it() {
+        let text = header(0);
+        let parsed = crate::header::parse_header(text.as_bytes(), 8 + text.len() as u64 + 4).unwrap();
+        let class = crate::classify::classify(
+            &parsed,
+            crate::classify::Configs::default(),
+            std::path::Path::new("x"),
+            crate::classify::Options::default(),
+        );
+        let load = |text: &str| {
+            let key = Key::of(text.as_bytes(), 100, None);
+            let hit = get(&key).is_some();
+            if !hit {
+                put(&key, &class, None);
+            }
+            hit
+        };
+        // Before the streak, a header is remembered at its first load.
+        assert!(!load(&header(1)));
+        assert!(load(&header(1)));
+        for i in 0..STREAK as usize + 5 {
+            assert!(!load(&header(100 + i)));
+        }
+        // During the streak, a header that repeats is not remembered at once (the third load
+        // here would hit), but within SAMPLE loads of it.
+        let again = header(1_000);
+        let loads = (1..=SAMPLE + 1).find(|_| load(&again)).unwrap();
+        assert!(loads > 2 && loads <= SAMPLE + 1, "{loads}");
+        // Its hit ended the streak: the next new header is remembered at its first load again.
+        assert!(!load(&header(2_000)));
+        assert!(load(&header(2_000)));
+    }
 }
