@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -562,3 +563,27 @@ def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytes
         convert(src, "stacked_3d", out, overwrite=True)
     assert info.value.code == "truncated" and calls[0] == 3
     assert _left(tmp_path) == ["out", "shared"] and (out / "old.txt").read_text() == "kept"
+
+
+def test_failure_in_the_writer_thread_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unchanged bytes are sent by the writer thread while the next tensor is produced: its failure (the source
+    truncated between two sends) is raised to the caller, and nothing is left."""
+    from lorafast.tensors import TensorFile, TruncatedFileError
+
+    src = target_parameters_adapter(tmp_path / "tp", 26)
+    calls = [0]
+    threads: list[str] = []
+    real = TensorFile.check_size
+
+    def failing_check(self: TensorFile, end: int) -> None:
+        calls[0] += 1
+        if calls[0] == 4:
+            threads.append(threading.current_thread().name)
+            raise TruncatedFileError(f"{self.path}: file was truncated", self.path)
+        real(self, end)
+
+    monkeypatch.setattr(TensorFile, "check_size", failing_check)
+    with pytest.raises(ConvertError) as info:
+        convert(src, "stacked_3d", tmp_path / "out")
+    assert info.value.code == "truncated" and threads[0].startswith("lorafast-convert-writer")
+    assert _left(tmp_path) == ["tp"]
