@@ -154,6 +154,14 @@ def test_unknown_architecture_keeps_flattened_names_and_says_so(tmp_path: Path) 
     assert FLATTENED_NOTE in meta["lorafast.converted"]
 
 
+def test_cli_prints_the_notes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafast.cli import main
+
+    src = _kohya(tmp_path / "k", {"lora_transformer_double_blocks_0_img_attn_qkv": (2, 3.0)})
+    assert main(["convert", src, "--to", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert f"note: {FLATTENED_NOTE}" in capsys.readouterr().out
+
+
 def test_sglang_diffusion_reads_the_converted_folder_as_standard_peft(tmp_path: Path) -> None:
     """SGLang 0.5.23's diffusion code, from the released wheel: the kohya file stays in kohya's flattened names
     (lora_down/lora_up only renamed), the converted folder is a standard PEFT adapter with dotted names."""
