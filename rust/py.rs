@@ -716,10 +716,32 @@ impl ScanResult {
         let mut alpha = Nullable::<f64>::with_capacity(n);
         let mut config_rank = Nullable::<u64>::with_capacity(n);
         let mut use_rslora = Vec::with_capacity(n);
+        // Adapters that share a classification (the memo's `Arc`) have the same module rows: the
+        // first one's are copied, not interned again (on a fleet of few recipes, most of the cost).
+        let mut first: rustc_hash::FxHashMap<*const Modules, std::ops::Range<usize>> = Default::default();
         for (i, r) in self.rows.iter().enumerate() {
             let Ok(a) = r else { continue };
+            let start = row.len();
+            row.resize(start + a.class.modules.len(), i as u32);
+            if let Some(done) = first.get(&std::sync::Arc::as_ptr(&a.class.modules)) {
+                for codes in [
+                    &mut name, &mut key, &mut leaf, &mut kind, &mut dtype, &mut a_key, &mut b_key,
+                ] {
+                    Interner::repeat(codes, done.clone());
+                }
+                layer.repeat(done.clone());
+                expert.repeat(done.clone());
+                num_experts.repeat(done.clone());
+                rank.repeat(done.clone());
+                in_features.repeat(done.clone());
+                out_features.repeat(done.clone());
+                alpha.repeat(done.clone());
+                config_rank.repeat(done.clone());
+                use_rslora.extend_from_within(done.clone());
+                continue;
+            }
+            first.insert(std::sync::Arc::as_ptr(&a.class.modules), start..row.len());
             for m in a.class.modules.iter() {
-                row.push(i as u32);
                 Interner::push(&mut name, Some(m.name));
                 Interner::push(&mut key, Some(m.key));
                 Interner::push(&mut leaf, Some(m.leaf));
@@ -964,6 +986,11 @@ impl Interner {
         self.codes.push(code);
     }
 
+    /// Appends a copy of the codes at `range`.
+    fn repeat(&mut self, range: std::ops::Range<usize>) {
+        self.codes.extend_from_within(range);
+    }
+
     fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         PyTuple::new(
             py,
@@ -992,6 +1019,12 @@ impl<T: numpy::Element + Default + Copy> Nullable<T> {
     fn push(&mut self, v: Option<T>) {
         self.values.push(v.unwrap_or_default());
         self.valid.push(v.is_some());
+    }
+
+    /// Appends a copy of the values at `range`.
+    fn repeat(&mut self, range: std::ops::Range<usize>) {
+        self.values.extend_from_within(range.clone());
+        self.valid.extend_from_within(range);
     }
 
     fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {

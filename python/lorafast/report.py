@@ -173,21 +173,23 @@ def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
             s = pl.Series(name, col[1])
             series.append(pl.select(pl.when(pl.Series(col[2])).then(s).otherwise(None).alias(name)).to_series())
         elif kind == "dict":
-            codes = pl.Series(col[1]).cast(pl.Int64)
-            values = pl.Series(name, col[2], dtype=pl.String)
-            valid = codes >= 0
-            picked = values.gather(codes.clip(lower_bound=0)) if len(values) else pl.Series(name, [None] * len(codes))
-            s = pl.select(pl.when(valid).then(picked).otherwise(None).alias(name)).to_series()
-            series.append(s.cast(pl.Categorical))
+            # The distinct values become a categorical first, and its rows are picked by code (null for -1), so no
+            # string is made per row (gathering strings, then casting, cost most of a module table's time).
+            codes = pl.Series(col[1])
+            if len(col[2]):
+                index = pl.select(pl.when(codes >= 0).then(codes)).to_series()
+                s = pl.Series(name, col[2], dtype=pl.String).cast(pl.Categorical).gather(index)
+            else:
+                s = pl.Series(name, [None] * len(codes), dtype=pl.String).cast(pl.Categorical)
+            series.append(s.alias(name))
         else:
             series.append(pl.Series(name, _utf8(col[1]), dtype=pl.String))
     return pl.DataFrame(series)
 
 
 def to_parquet(report: ScanReport, path: str, modules_path: str | None = None) -> None:
-    import pyarrow.parquet as pq
-
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     pool = pa.system_memory_pool()  # as in `to_arrow`
     pq.write_table(to_arrow(report, "adapters"), path, memory_pool=pool)
