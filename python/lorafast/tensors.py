@@ -183,6 +183,12 @@ class TensorFile:
             os.close(self._fd)
             self._fd = -1
 
+    def fileno(self) -> int:
+        """The open file's descriptor, for kernel-side copies (`os.sendfile`); valid until `close()`."""
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: TensorFile is closed")
+        return self._fd
+
     def __enter__(self) -> TensorFile:
         return self
 

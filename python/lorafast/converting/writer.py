@@ -134,7 +134,7 @@ class _Sink:
         if begin + count > e.end:
             raise ConvertError(f"internal: {part.name!r} has no bytes {part.start}..{part.start + count}", "bad_source")
         tf.check_size(begin + count)
-        src = tf._fd  # TensorFile keeps its descriptor private; sendfile needs it
+        src = tf.fileno()
         done = 0
         while done < count:
             try:
