@@ -245,6 +245,14 @@ fn module_dict<'py>(
     Ok(d)
 }
 
+/// The header's `__metadata__` as a dict, in file order, so a report's JSON is the same text each time.
+fn metadata_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Option<Bound<'py, PyDict>>> {
+    r.metadata
+        .as_ref()
+        .map(|m| pyo3::types::IntoPyDict::into_py_dict(m.iter().map(|(k, v)| (k, v)), py))
+        .transpose()
+}
+
 /// An adapter's dict; without `with_modules` it has no `modules` key (a summary record).
 fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> PyResult<Bound<'py, PyDict>> {
     let c = &r.class;
@@ -284,13 +292,7 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
         .collect();
     d.set_item(intern!(py, "problems"), problems)?;
     d.set_item(intern!(py, "content_hash"), &r.content_hash)?;
-    // In file order, so a report's JSON is the same text each time.
-    let metadata = r
-        .metadata
-        .as_ref()
-        .map(|m| pyo3::types::IntoPyDict::into_py_dict(m.iter().map(|(k, v)| (k, v)), py))
-        .transpose()?;
-    d.set_item(intern!(py, "metadata"), metadata)?;
+    d.set_item(intern!(py, "metadata"), metadata_dict(py, r)?)?;
     d.set_item(intern!(py, "header_size"), r.header_size)?;
     d.set_item(intern!(py, "file_size"), r.file_size)?;
     if !with_modules {

@@ -11,7 +11,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 
-use super::module_dict;
+use super::{metadata_dict, module_dict};
 use crate::classify::{Classification, Modules};
 use crate::codes::Flag;
 use crate::error::Error;
@@ -191,13 +191,7 @@ pub(super) fn build<'py, 'r>(
             a.target.config.as_ref().map(|p| p.as_os_str()),
         )?;
         d.set_item(intern!(py, "content_hash"), &a.content_hash)?;
-        // In file order, as `inspect` gives it.
-        let metadata = a
-            .metadata
-            .as_ref()
-            .map(|m| pyo3::types::IntoPyDict::into_py_dict(m.iter().map(|(k, v)| (k, v)), py))
-            .transpose()?;
-        d.set_item(intern!(py, "metadata"), metadata)?;
+        d.set_item(intern!(py, "metadata"), metadata_dict(py, a)?)?;
         d.set_item(intern!(py, "extra"), PyDict::new(py))?;
         match a.config_json.as_deref() {
             Some(text) if !text.is_empty() => configs.push((out.len(), text)),
