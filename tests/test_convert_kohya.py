@@ -73,7 +73,7 @@ def test_unflatten_takes_the_longest_known_name_and_refuses_unknown_pieces() -> 
     assert unflatten("transformer_blocks_3_attn_to_out_0") == "transformer_blocks.3.attn.to_out.0"
     assert unflatten("single_transformer_blocks_0_proj_mlp") == "single_transformer_blocks.0.proj_mlp"
     assert unflatten("down_blocks_1_resnets_0_conv_shortcut") == "down_blocks.1.resnets.0.conv_shortcut"
-    assert unflatten("double_blocks_0_img_attn_qkv") is None  # Flux BFL names: a fused qkv, not a rename
+    assert unflatten("double_blocks_0_img_attn_qkv") is None  # Flux BFL names: split by bfl_split, not renamed
 
 
 # SDXL's sgm names (kohya's SDXL files) and the diffusers SDXL UNet's names for them
@@ -94,7 +94,7 @@ def test_names_match_diffusers_own_kohya_conversion() -> None:
     lcu = pytest.importorskip("diffusers.loaders.lora_conversion_utils")
     from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
     from diffusers.utils.state_dict_utils import StateDictType
-    from lorafast.converting.kohya import kohya_names
+    from lorafast.converting.kohya import kohya_targets
 
     keys = [*SD, *(f"lora_unet_{n}" for n in SDXL), "lora_unet_input_blocks_3_0_op", "lora_unet_out_2"]
     for group in ([k for k in keys if "_blocks_" in k and "lora_unet_" in k and not k.startswith("lora_unet_input")
@@ -110,7 +110,7 @@ def test_names_match_diffusers_own_kohya_conversion() -> None:
         te = convert_state_dict_to_peft({k: v for k, v in out.items() if k.startswith("text_encoder")}, old)
         unet = convert_unet_state_dict_to_peft({k: v for k, v in out.items() if k.startswith("unet")})
         theirs = {k.removesuffix(".lora_A.weight") for k in {**te, **unet} if k.endswith(".lora_A.weight")}
-        assert set(kohya_names(group).values()) == theirs
+        assert _names(kohya_targets(group)) == theirs
 
 
 def test_sdxl_sgm_names_map_to_diffusers_blocks_exactly(tmp_path: Path) -> None:
@@ -141,13 +141,21 @@ def _sgm_dotted(flat: str) -> str:
     return SGM_PATHS[flat]
 
 
+def _names(targets: dict | None) -> set[str]:
+    assert targets is not None
+    return {name for _, parts in targets.values() for name, _ in parts}
+
+
+#: a transformer whose names are in no table (Lumina-like `attention`, `feed_forward`)
+UNKNOWN = ["layers_0_attention_qkv", "layers_1_feed_forward_w2"]
+
+
 def test_unknown_architecture_keeps_flattened_names_and_says_so(tmp_path: Path) -> None:
-    bfl = ["double_blocks_0_img_attn_qkv", "single_blocks_1_linear2"]
-    src = _kohya(tmp_path / "k", {f"lora_transformer_{n}": (2, 3.0) for n in bfl})
+    src = _kohya(tmp_path / "k", {f"lora_transformer_{n}": (2, 3.0) for n in UNKNOWN})
     res = convert(src, "peft", tmp_path / "peft")
     assert res.notes == (FLATTENED_NOTE,)
-    assert _keys(res.out) == {f"transformer.{n}.lora_{ab}.weight" for n in bfl for ab in "AB"}
-    base = _base(["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"])
+    assert _keys(res.out) == {f"transformer.{n}.lora_{ab}.weight" for n in UNKNOWN for ab in "AB"}
+    base = _base(["layers.0.attention.qkv", "layers.1.feed_forward.w2"])
     a, b = _merged(base, src), _merged(base, res.out)
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], base[k]) for k in a)
     meta = lorafast.read_header(os.path.join(res.out, "adapter_model.safetensors")).metadata
@@ -157,7 +165,7 @@ def test_unknown_architecture_keeps_flattened_names_and_says_so(tmp_path: Path) 
 def test_cli_prints_the_notes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from lorafast.cli import main
 
-    src = _kohya(tmp_path / "k", {"lora_transformer_double_blocks_0_img_attn_qkv": (2, 3.0)})
+    src = _kohya(tmp_path / "k", {f"lora_transformer_{UNKNOWN[0]}": (2, 3.0)})
     assert main(["convert", src, "--to", "peft", "--out", str(tmp_path / "peft")]) == 0
     assert f"note: {FLATTENED_NOTE}" in capsys.readouterr().out
 
@@ -184,3 +192,139 @@ def test_sglang_diffusion_reads_the_converted_folder_as_standard_peft(tmp_path: 
                                          "transformer_blocks.0.attn.add_k_proj") for ab in "AB"
     )  # fmt: skip
     assert after["alpha"] == {"ok": 2.0}
+
+
+#: Flux in BFL's names, as sd-scripts writes it under `lora_unet_`: module -> lora_up rows (inputs: H)
+FLUX_BFL = {
+    **{f"double_blocks_0_{side}_{m}": rows for side in ("img", "txt")
+       for m, rows in (("attn_qkv", 3 * H), ("attn_proj", H), ("mlp_0", 4 * H), ("mlp_2", H), ("mod_lin", 6 * H))},
+    "single_blocks_1_linear1": 7 * H, "single_blocks_1_linear2": H, "single_blocks_1_modulation_lin": 3 * H,
+    **{n: H for n in ("img_in", "txt_in", "time_in_in_layer", "time_in_out_layer", "vector_in_in_layer",
+                      "vector_in_out_layer", "guidance_in_in_layer", "guidance_in_out_layer", "final_layer_linear")},
+    "final_layer_adaLN_modulation_1": 2 * H,
+}  # fmt: skip
+#: alphas other than the rank (2): a scale of 4 on fused and plain modules, none (alpha = rank) on one
+FLUX_ALPHAS = {"double_blocks_0_img_attn_qkv": 8.0, "single_blocks_1_linear1": 8.0, "img_in": 8.0,
+               "double_blocks_0_txt_mod_lin": None}  # fmt: skip
+
+
+def _flux_bfl(folder: Path, rows: dict[str, int]) -> str:
+    return write_kohya(
+        folder, {f"lora_unet_{n}": ((2, H), (r, 2), FLUX_ALPHAS.get(n, 2.0)) for n, r in rows.items()}, 13
+    )
+
+
+def test_flux_bfl_names_and_tensors_match_diffusers_own_conversion(tmp_path: Path) -> None:
+    """diffusers' `_convert_kohya_flux_lora_to_diffusers` on the same file gives the same modules and tensors, its
+    alpha/rank scale baked into lora_A where lorafast keeps it in the config (diffusers' single-block split
+    sizes are Flux's own, 3072 x (1, 1, 1, 4), so linear1 has Flux's 21504 rows here)."""
+    lcu = pytest.importorskip("diffusers.loaders.lora_conversion_utils")
+    from diffusers.utils import convert_state_dict_to_peft
+    from diffusers.utils.state_dict_utils import StateDictType
+    from lorafast.merging.targets import strip_prefixes
+
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    src = _flux_bfl(tmp_path / "k", {**FLUX_BFL, "single_blocks_1_linear1": 7 * 3072})
+    with_te = tmp_path / "k" / "with_te.safetensors"
+    sd = safetensors_torch.load_file(src)
+    sd[f"{te}.lora_down.weight"], sd[f"{te}.lora_up.weight"] = torch.randn(2, H), torch.randn(H, 2)
+    sd[f"{te}.alpha"] = torch.tensor(8.0)
+    safetensors_torch.save_file(sd, str(with_te))
+    res = convert(str(with_te), "peft", tmp_path / "peft")
+    assert res.notes == ()
+    ours = safetensors_torch.load_file(os.path.join(res.out, "adapter_model.safetensors"))
+    scales = {m.name: m.scale for m in lorafast.inspect(res.out).modules}
+
+    theirs = lcu._convert_kohya_flux_lora_to_diffusers(dict(sd))
+    # its text-encoder names are diffusers' old ones; its top-level Flux modules come without `transformer.`
+    theirs = {**{k: v for k, v in theirs.items() if not k.startswith("text_encoder.")},
+              **convert_state_dict_to_peft({k: v for k, v in theirs.items() if k.startswith("text_encoder.")},
+                                           StateDictType.DIFFUSERS_OLD)}  # fmt: skip
+    theirs = {
+        k if k.startswith(("transformer.", "text_encoder.")) else f"transformer.{k}": v for k, v in theirs.items()
+    }
+    assert ours.keys() == theirs.keys()
+    assert len(ours) == 2 * (len(FLUX_BFL) + 1 + 2 * 2 + 3)  # + the text encoder, 2 more per qkv, 3 of linear1
+    for key, t in ours.items():
+        module = strip_prefixes(key.rsplit(".lora_", 1)[0])
+        scale = scales[module] if ".lora_A." in key else 1.0
+        assert torch.equal(theirs[key], t * scale), key
+    assert {scales["transformer_blocks.0.attn.to_k"], scales["single_transformer_blocks.1.proj_mlp"],
+            scales["x_embedder"], scales["transformer_blocks.0.norm1_context.linear"]} == {4.0, 1.0}  # fmt: skip
+
+
+def _bfl_as_diffusers(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A BFL-named Flux state dict under diffusers' module names, split as diffusers' Flux checkpoint
+    conversion splits it (written out by hand)."""
+    out = {}
+    for side, attn, ff, norm in (("img", ("to_q", "to_k", "to_v", "to_out.0"), "ff", "norm1"),
+                                 ("txt", ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"), "ff_context",
+                                  "norm1_context")):  # fmt: skip
+        bfl, dif = f"double_blocks.0.{side}_", "transformer_blocks.0."
+        for name, part in zip(attn[:3], w[f"{bfl}attn.qkv.weight"].chunk(3), strict=True):
+            out[f"{dif}attn.{name}.weight"] = part
+        out[f"{dif}attn.{attn[3]}.weight"] = w[f"{bfl}attn.proj.weight"]
+        out[f"{dif}{ff}.net.0.proj.weight"] = w[f"{bfl}mlp.0.weight"]
+        out[f"{dif}{ff}.net.2.weight"] = w[f"{bfl}mlp.2.weight"]
+        out[f"{dif}{norm}.linear.weight"] = w[f"{bfl}mod.lin.weight"]
+    q, k, v, mlp = w["single_blocks.1.linear1.weight"].split([H, H, H, 4 * H])
+    out |= {f"single_transformer_blocks.1.{n}.weight": t for n, t in
+            (("attn.to_q", q), ("attn.to_k", k), ("attn.to_v", v), ("proj_mlp", mlp))}  # fmt: skip
+    out["single_transformer_blocks.1.proj_out.weight"] = w["single_blocks.1.linear2.weight"]
+    out["single_transformer_blocks.1.norm.linear.weight"] = w["single_blocks.1.modulation.lin.weight"]
+    for bfl, dif in (("img_in", "x_embedder"), ("txt_in", "context_embedder"), ("final_layer.linear", "proj_out"),
+                     ("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
+                     ("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
+                     ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+                     ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+                     ("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
+                     ("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")):  # fmt: skip
+        out[f"{dif}.weight"] = w[f"{bfl}.weight"]
+    shift, scale = w["final_layer.adaLN_modulation.1.weight"].chunk(2)  # diffusers' norm_out: scale, then shift
+    out["norm_out.linear.weight"] = torch.cat([scale, shift])
+    return out
+
+
+#: BFL module paths of FLUX_BFL: the flattened names with their dots (written out by hand)
+BFL_PATHS = {
+    **{f"double_blocks_0_{side}_{m}": f"double_blocks.0.{side}_{p}" for side in ("img", "txt")
+       for m, p in (("attn_qkv", "attn.qkv"), ("attn_proj", "attn.proj"), ("mlp_0", "mlp.0"), ("mlp_2", "mlp.2"),
+                    ("mod_lin", "mod.lin"))},
+    "single_blocks_1_linear1": "single_blocks.1.linear1", "single_blocks_1_linear2": "single_blocks.1.linear2",
+    "single_blocks_1_modulation_lin": "single_blocks.1.modulation.lin", "img_in": "img_in", "txt_in": "txt_in",
+    "time_in_in_layer": "time_in.in_layer", "time_in_out_layer": "time_in.out_layer",
+    "vector_in_in_layer": "vector_in.in_layer", "vector_in_out_layer": "vector_in.out_layer",
+    "guidance_in_in_layer": "guidance_in.in_layer", "guidance_in_out_layer": "guidance_in.out_layer",
+    "final_layer_linear": "final_layer.linear", "final_layer_adaLN_modulation_1": "final_layer.adaLN_modulation.1",
+}  # fmt: skip
+
+
+def test_flux_bfl_split_merges_bit_identically(tmp_path: Path) -> None:
+    """The kohya file merged into a fused BFL base and the converted folder merged into the same weights split
+    into diffusers' modules give the same bits."""
+    src = _flux_bfl(tmp_path / "k", FLUX_BFL)
+    res = convert(src, "peft", tmp_path / "peft")
+    assert res.notes == ()
+    gen = torch.Generator().manual_seed(14)
+    bfl_base = {f"{BFL_PATHS[n]}.weight": torch.randn(rows, H, generator=gen) for n, rows in FLUX_BFL.items()}
+    diffusers_base = _bfl_as_diffusers(bfl_base)
+    assert all(t.shape[0] == H or t.shape[0] % H == 0 for t in diffusers_base.values())
+    a, b = _bfl_as_diffusers(_merged(bfl_base, src)), _merged(diffusers_base, res.out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(not torch.equal(b[k], diffusers_base[k]) for k in b), "every module must be changed by the merge"
+
+
+def test_flux_bfl_fused_rows_that_do_not_split_are_refused(tmp_path: Path) -> None:
+    src = _flux_bfl(tmp_path / "k", {"single_blocks_1_linear1": 7 * H + 1})
+    with pytest.raises(lorafast.ConvertError, match=r"single_blocks_1_linear1\.lora_up\.weight has 113 rows") as e:
+        convert(src, "peft", tmp_path / "peft")
+    assert e.value.code == "unsupported" and not (tmp_path / "peft").exists()
+
+
+def test_a_file_mixing_bfl_and_other_unet_names_keeps_them_flattened(tmp_path: Path) -> None:
+    src = _kohya(tmp_path / "k", {"lora_unet_double_blocks_0_img_attn_proj": (2, 2.0),
+                                  "lora_unet_down_blocks_0_attentions_0_proj_in": (2, 2.0)})  # fmt: skip
+    res = convert(src, "peft", tmp_path / "peft")
+    assert res.notes == (FLATTENED_NOTE,)
+    assert _keys(res.out) == {f"unet.{n}.lora_{ab}.weight" for n in ("double_blocks_0_img_attn_proj",
+                              "down_blocks_0_attentions_0_proj_in") for ab in "AB"}  # fmt: skip

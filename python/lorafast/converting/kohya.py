@@ -11,12 +11,16 @@ hold a `_` themselves (`down_blocks`, `proj_in`, `to_q`). The dots are put back 
 diffusers' spelling: the SD 1.x/2.x UNet, the CLIP text encoders (`te`, `te1`, `te2`) and diffusers-named
 transformers (Flux's `transformer_blocks`/`single_transformer_blocks`): each name is split at every `_` and
 the pieces are joined back into the longest known module name (`_JOINED`). SDXL's UNet, which kohya names as
-sgm does (`input_blocks_4_1_...`), is mapped block by block as diffusers maps it for SDXL (`sgm_unflatten`). That
-is done only when every piece of every module of the adapter is then a known module name or an index, so a
-guess never renames a module. Otherwise (Flux's BFL names `double_blocks_0_img_attn_qkv`, whose fused qkv is
-split rather than renamed, anything unknown), the architecture cannot be told from the names alone, and every
-name keeps its flattened form under the component prefix (`transformer.double_blocks_0_...`): `lorafast.merge` resolves those against a base as
-it resolves kohya names, PEFT and the engines do not. `ConvertResult` and the metadata say which was done.
+sgm does (`input_blocks_4_1_...`), is mapped block by block as diffusers maps it for SDXL (`sgm_unflatten`).
+Flux in BFL's names (sd-scripts' `lora_unet_double_blocks_0_img_attn_qkv`) is mapped module by module as
+diffusers' `_convert_kohya_flux_lora_to_diffusers` maps it (`bfl_split`): a fused output (qkv, single blocks'
+`linear1` = q, k, v, proj_mlp) is split into its diffusers modules, each with the same lora_down and its rows of
+lora_up, which is exact (rows of B @ A are those rows of B times A), and the final layer's (shift, scale)
+modulation rows are swapped to diffusers' (scale, shift). That is done only when every piece of every module of
+the adapter is then a known module name or an index, so a guess never renames a module. Otherwise (anything
+unknown), the architecture cannot be told from the names alone, and every name keeps its flattened form under
+the component prefix (`transformer.foo_0_...`): `lorafast.merge` resolves those against a base as it resolves
+kohya names, PEFT and the engines do not. `ConvertResult` and the metadata say which was done.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from functools import partial
 
 from lorafast.adapter import Adapter, AdapterFormat
 from lorafast.converting.errors import ConvertError
-from lorafast.converting.moe import _one
 from lorafast.converting.peftconfig import Want
 from lorafast.converting.writer import OutTensor, SourceBytes
 from lorafast.merging.targets import strip_prefixes
@@ -122,6 +125,65 @@ def sgm_unflatten(flat: str) -> str | None:
     return None if tail is None else f"{head}.{tail}"
 
 
+#: a kohya module as diffusers modules: (units its lora_up's rows are cut in, ((module, ((first unit, units),
+#: ...)), ...)): each module takes those row blocks of lora_up, in that order, and the whole lora_down
+Split = tuple[int, tuple[tuple[str, tuple[tuple[int, int], ...]], ...]]
+
+
+def _renamed(name: str) -> Split:
+    return 1, ((name, ((0, 1),)),)
+
+
+def _fused(*parts: tuple[str, int]) -> Split:
+    """A fused output whose rows are the modules' outputs one after the other, each `units` wide."""
+    out, at = [], 0
+    for name, units in parts:
+        out.append((name, ((at, units),)))
+        at += units
+    return at, tuple(out)
+
+
+#: Flux's BFL module names -> diffusers' FluxTransformer2DModel modules, as `_convert_kohya_flux_lora_to_diffusers`
+_BFL_DOUBLE = {"img_attn_qkv": _fused(("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1)),
+               "img_attn_proj": _renamed("attn.to_out.0"), "img_mlp_0": _renamed("ff.net.0.proj"),
+               "img_mlp_2": _renamed("ff.net.2"), "img_mod_lin": _renamed("norm1.linear"),
+               "txt_attn_qkv": _fused(("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1)),
+               "txt_attn_proj": _renamed("attn.to_add_out"), "txt_mlp_0": _renamed("ff_context.net.0.proj"),
+               "txt_mlp_2": _renamed("ff_context.net.2"), "txt_mod_lin": _renamed("norm1_context.linear")}  # fmt: skip
+#: linear1's rows: q, k, v (hidden each), then the MLP's input (4 x hidden): diffusers' 3072, 3072, 3072, 12288
+_BFL_SINGLE = {"linear1": _fused(("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", 4)),
+               "linear2": _renamed("proj_out"), "modulation_lin": _renamed("norm.linear")}  # fmt: skip
+_BFL_TOP = {"img_in": _renamed("x_embedder"), "txt_in": _renamed("context_embedder"),
+            "time_in_in_layer": _renamed("time_text_embed.timestep_embedder.linear_1"),
+            "time_in_out_layer": _renamed("time_text_embed.timestep_embedder.linear_2"),
+            "vector_in_in_layer": _renamed("time_text_embed.text_embedder.linear_1"),
+            "vector_in_out_layer": _renamed("time_text_embed.text_embedder.linear_2"),
+            "guidance_in_in_layer": _renamed("time_text_embed.guidance_embedder.linear_1"),
+            "guidance_in_out_layer": _renamed("time_text_embed.guidance_embedder.linear_2"),
+            "final_layer_linear": _renamed("proj_out"),
+            # BFL's final modulation outputs (shift, scale), diffusers' norm_out (scale, shift): diffusers'
+            # swap_scale_shift
+            "final_layer_adaLN_modulation_1": (2, (("norm_out.linear", ((1, 1), (0, 1))),))}  # fmt: skip
+_BFL_BLOCK = re.compile(r"^(double|single)_blocks_(\d+)_(.+)$")
+
+
+def bfl_split(flat: str) -> Split | None:
+    """Flux's BFL module path (`double_blocks_0_img_attn_qkv`) as diffusers' modules under `transformer.`, or
+    None when it is not one."""
+    hit = _BFL_BLOCK.match(flat)
+    if hit is None:
+        split = _BFL_TOP.get(flat)
+        head = "transformer."
+    else:
+        double = hit.group(1) == "double"
+        split = (_BFL_DOUBLE if double else _BFL_SINGLE).get(hit.group(3))
+        head = f"transformer.{'transformer_blocks' if double else 'single_transformer_blocks'}.{hit.group(2)}."
+    if split is None:
+        return None
+    units, parts = split
+    return units, tuple((head + name, rows) for name, rows in parts)
+
+
 def _kohya_split(key: str) -> tuple[str, str]:
     """(component prefix, flattened module path) of a kohya module key."""
     for old, new in _KOHYA_COMPONENTS:
@@ -134,29 +196,52 @@ def _is_sgm(flat: str) -> bool:
     return flat.startswith(("input_blocks_", "middle_block_", "output_blocks_", "time_embed_", "label_emb_", "out_"))
 
 
-def kohya_names(keys: list[str]) -> dict[str, str] | None:
-    """Every kohya module key's dotted PEFT name, or None when one of them cannot be unflattened."""
-    names = {}
+def kohya_targets(keys: list[str]) -> dict[str, Split] | None:
+    """Every kohya module key's diffusers modules (dotted PEFT names with the component prefix), or None when one
+    of them cannot be unflattened. sd-scripts writes Flux under `lora_unet_` in BFL's names: when one module is
+    named so, every `lora_unet_` module must be."""
+    targets: dict[str, Split] = {}
+    bfl = set()
     for key in keys:
         prefix, flat = _kohya_split(key)
-        dotted = unflatten(flat) if prefix != "unet." or not _is_sgm(flat) else sgm_unflatten(flat)
-        if not prefix or dotted is None:
-            return None
-        names[key] = prefix + dotted
-    return names
+        split = bfl_split(flat) if key.startswith("lora_unet_") else None
+        if prefix == "unet.":
+            bfl.add(split is not None)
+        if split is None:
+            dotted = unflatten(flat) if prefix != "unet." or not _is_sgm(flat) else sgm_unflatten(flat)
+            if not prefix or dotted is None:
+                return None
+            split = _renamed(prefix + dotted)
+        targets[key] = split
+    return None if len(bfl) > 1 else targets
 
 
-def _peft_key(fmt: AdapterFormat, key: str, dotted: dict[str, str] | None) -> str:
+def _peft_targets(fmt: AdapterFormat, key: str, targets: dict[str, Split] | None) -> Split:
     if fmt == AdapterFormat.KOHYA:
-        if dotted is not None:
-            return dotted[key]
+        if targets is not None:
+            return targets[key]
         prefix, flat = _kohya_split(key)
-        return prefix + flat
+        return _renamed(prefix + flat)
     # old diffusers attention processors: `attn1.processor.to_q_lora` sits on `attn1.to_q`, and `to_out` on `to_out.0`
     parts = [p for p in key.split(".") if p != "processor"]
     if parts and parts[-1] == "to_out":
         parts.append("0")
-    return ".".join(parts)
+    return _renamed(".".join(parts))
+
+
+def _up_rows(tf: TensorFile, key: str, units: int, blocks: tuple[tuple[int, int], ...]) -> OutTensor:
+    """Row blocks (in units of its rows / `units`) of lora_up `key`, byte ranges of the source in that order;
+    `OutTensor.name` is left for the caller."""
+    e = tf.entry(key)
+    rows = e.shape[0] if e.shape else 0
+    if units > 1 and (rows == 0 or rows % units):
+        raise ConvertError(f"{tf.path}: {key} has {rows} rows, which do not split into the {units} equal parts "
+                           "of its fused module", "unsupported", tf.path)  # fmt: skip
+    unit = rows // units
+    row_bytes = (e.end - e.begin) // rows if rows else 0
+    parts = tuple(SourceBytes(tf, key, first * unit * row_bytes, n * unit * row_bytes) for first, n in blocks)
+    shape = (sum(n for _, n in blocks) * unit, *e.shape[1:])
+    return OutTensor("", e.dtype, shape, partial(iter, parts))
 
 
 def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[Want], bool]:
@@ -168,25 +253,28 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
     wants: list[Want] = []
     used: set[str] = set()
     kohya = adapter.format == AdapterFormat.KOHYA
-    dotted = kohya_names([m.key for m in adapter.modules]) if kohya else None
+    targets = kohya_targets([m.key for m in adapter.modules]) if kohya else None
     for m in adapter.modules:
         if m.kind not in ("linear", "conv") or m.a_key is None or m.b_key is None or m.a_shape is None:
             raise ConvertError(f"{m.key}: a {m.kind} module has no PEFT LoRA form", "unsupported", adapter.path)
-        key = _peft_key(adapter.format, m.key, dotted)
-        for src, dst in ((m.a_key, f"{key}.lora_A.weight"), (m.b_key, f"{key}.lora_B.weight")):
-            e = tf.entry(src)
-            tensors.append(OutTensor(dst, e.dtype, e.shape, partial(_one, partial(SourceBytes, tf, src))))
-            used.add(src)
+        units, parts = _peft_targets(adapter.format, m.key, targets)
+        a = tf.entry(m.a_key)
+        used.update((m.a_key, m.b_key))
         rank = m.a_shape[0]
         alpha = m.alpha if m.alpha else None  # sd-scripts: 0 or no `.alpha` means alpha = rank
         if m.alpha_key is not None and m.alpha_key in tf:
             used.add(m.alpha_key)
             if m.alpha:  # the exact value the merge reads (the tensor's, not a rounded copy)
                 alpha = tf.load_scalar(m.alpha_key)
-        name = strip_prefixes(key)
-        wants.append(Want(name, name, rank, alpha))
+        for key, blocks in parts:  # each part: the whole lora_down, its rows of lora_up, the original's alpha
+            tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, a.shape,
+                                     partial(iter, (SourceBytes(tf, m.a_key),))))  # fmt: skip
+            b = _up_rows(tf, m.b_key, units, blocks)
+            tensors.append(OutTensor(f"{key}.lora_B.weight", b.dtype, b.shape, b.produce))
+            name = strip_prefixes(key)
+            wants.append(Want(name, name, rank, alpha))
     left = sorted(set(tf.tensors) - used)
     if left:
         raise ConvertError(f"{adapter.path}: tensors {left[:4]} belong to no LoRA module; converting would drop "
                            "them", "lossy", adapter.path)  # fmt: skip
-    return tensors, wants, dotted is not None or not kohya
+    return tensors, wants, targets is not None or not kohya
