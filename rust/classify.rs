@@ -509,8 +509,8 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
         let f = self.factors(g);
         let parts = names::parts(g.key);
         let probe = self.probe(g, f, &parts);
-        if let Some(i) = probe.as_ref().and_then(|p| self.find_template(p)) {
-            self.repeat_template(i, gi, g, f, &parts, out);
+        if let Some((i, p)) = probe.as_ref().and_then(|p| Some((self.find_template(p)?, p))) {
+            self.repeat_template(i, gi, g, f, &parts, p.leaf, out);
             return;
         }
         let problems_before = out.problems.len();
@@ -621,7 +621,9 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
         }
     }
 
-    /// A module that matched template `i`: the template's answers, its own layer, expert and record.
+    /// A module that matched template `i`: the template's answers, its own layer, expert and record
+    /// (`leaf`: its own, as its probe read it).
+    #[allow(clippy::too_many_arguments)]
     fn repeat_template(
         &mut self,
         i: usize,
@@ -629,6 +631,7 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
         g: &Group<'h>,
         f: Factors<'h>,
         parts: &names::KeyParts<'h>,
+        leaf: &str,
         out: &mut Classification,
     ) {
         self.last_hit = i;
@@ -642,7 +645,6 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
             // The name and config answers are this module's own (a template never has a
             // `rank_pattern` to read, but the alpha may come from an `alpha_pattern`).
             let name = names::strip_prefix(g.key);
-            let leaf = names::leaf_of(g.key, parts, self.kohya_names);
             let config = self.configs.for_key(g.key, &self.components);
             let config_rank = config.and_then(|c| c.rank_for(name));
             let layer_expert = (parts.layer, parts.expert);
