@@ -328,3 +328,32 @@ def test_a_file_mixing_bfl_and_other_unet_names_keeps_them_flattened(tmp_path: P
     assert res.notes == (FLATTENED_NOTE,)
     assert _keys(res.out) == {f"unet.{n}.lora_{ab}.weight" for n in ("double_blocks_0_img_attn_proj",
                               "down_blocks_0_attentions_0_proj_in") for ab in "AB"}  # fmt: skip
+
+
+def test_sglang_diffusion_reads_the_converted_flux_bfl_folder_with_each_modules_alpha(tmp_path: Path) -> None:
+    """SGLang 0.5.23's diffusion code, from the released wheel: it takes the BFL kohya file as `kohya-flux` and
+    keeps BFL's fused names (lora_down/lora_up only renamed); the converted folder is a standard PEFT adapter
+    in diffusers' Flux modules, and the per-module alpha it reads (`lora_alpha`, or the `alpha_pattern` entry
+    it turns into a `.alpha` tensor) is each source module's."""
+    bfl = {n: FLUX_BFL[n] for n in ("double_blocks_0_img_attn_qkv", "single_blocks_1_linear1", "img_in",
+                                    "final_layer_adaLN_modulation_1")}  # fmt: skip
+    src = _flux_bfl(tmp_path / "k", bfl)
+    res = convert(src, "peft", tmp_path / "peft")
+    out_file = os.path.join(res.out, "adapter_model.safetensors")
+    got = engines.run("sglang_diffusion_runner", "sglang", engines.PINNED["sglang"][0],
+                      [{"id": "kohya", "kind": "file", "path": src}, {"id": "peft", "kind": "file", "path": out_file}])  # fmt: skip
+    before, after = got["kohya"], got["peft"]
+    assert before["detect"] == {"ok": "kohya-flux"}
+    assert {k.split(".")[0] for k in before["normalize"]["ok"]["keys"]} == {f"lora_unet_{n}" for n in bfl}
+    assert after["detect"] == {"ok": "standard"}
+    # the source's alphas (FLUX_ALPHAS): 8 on the qkv, linear1 and img_in, 2 on the final layer's modulation
+    alpha = {"transformer_blocks.0.attn.to_q": 8.0, "transformer_blocks.0.attn.to_k": 8.0,
+             "transformer_blocks.0.attn.to_v": 8.0, "single_transformer_blocks.1.attn.to_q": 8.0,
+             "single_transformer_blocks.1.attn.to_k": 8.0, "single_transformer_blocks.1.attn.to_v": 8.0,
+             "single_transformer_blocks.1.proj_mlp": 8.0, "x_embedder": 8.0, "norm_out.linear": 2.0}  # fmt: skip
+    keys = after["normalize"]["ok"]["keys"]
+    assert sorted(k for k in keys if not k.endswith(".alpha")) == sorted(
+        f"transformer.{n}.lora_{ab}.weight" for n in alpha for ab in "AB"
+    )
+    per_module = after["normalize"]["ok"]["alphas"]
+    assert {n: per_module.get(f"transformer.{n}.alpha", after["alpha"]["ok"]) for n in alpha} == alpha
