@@ -209,7 +209,8 @@ class ScanReport:
     def __iter__(self) -> Iterator[Adapter]:
         """The adapters that were read, in scan order (failed rows are in `.errors`). Built from the scan's
         results in batches (at most 512 adapters or about 32,768 tensors): equal, field by field, to what
-        `inspect` of each path gives, without reading any file again."""
+        `inspect` of each path gives, without reading any file again. An adapter's `modules` are built when first
+        read (or when it is copied or pickled)."""
         import numpy as np
 
         n = len(self)
