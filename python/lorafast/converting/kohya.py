@@ -229,9 +229,9 @@ def _peft_targets(fmt: AdapterFormat, key: str, targets: dict[str, Split] | None
     return _renamed(".".join(parts))
 
 
-def _up_rows(tf: TensorFile, key: str, units: int, blocks: tuple[tuple[int, int], ...]) -> OutTensor:
-    """Row blocks (in units of its rows / `units`) of lora_up `key`, byte ranges of the source in that order;
-    `OutTensor.name` is left for the caller."""
+def _rows(tf: TensorFile, key: str, name: str, units: int, blocks: tuple[tuple[int, int], ...]) -> OutTensor:
+    """Output tensor `name`: row blocks (in units of its rows / `units`) of source tensor `key`, in that order,
+    as byte ranges of the source (a block of rows of a row-major matrix is one range)."""
     e = tf.entry(key)
     rows = e.shape[0] if e.shape else 0
     if units > 1 and (rows == 0 or rows % units):
@@ -241,7 +241,7 @@ def _up_rows(tf: TensorFile, key: str, units: int, blocks: tuple[tuple[int, int]
     row_bytes = (e.end - e.begin) // rows if rows else 0
     parts = tuple(SourceBytes(tf, key, first * unit * row_bytes, n * unit * row_bytes) for first, n in blocks)
     shape = (sum(n for _, n in blocks) * unit, *e.shape[1:])
-    return OutTensor("", e.dtype, shape, partial(iter, parts))
+    return OutTensor(name, e.dtype, shape, partial(iter, parts))
 
 
 def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[Want], bool]:
@@ -258,7 +258,6 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
         if m.kind not in ("linear", "conv") or m.a_key is None or m.b_key is None or m.a_shape is None:
             raise ConvertError(f"{m.key}: a {m.kind} module has no PEFT LoRA form", "unsupported", adapter.path)
         units, parts = _peft_targets(adapter.format, m.key, targets)
-        a = tf.entry(m.a_key)
         used.update((m.a_key, m.b_key))
         rank = m.a_shape[0]
         alpha = m.alpha if m.alpha else None  # sd-scripts: 0 or no `.alpha` means alpha = rank
@@ -267,10 +266,8 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
             if m.alpha:  # the exact value the merge reads (the tensor's, not a rounded copy)
                 alpha = tf.load_scalar(m.alpha_key)
         for key, blocks in parts:  # each part: the whole lora_down, its rows of lora_up, the original's alpha
-            tensors.append(OutTensor(f"{key}.lora_A.weight", a.dtype, a.shape,
-                                     partial(iter, (SourceBytes(tf, m.a_key),))))  # fmt: skip
-            b = _up_rows(tf, m.b_key, units, blocks)
-            tensors.append(OutTensor(f"{key}.lora_B.weight", b.dtype, b.shape, b.produce))
+            tensors.append(_rows(tf, m.a_key, f"{key}.lora_A.weight", 1, ((0, 1),)))
+            tensors.append(_rows(tf, m.b_key, f"{key}.lora_B.weight", units, blocks))
             name = strip_prefixes(key)
             wants.append(Want(name, name, rank, alpha))
     left = sorted(set(tf.tensors) - used)
