@@ -428,6 +428,19 @@ struct Dims {
     n_exp: Option<u64>,
 }
 
+/// What a module's record takes besides its names: the answers of the checks, its own numbers
+/// and its config.
+struct Answers<'c> {
+    kind: ModuleKind,
+    layer: Option<u32>,
+    expert: Option<u32>,
+    dims: Dims,
+    /// Its experts, its own expert number counted (`add_totals`).
+    n_exp: Option<u64>,
+    config: Option<&'c LoraConfig>,
+    config_rank: Option<u64>,
+}
+
 /// The module loop: what it knows of the adapter, and what it gathers from one module to the next.
 struct ModuleLoop<'h, 'c> {
     header: &'h Header<'h>,
@@ -543,20 +556,16 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
         }
         let n_exp = add_totals(dims, parts.expert, out);
         if self.keep_modules {
-            let layer_expert = (parts.layer, parts.expert);
-            self.record(
-                gi,
-                g,
-                f,
+            let answers = Answers {
                 kind,
-                &name,
-                leaf,
-                layer_expert,
+                layer: parts.layer,
+                expert: parts.expert,
                 dims,
                 n_exp,
                 config,
                 config_rank,
-            );
+            };
+            self.record(gi, g, f, &name, leaf, answers);
         }
     }
 
@@ -646,21 +655,16 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
             // `rank_pattern` to read, but the alpha may come from an `alpha_pattern`).
             let name = names::strip_prefix(g.key);
             let config = self.configs.for_key(g.key, &self.components);
-            let config_rank = config.and_then(|c| c.rank_for(name));
-            let layer_expert = (parts.layer, parts.expert);
-            self.record(
-                gi,
-                g,
-                f,
-                t.kind,
-                name,
-                leaf,
-                layer_expert,
+            let answers = Answers {
+                kind: t.kind,
+                layer: parts.layer,
+                expert: parts.expert,
                 dims,
                 n_exp,
                 config,
-                config_rank,
-            );
+                config_rank: config.and_then(|c| c.rank_for(name)),
+            };
+            self.record(gi, g, f, name, leaf, answers);
         }
     }
 
@@ -757,21 +761,16 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
     }
 
     /// Adds the module's record (`keep_modules`).
-    #[allow(clippy::too_many_arguments)]
-    fn record(
-        &mut self,
-        gi: usize,
-        g: &Group<'h>,
-        f: Factors<'h>,
-        kind: ModuleKind,
-        name: &str,
-        leaf: &str,
-        (layer, expert): (Option<u32>, Option<u32>),
-        dims: Dims,
-        n_exp: Option<u64>,
-        config: Option<&LoraConfig>,
-        config_rank: Option<u64>,
-    ) {
+    fn record(&mut self, gi: usize, g: &Group<'h>, f: Factors<'h>, name: &str, leaf: &str, answers: Answers<'_>) {
+        let Answers {
+            kind,
+            layer,
+            expert,
+            dims,
+            n_exp,
+            config,
+            config_rank,
+        } = answers;
         let tensors = &self.header.tensors;
         let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.as_ref());
         let mut extra: Vec<&str> = g
