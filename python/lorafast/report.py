@@ -10,7 +10,7 @@ imports its library when called (`pip install lorafast[arrow]`, `[pandas]`, `[po
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -225,44 +225,49 @@ def _records_text(report: ScanReport) -> Iterator[str]:
             yield text
 
 
-def write_json(report: ScanReport, write: Callable[[str], Any], indent: int | str | None, records: bool) -> None:
-    """Writes exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)`, the adapters a batch at a
-    time, so the whole text is never held."""
+def json_chunks(report: ScanReport, indent: int | str | None, records: bool) -> Iterator[str]:
+    """Exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)` in pieces, the adapters a batch
+    at a time, so the whole text is never held."""
     errors = [{"path": p, "code": c, "message": m} for p, c, m in report.errors]
     if indent is None:
-        write('{"summary": ' + json.dumps(report.summary()) + ', "errors": ' + json.dumps(errors))
+        yield '{"summary": ' + json.dumps(report.summary()) + ', "errors": ' + json.dumps(errors)
         if records:
-            write(', "adapters": [')
+            yield ', "adapters": ['
             first = True
             for text in _records_text(report):
-                write(text if first else ", " + text)
+                yield text if first else ", " + text
                 first = False
-            write("]")
-        write("}")
+            yield "]"
+        yield "}"
         return
     step = " " * indent if isinstance(indent, int) else indent
 
     def nested(value: Any, level: int) -> str:
         return json.dumps(value, indent=indent).replace("\n", "\n" + step * level)
 
-    write("{\n" + step + '"summary": ' + nested(report.summary(), 1))
-    write(",\n" + step + '"errors": ' + nested(errors, 1))
+    yield "{\n" + step + '"summary": ' + nested(report.summary(), 1)
+    yield ",\n" + step + '"errors": ' + nested(errors, 1)
     if records:
-        write(",\n" + step + '"adapters": [')
+        yield ",\n" + step + '"adapters": ['
         first = True
         for batch in _records(report):
             parts = [step * 2 + nested(rec, 2) for rec in batch]
-            write(("\n" if first else ",\n") + ",\n".join(parts))
+            yield ("\n" if first else ",\n") + ",\n".join(parts)
             first = False
-        write("]" if first else "\n" + step + "]")
-    write("\n}")
+        yield "]" if first else "\n" + step + "]"
+    yield "\n}"
 
 
 def json_text(report: ScanReport, indent: int | str | None, records: bool) -> str:
-    parts: list[str] = []
-    write_json(report, parts.append, indent, records)
-    return "".join(parts)
+    # `text += chunk` on a str nothing else refers to grows it in place in CPython (a realloc, no copy), so the
+    # text is held once; joining a list of the chunks held it twice (20,000 small adapters: 20.6 -> 13.2 MB
+    # added for a 9.8 MB text). An io.StringIO copies its buffer again in getvalue().
+    text = ""
+    for chunk in json_chunks(report, indent, records):
+        text += chunk
+    return text
 
 
 def json_to(report: ScanReport, fp: IO[str], indent: int | str | None, records: bool) -> None:
-    write_json(report, fp.write, indent, records)
+    for chunk in json_chunks(report, indent, records):
+        fp.write(chunk)
