@@ -328,7 +328,52 @@ class _Server(ThreadingHTTPServer):
         pass
 
 
-class RangeServer:
+class _LoopbackServer:
+    """What both loopback servers share: `httpd` served from a thread on 127.0.0.1, and its request log."""
+
+    def __init__(self, httpd: _Server, root: str) -> None:
+        self.httpd = httpd
+        httpd.root = root
+        httpd.requests = []
+        httpd.request_connections = []
+        httpd.lock = threading.Lock()
+        self.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        self.thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def requests(self) -> list[tuple[str, str, str | None]]:
+        with self.httpd.lock:
+            return list(self.httpd.requests)
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted since the last `clear`."""
+        with self.httpd.lock:
+            return self.httpd.connections
+
+    @property
+    def request_connections(self) -> list[int]:
+        """For each request of `requests`, the number of the connection it came on."""
+        with self.httpd.lock:
+            return list(self.httpd.request_connections)
+
+    def clear(self) -> None:
+        with self.httpd.lock:
+            self._reset()
+
+    def _reset(self) -> None:
+        """Forget what was served so far (the caller holds the lock)."""
+        self.httpd.requests.clear()
+        self.httpd.request_connections.clear()
+        self.httpd.connections = 0
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RangeServer(_LoopbackServer):
     """HTTP server over `root` on 127.0.0.1. URL `{url}/{mode}/{relative path}`, modes:
 
     ok (Range honoured), norange (always 200 with the whole file), truncate (half the announced
@@ -338,21 +383,10 @@ class RangeServer:
     """
 
     def __init__(self, root: str, delay: float = 3.0, keep_alive: bool = False) -> None:
-        self.httpd = _Server(("127.0.0.1", 0), _KeepAliveHandler if keep_alive else _Handler)
-        self.httpd.root = root
-        self.httpd.delay = delay
-        self.httpd.requests = []
-        self.httpd.request_connections = []
-        self.httpd.attempts = {}
-        self.httpd.lock = threading.Lock()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def requests(self) -> list[tuple[str, str, str | None]]:
-        with self.httpd.lock:
-            return list(self.httpd.requests)
+        httpd = _Server(("127.0.0.1", 0), _KeepAliveHandler if keep_alive else _Handler)
+        httpd.delay = delay
+        httpd.attempts = {}
+        super().__init__(httpd, root)
 
     @property
     def peak(self) -> int:
@@ -360,23 +394,10 @@ class RangeServer:
         with self.httpd.lock:
             return self.httpd.peak
 
-    def clear(self) -> None:
-        with self.httpd.lock:
-            self.httpd.requests.clear()
-            self.httpd.request_connections.clear()
-            self.httpd.attempts.clear()
-            self.httpd.peak = self.httpd.in_flight
-            self.httpd.connections = 0
-
-    @property
-    def connections(self) -> int:
-        """Connections accepted since the last `clear`."""
-        with self.httpd.lock:
-            return self.httpd.connections
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def _reset(self) -> None:
+        super()._reset()
+        self.httpd.attempts.clear()
+        self.httpd.peak = self.httpd.in_flight
 
 
 class _S3Handler(_Handler):
@@ -484,7 +505,7 @@ class _S3Server(_Server):
         return found
 
 
-class LocalS3:
+class LocalS3(_LoopbackServer):
     """A small S3-compatible server over a folder, on 127.0.0.1: each top-level folder of `root` is a bucket.
 
     It answers ListObjectsV2 (prefix, delimiter, pages of at most 1,000 keys), GET with `Range` and HEAD, with
@@ -495,15 +516,10 @@ class LocalS3:
     """
 
     def __init__(self, root: str, keep_alive: bool = False) -> None:
-        self.httpd = _S3Server(("127.0.0.1", 0), _KeepAliveS3Handler if keep_alive else _S3Handler)
-        self.httpd.root = root
-        self.httpd.requests = []
-        self.httpd.request_connections = []
-        self.httpd.etags = {}
-        self.httpd.lock = threading.Lock()
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        httpd = _S3Server(("127.0.0.1", 0), _KeepAliveS3Handler if keep_alive else _S3Handler)
+        httpd.etags = {}
+        super().__init__(httpd, root)
+        self.endpoint = self.url
 
     @property
     def storage_options(self) -> dict[str, str]:
@@ -513,33 +529,6 @@ class LocalS3:
             "aws_access_key_id": "x",
             "aws_secret_access_key": "x",
         }
-
-    @property
-    def requests(self) -> list[tuple[str, str, str | None]]:
-        with self.httpd.lock:
-            return list(self.httpd.requests)
-
-    @property
-    def connections(self) -> int:
-        """Connections accepted since the last `clear`."""
-        with self.httpd.lock:
-            return self.httpd.connections
-
-    @property
-    def request_connections(self) -> list[int]:
-        """For each request of `requests`, the number of the connection it came on."""
-        with self.httpd.lock:
-            return list(self.httpd.request_connections)
-
-    def clear(self) -> None:
-        with self.httpd.lock:
-            self.httpd.requests.clear()
-            self.httpd.request_connections.clear()
-            self.httpd.connections = 0
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _map(value: Any, src: str, dst: str) -> Any:
