@@ -32,27 +32,34 @@ def summary(lora: vllm.VLLMLoRA) -> dict[str, Any]:
     return {"rank": lora.rank, "loras": loras, "modules_to_save": saved}
 
 
+def model_kwargs(case: dict[str, Any], version: str) -> dict[str, Any]:
+    """The model a load case runs under, as the keyword arguments `load_adapter` and `preflight` share."""
+    setup = case["setup"]
+    head = setup["classification_head"]
+    return {
+        "supported_lora_modules": setup["supported"],
+        "packed_modules_mapping": setup["packed"],
+        "max_lora_rank": case["max_lora_rank"],
+        "max_position_embeddings": setup["max_position_embeddings"],
+        "vocab_size": setup["vocab_size"],
+        "hf_to_vllm_mapper": mapper(setup["mapper"]),
+        "moe_modules": setup["moe_modules"],
+        "classification_head": None if head is None else vllm.ClassificationHead(**head),
+        "is_pooling_model": setup["is_pooling_model"],
+        "engine_version": version,
+    }
+
+
 def run_case(case: dict[str, Any], version: str) -> dict[str, Any]:
     try:
         if case["op"] == "parse":
             name, is_a = vllm.parse_fine_tuned_lora_name(case["name"], mapper(case["mapper"]), engine_version=version)
             return {"ok": [name, is_a]}
-        setup = case["setup"]
-        head = setup["classification_head"]
         lora = vllm.load_adapter(
             case["path"],
-            supported_lora_modules=setup["supported"],
-            packed_modules_mapping=setup["packed"],
-            max_lora_rank=case["max_lora_rank"],
-            max_position_embeddings=setup["max_position_embeddings"],
-            vocab_size=setup["vocab_size"],
-            hf_to_vllm_mapper=mapper(setup["mapper"]),
             lora_name=case["lora_name"],
             lora_int_id=case["lora_int_id"],
-            moe_modules=setup["moe_modules"],
-            classification_head=None if head is None else vllm.ClassificationHead(**head),
-            is_pooling_model=setup["is_pooling_model"],
-            engine_version=version,
+            **model_kwargs(case, version),
         )
         return {"ok": summary(lora)}
     except Exception as exc:  # every outcome is compared, whatever is raised
@@ -64,22 +71,11 @@ def preflight_case(case: dict[str, Any], version: str) -> dict[str, Any] | None:
     {"error": [type name, message]} (None for parse cases)."""
     if case["op"] != "load":
         return None
-    setup = case["setup"]
-    head = setup["classification_head"]
     plan = vllm.preflight(
         {case["lora_name"]: case["path"]},
-        max_lora_rank=case["max_lora_rank"],
-        supported_lora_modules=setup["supported"],
-        packed_modules_mapping=setup["packed"],
-        max_position_embeddings=setup["max_position_embeddings"],
-        vocab_size=setup["vocab_size"],
-        hf_to_vllm_mapper=mapper(setup["mapper"]),
-        moe_modules=setup["moe_modules"],
-        classification_head=None if head is None else vllm.ClassificationHead(**head),
-        is_pooling_model=setup["is_pooling_model"],
         first_lora_int_id=case["lora_int_id"],
         collect=True,
-        engine_version=version,
+        **model_kwargs(case, version),
     )
     if plan.ok:
         return {"ok": True}
