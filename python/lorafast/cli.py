@@ -41,8 +41,15 @@ def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
 def cmd_scan(args: argparse.Namespace) -> int:
     from .scanner import ScanReport, scan
 
-    progress = False if args.quiet else None
-    storage = dict(args.storage_option) or None
+    # what `scan` and `Index.scan` take alike
+    options: dict[str, Any] = {
+        "recursive": not args.no_recursive,
+        "threads": args.threads,
+        "progress": False if args.quiet else None,
+        "content_hash": args.hash,
+        "storage_options": dict(args.storage_option) or None,
+        "timeout": args.timeout,
+    }
     report: ScanReport
     if args.index:
         from .index import Index
@@ -51,29 +58,11 @@ def cmd_scan(args: argparse.Namespace) -> int:
             print("lorafast scan: error: --index scans with the local backend", file=sys.stderr)
             return 2
         with Index(args.index) as index:
-            report = index.scan(
-                args.paths,
-                recursive=not args.no_recursive,
-                threads=args.threads,
-                progress=progress,
-                content_hash=args.hash,
-                storage_options=storage,
-                timeout=args.timeout,
-            )
+            report = index.scan(args.paths, **options)
         changes = f"{len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed"
         print(f"index {args.index}: {changes}, {report.reads} read", file=sys.stderr)
     else:
-        report = scan(
-            args.paths,
-            recursive=not args.no_recursive,
-            threads=args.threads,
-            progress=progress,
-            content_hash=args.hash,
-            storage_options=storage,
-            timeout=args.timeout,
-            backend=args.backend,
-            ray_address=args.ray_address,
-        )
+        report = scan(args.paths, **options, backend=args.backend, ray_address=args.ray_address)
     if args.json:
         report.to_json(sys.stdout, indent=2, records=not args.summary_only)
         sys.stdout.write("\n")
