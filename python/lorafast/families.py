@@ -50,6 +50,20 @@ def _llm(
     return Family(name, source, dims)
 
 
+def _unet(name: str, repo: str, cross_attention: int, channels: int, attn_down_blocks: int) -> Family:
+    dims = {"cross_attention": cross_attention, "unet_channels": channels, "unet_attn_down_blocks": attn_down_blocks}
+    return Family(name, f"https://huggingface.co/{repo}/blob/main/unet/config.json", dims)
+
+
+def _dit(name: str, repo: str, hidden: int, ff: int, blocks: int, single_blocks: int = 0, context: int = 0) -> Family:
+    dims = {"dit_hidden": hidden, "dit_ff": ff, "dit_blocks": blocks}
+    if single_blocks:
+        dims["dit_single_blocks"] = single_blocks
+    if context:
+        dims["dit_context"] = context
+    return Family(name, f"https://huggingface.co/{repo}/blob/main/transformer/config.json", dims)
+
+
 _HF = "https://huggingface.co/{}/blob/main/config.json"
 
 #: Public architectures, dimensions from each repository's config.json.
@@ -95,68 +109,20 @@ FAMILIES: tuple[Family, ...] = (
     _llm("Gemma-3-4B", _HF.format("google/gemma-3-4b-pt"), 2560, 10240, 34, 8, 4, 256, 262208),
     _llm("Gemma-3-12B", _HF.format("google/gemma-3-12b-pt"), 3840, 15360, 48, 16, 8, 256, 262208),
     _llm("Gemma-3-27B", _HF.format("google/gemma-3-27b-pt"), 5376, 21504, 62, 32, 16, 128, 262208),
-    # UNets: cross-attention width (text encoder) and the channels of the last down block.
-    Family(
-        "SD-1.5",
-        "https://huggingface.co/stable-diffusion-v1-5/stable-diffusion-v1-5/blob/main/unet/config.json",
-        {"cross_attention": 768, "unet_channels": 1280, "unet_attn_down_blocks": 3},
-    ),
-    Family(
-        "SD-2.x",
-        "https://huggingface.co/stabilityai/stable-diffusion-2-1/blob/main/unet/config.json",
-        {"cross_attention": 1024, "unet_channels": 1280, "unet_attn_down_blocks": 3},
-    ),
-    Family(
-        "SDXL",
-        "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/blob/main/unet/config.json",
-        {"cross_attention": 2048, "unet_channels": 1280, "unet_attn_down_blocks": 2},
-    ),
+    # UNets: cross-attention width (text encoder), the channels of the last down block, its attention down blocks.
+    _unet("SD-1.5", "stable-diffusion-v1-5/stable-diffusion-v1-5", 768, 1280, 3),
+    _unet("SD-2.x", "stabilityai/stable-diffusion-2-1", 1024, 1280, 3),
+    _unet("SDXL", "stabilityai/stable-diffusion-xl-base-1.0", 2048, 1280, 2),
     # DiTs: hidden width, feed-forward width, joint/double and single block counts, text width.
-    Family(
-        "SD-3.5-Large",
-        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/transformer/config.json",
-        {"dit_hidden": 2432, "dit_ff": 9728, "dit_blocks": 38},
-    ),
-    Family(
-        "SD-3.5-Medium",
-        "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/transformer/config.json",
-        {"dit_hidden": 1536, "dit_ff": 6144, "dit_blocks": 24},
-    ),
-    Family(
-        "FLUX.1",
-        "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
-        {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 19, "dit_single_blocks": 38},
-    ),
-    Family(
-        "HunyuanVideo",
-        "https://huggingface.co/hunyuanvideo-community/HunyuanVideo/blob/main/transformer/config.json",
-        {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 20, "dit_single_blocks": 40},
-    ),
-    Family(
-        "Qwen-Image",
-        "https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
-        {"dit_hidden": 3072, "dit_ff": 12288, "dit_blocks": 60, "dit_context": 3584},
-    ),
-    Family(
-        "Wan-2.1-14B",
-        "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers/blob/main/transformer/config.json",
-        {"dit_hidden": 5120, "dit_ff": 13824, "dit_blocks": 40},
-    ),
-    Family(
-        "Wan-2.2-A14B",
-        "https://huggingface.co/Wan-AI/Wan2.2-T2V-A14B-Diffusers/blob/main/transformer/config.json",
-        {"dit_hidden": 5120, "dit_ff": 13824, "dit_blocks": 40},
-    ),
-    Family(
-        "Wan-2.1-1.3B",
-        "https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers/blob/main/transformer/config.json",
-        {"dit_hidden": 1536, "dit_ff": 8960, "dit_blocks": 30},
-    ),
-    Family(
-        "Wan-2.2-5B",
-        "https://huggingface.co/Wan-AI/Wan2.2-TI2V-5B-Diffusers/blob/main/transformer/config.json",
-        {"dit_hidden": 3072, "dit_ff": 14336, "dit_blocks": 30},
-    ),
+    _dit("SD-3.5-Large", "stabilityai/stable-diffusion-3.5-large", 2432, 9728, 38),
+    _dit("SD-3.5-Medium", "stabilityai/stable-diffusion-3.5-medium", 1536, 6144, 24),
+    _dit("FLUX.1", "black-forest-labs/FLUX.1-dev", 3072, 12288, 19, single_blocks=38),
+    _dit("HunyuanVideo", "hunyuanvideo-community/HunyuanVideo", 3072, 12288, 20, single_blocks=40),
+    _dit("Qwen-Image", "Qwen/Qwen-Image", 3072, 12288, 60, context=3584),
+    _dit("Wan-2.1-14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers", 5120, 13824, 40),
+    _dit("Wan-2.2-A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", 5120, 13824, 40),
+    _dit("Wan-2.1-1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", 1536, 8960, 30),
+    _dit("Wan-2.2-5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", 3072, 14336, 30),
 )
 
 #: fields where the adapter shows a lower bound only (it may adapt fewer layers or blocks than the model has)
