@@ -212,6 +212,11 @@ class _Sample:
     """File name inside the sample folder; None: the sample is a single .safetensors file."""
 
 
+def _peft_sample(key: tuple[Any, ...], build: Callable[[], Tensors], config: Mapping[str, Any]) -> _Sample:
+    """A PEFT folder: adapter_model.safetensors (metadata `format: pt`, as PEFT saves it) and its config."""
+    return _Sample(key, build, {"format": "pt"}, config, "adapter_model.safetensors")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model shapes (scaled down) and PEFT config helpers
 
@@ -430,13 +435,7 @@ def _peft_llama(rng: random.Random, d: _Dims, variant: str) -> _Sample:
     cfg = _peft_config(**fields)
     key = ("llama", variant, d.hidden, layers, targets, r, tuple(cfg["rank_pattern"].items()), dtype, *opts.items())
     rp = cfg["rank_pattern"]
-    return _Sample(
-        key,
-        lambda: _llama_tensors(d, layers, targets, r, rp, dtype, **opts),
-        {"format": "pt"},
-        cfg,
-        "adapter_model.safetensors",
-    )
+    return _peft_sample(key, lambda: _llama_tensors(d, layers, targets, r, rp, dtype, **opts), cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -492,13 +491,7 @@ def _peft_moe_2d(rng: random.Random, d: _Dims, style: str) -> _Sample:
         task_type="CAUSAL_LM",
     )
     key = ("moe2d", style, d.hidden, layers, experts, r, dtype)
-    return _Sample(
-        key,
-        lambda: _moe_2d_tensors(d, style, layers, experts, r, dtype),
-        {"format": "pt"},
-        cfg,
-        "adapter_model.safetensors",
-    )
+    return _peft_sample(key, lambda: _moe_2d_tensors(d, style, layers, experts, r, dtype), cfg)
 
 
 def _moe_3d_tensors(d: _Dims, layers: int, experts: int, r: int, dtype: str, shared_outer: bool) -> Tensors:
@@ -527,13 +520,7 @@ def _peft_moe_3d(rng: random.Random, d: _Dims, shared_outer: bool) -> _Sample:
         task_type="CAUSAL_LM",
     )
     key = ("moe3d", shared_outer, d.hidden, layers, experts, r, dtype)
-    return _Sample(
-        key,
-        lambda: _moe_3d_tensors(d, layers, experts, r, dtype, shared_outer),
-        {"format": "pt"},
-        cfg,
-        "adapter_model.safetensors",
-    )
+    return _peft_sample(key, lambda: _moe_3d_tensors(d, layers, experts, r, dtype, shared_outer), cfg)
 
 
 def _target_parameters_tensors(d: _Dims, layers: int, experts: int, r: int, dtype: str) -> Tensors:
@@ -561,13 +548,7 @@ def _peft_moe_target_parameters(rng: random.Random, d: _Dims) -> _Sample:
         task_type="CAUSAL_LM",
     )
     key = ("moetp", d.hidden, layers, experts, r, dtype)
-    return _Sample(
-        key,
-        lambda: _target_parameters_tensors(d, layers, experts, r, dtype),
-        {"format": "pt"},
-        cfg,
-        "adapter_model.safetensors",
-    )
+    return _peft_sample(key, lambda: _target_parameters_tensors(d, layers, experts, r, dtype), cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
