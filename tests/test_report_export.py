@@ -346,3 +346,19 @@ def test_pandas_string_columns_have_the_dtype_pandas_infers(fleet):
         assert df[name].dtype == want.dtype, name
         assert df[name].isna().tolist() == want.isna().tolist(), name
         assert df[name].dropna().tolist() == want.dropna().tolist(), name
+
+
+def test_parquet_keeps_statistics_of_the_row_key_and_dictionaries_of_dictionary_columns(fleet, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    report = lorafast.scan([fleet], threads=2)
+    report.to_parquet(tmp_path / "a.parquet", modules_path=tmp_path / "m.parquet")
+    for name, want in (("a.parquet", report.to_arrow()), ("m.parquet", report.to_arrow("modules"))):
+        meta = pq.ParquetFile(tmp_path / name).metadata
+        group = meta.row_group(0)
+        columns = {group.column(i).path_in_schema: group.column(i) for i in range(meta.num_columns)}
+        assert [c for c, col in columns.items() if col.is_stats_set] == ["row"]
+        for field in want.schema:
+            dictionary_pages = columns[field.name].has_dictionary_page
+            assert dictionary_pages == pa.types.is_dictionary(field.type), (name, field.name)
+        assert pq.read_table(tmp_path / name).schema.equals(want.schema, check_metadata=False)
