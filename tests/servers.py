@@ -116,6 +116,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def s3_options(endpoint: str) -> dict[str, str]:
+    """lorafast's `storage_options` for a loopback S3 server (moto's, with the key pair it was started with,
+    or `LocalS3`, which checks none)."""
+    return {
+        "endpoint": endpoint,
+        "region": "us-east-1",
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing",
+    }
+
+
 class MotoS3:
     """moto's S3 server on 127.0.0.1 in a subprocess; `storage_options` reach it from lorafast."""
 
@@ -142,12 +153,7 @@ class MotoS3:
 
     @property
     def storage_options(self) -> dict[str, str]:
-        return {
-            "endpoint": self.endpoint,
-            "region": "us-east-1",
-            "aws_access_key_id": "testing",
-            "aws_secret_access_key": "testing",
-        }
+        return s3_options(self.endpoint)
 
     def client(self, **kwargs: Any) -> Any:
         import boto3
@@ -523,12 +529,7 @@ class LocalS3(_LoopbackServer):
 
     @property
     def storage_options(self) -> dict[str, str]:
-        return {
-            "endpoint": self.endpoint,
-            "region": "us-east-1",
-            "aws_access_key_id": "x",
-            "aws_secret_access_key": "x",
-        }
+        return s3_options(self.endpoint)
 
 
 def _map(value: Any, src: str, dst: str) -> Any:
