@@ -204,8 +204,11 @@ def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
 
 
 #: Columns whose Parquet statistics are written: the key a reader filters and joins on. Statistics of every
-#: column took a third of the writer's time on a dense module table (224,000 rows: 22.7 -> 15.0 ms).
+#: column took half the writer's time on a dense module table (224,000 rows, with the dictionaries below: 22.4 -> 11.6 ms).
 PARQUET_STATISTICS = ["row"]
+#: Bytes of a data page. The writer buffers a page per column: with the default 1 MiB, writing the small fleet's
+#: 5.3 MB of tables added 17 MB (3.2x); with 32 KiB, 8.7 MB, at the same speed on a 224,000-row table.
+PARQUET_PAGE_BYTES = 32 << 10
 
 
 def _write_parquet(table: Any, path: str) -> None:
@@ -221,6 +224,7 @@ def _write_parquet(table: Any, path: str) -> None:
         path,
         use_dictionary=dictionary,
         write_statistics=PARQUET_STATISTICS,
+        data_page_size=PARQUET_PAGE_BYTES,
         memory_pool=pa.system_memory_pool(),  # as in `to_arrow`
     )
 
