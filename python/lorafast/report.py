@@ -204,7 +204,8 @@ def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
 
 
 #: Columns whose Parquet statistics are written: the key a reader filters and joins on. Statistics of every
-#: column took half the writer's time on a dense module table (224,000 rows, with the dictionaries below: 22.4 -> 11.6 ms).
+#: column took half the writer's time on a dense module table (224,000 rows, with the dictionaries below:
+#: 22.4 -> 11.6 ms).
 PARQUET_STATISTICS = ["row"]
 #: Bytes of a data page. The writer buffers a page per column: with the default 1 MiB, writing the small fleet's
 #: 5.3 MB of tables added 17 MB (3.2x); with 32 KiB, 8.7 MB, at the same speed on a 224,000-row table.
