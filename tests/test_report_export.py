@@ -362,3 +362,19 @@ def test_parquet_keeps_statistics_of_the_row_key_and_dictionaries_of_dictionary_
             dictionary_pages = columns[field.name].has_dictionary_page
             assert dictionary_pages == pa.types.is_dictionary(field.type), (name, field.name)
         assert pq.read_table(tmp_path / name).schema.equals(want.schema, check_metadata=False)
+
+
+def test_polars_through_arrow_equals_polars_alone(fleet, tmp_path):
+    """`to_polars` goes through Arrow when pyarrow is installed; polars alone builds the same frame."""
+    pytest.importorskip("pyarrow")
+    pl = pytest.importorskip("polars")
+    from lorafast.report import polars_from_columns
+
+    for report in (lorafast.scan([fleet], threads=2), lorafast.scan([tmp_path])):
+        for table in ("adapters", "modules"):
+            through_arrow, alone = report.to_polars(table), polars_from_columns(report, table)
+            assert through_arrow.schema == alone.schema
+            assert through_arrow.equals(alone)
+            assert through_arrow.null_count().row(0) == alone.null_count().row(0)
+            assert alone.height == len(report.to_arrow(table))
+            assert isinstance(alone, pl.DataFrame)

