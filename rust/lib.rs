@@ -2,6 +2,8 @@
 //! classification and the parallel bulk scan. Pure Rust; the Python binding lives in `py.rs`,
 //! behind the `python` feature, so `cargo test --no-default-features` needs no libpython.
 
+#![warn(missing_docs)]
+
 pub mod classify;
 pub mod codes;
 pub mod config;

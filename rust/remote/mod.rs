@@ -56,10 +56,13 @@ pub fn first_read_size(longest_seen: u64) -> u64 {
 
 /// Consecutive timeouts after which a store is given up for the rest of the call.
 pub const STALL_LIMIT: usize = 4;
+/// Bound on each request, in seconds, when the caller gives none.
 pub const DEFAULT_TIMEOUT_S: f64 = 10.0;
+/// Requests in flight at once when the caller gives no `concurrency`.
 pub const DEFAULT_CONCURRENCY: usize = 64;
 /// Larger `concurrency` values are taken as this.
 pub const MAX_CONCURRENCY: usize = 4096;
+/// Retries of a request that failed with a transient error.
 pub const DEFAULT_RETRIES: usize = 3;
 /// Longer timeouts are taken as this (a year: no request waits that long), so that a huge value
 /// such as `1e300` or `2**64` means "no limit" instead of overflowing a `Duration`.
@@ -144,6 +147,7 @@ pub struct Session {
 /// What a listing (or a `HEAD`, where a store cannot be listed) says about one object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObjectStat {
+    /// Its size in bytes.
     pub size: u64,
     /// As the server sent it (quotes included); None when it sends none.
     pub etag: Option<String>,
@@ -158,6 +162,7 @@ pub enum Stat {
     Unknown,
     /// The store says there is no such object.
     Missing,
+    /// The store says what it holds.
     Found(ObjectStat),
 }
 
@@ -165,6 +170,8 @@ pub enum Stat {
 pub type StatTarget = (Result<Target, Error>, Stat, Stat);
 
 impl Session {
+    /// A session whose runtime takes its workers from `threads` (None: the scan's default), with
+    /// `ropts`; nothing starts until a URL is met.
     pub fn new(threads: Option<usize>, ropts: &RemoteOptions) -> Self {
         Session {
             threads,
