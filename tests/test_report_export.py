@@ -378,3 +378,16 @@ def test_polars_through_arrow_equals_polars_alone(fleet, tmp_path):
             assert through_arrow.null_count().row(0) == alone.null_count().row(0)
             assert alone.height == len(report.to_arrow(table))
             assert isinstance(alone, pl.DataFrame)
+
+
+def test_arrow_columns_without_nulls_carry_no_validity_bitmap(fleet):
+    pa = pytest.importorskip("pyarrow")
+    report = lorafast.scan([fleet], threads=2)
+    for table in ("adapters", "modules"):
+        t = report.to_arrow(table)
+        assert any(c.null_count for c in t.columns) and any(not c.null_count for c in t.columns)
+        for name, column in zip(t.column_names, t.columns, strict=True):
+            [chunk] = column.chunks
+            if pa.types.is_dictionary(chunk.type):
+                chunk = chunk.indices
+            assert (chunk.buffers()[0] is None) == (chunk.null_count == 0), (table, name)

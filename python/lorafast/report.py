@@ -112,6 +112,12 @@ def _utf8(values: list[str | None]) -> list[str | None]:
     return out
 
 
+def _nulls(mask: np.ndarray) -> np.ndarray | None:
+    """The mask, or None where nothing is null: pyarrow packed each mask into a bitmap even when empty (dense
+    module table: 0.17 ms a column, about 2.5 ms of the table's 7.5 ms)."""
+    return mask if mask.any() else None
+
+
 def to_arrow(report: ScanReport, table: Table = "adapters") -> Any:
     import pyarrow as pa
 
@@ -125,10 +131,10 @@ def to_arrow(report: ScanReport, table: Table = "adapters") -> Any:
         if kind == "num":
             arrays[name] = pa.array(col[1], memory_pool=pool)
         elif kind == "nullable":
-            arrays[name] = pa.array(col[1], mask=~col[2], memory_pool=pool)
+            arrays[name] = pa.array(col[1], mask=_nulls(~col[2]), memory_pool=pool)
         elif kind == "dict":
             codes = col[1]
-            indices = pa.array(codes, mask=codes < 0, memory_pool=pool)
+            indices = pa.array(codes, mask=_nulls(codes < 0), memory_pool=pool)
             values = pa.array(_utf8(col[2]), pa.string(), memory_pool=pool)
             arrays[name] = pa.DictionaryArray.from_arrays(indices, values, memory_pool=pool)
         else:
