@@ -256,8 +256,10 @@ def to_parquet(report: ScanReport, path: str, modules_path: str | None = None) -
         _write_parquet(to_arrow(report, "modules"), modules_path)
 
 
-#: Records per batch that cross from Rust and are written at once.
-JSON_BATCH = 1024
+#: Records per batch that cross from Rust and are written at once. Each batch's text is held twice while it
+#: crosses (the core's buffer and the str): 20,000 small adapters streamed to a file added 2.2 MB at 1,024 a
+#: batch and 0.8 MB at 256, in the same time.
+JSON_BATCH = 256
 
 
 def _records(report: ScanReport) -> Iterator[list[dict[str, Any]]]:
@@ -294,7 +296,9 @@ def json_chunks(report: ScanReport, indent: int | str | None, records: bool) -> 
             yield ', "adapters": ['
             first = True
             for text in _records_text(report):
-                yield text if first else ", " + text
+                if not first:
+                    yield ", "  # apart, not `", " + text`: that copied each batch's text once more
+                yield text
                 first = False
             yield "]"
         yield "}"
