@@ -256,46 +256,49 @@ def to_parquet(report: ScanReport, path: str, modules_path: str | None = None) -
         _write_parquet(to_arrow(report, "modules"), modules_path)
 
 
-#: Records per batch that cross from Rust and are written at once. Each batch's text is held twice while it
-#: crosses (the core's buffer and the str): 20,000 small adapters streamed to a file added 2.2 MB at 1,024 a
-#: batch and 0.8 MB at 256, in the same time.
+#: Records per batch that cross from Rust and are written at once, streaming to a file. Each batch's text is
+#: held twice while it crosses (the core's buffer and the str): 20,000 small adapters streamed added 0.28x-0.31x
+#: the columns at 1,024 a batch and 0.15x-0.19x at 256 (eight runs each), in the same time.
 JSON_BATCH = 256
+#: The same when the text is returned: there 1,024 gave 1.93x-1.98x the columns and 256 gave 2.13x-3.62x (eight
+#: runs each). Growing the text, glibc moved it more often among the smaller batches' freed blocks.
+JSON_TEXT_BATCH = 1024
 
 
-def _records(report: ScanReport) -> Iterator[list[dict[str, Any]]]:
+def _records(report: ScanReport, size: int) -> Iterator[list[dict[str, Any]]]:
     n = len(report)
-    for start in range(0, n, JSON_BATCH):
-        batch = report._result.records(start, start + JSON_BATCH)
+    for start in range(0, n, size):
+        batch = report._result.records(start, start + size)
         for rec in batch:
             rec.pop("config_json", None)
         if batch:
             yield batch
 
 
-def _records_text(report: ScanReport) -> Iterator[str]:
+def _records_text(report: ScanReport, size: int) -> Iterator[str]:
     """The compact JSON of the records, a batch at a time: written by the core when it can (the text `json.dumps`
     gives, without a Python object per row), else by `json.dumps`."""
     result = report._result
     if not hasattr(result, "records_json"):  # a merged distributed result
-        for batch in _records(report):
+        for batch in _records(report, size):
             yield json.dumps(batch)[1:-1]
         return
-    for start in range(0, len(report), JSON_BATCH):
-        text = result.records_json(start, start + JSON_BATCH)
+    for start in range(0, len(report), size):
+        text = result.records_json(start, start + size)
         if text:
             yield text
 
 
-def json_chunks(report: ScanReport, indent: int | str | None, records: bool) -> Iterator[str]:
-    """Exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)` in pieces, the adapters a batch
-    at a time, so the whole text is never held."""
+def json_chunks(report: ScanReport, indent: int | str | None, records: bool, size: int) -> Iterator[str]:
+    """Exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)` in pieces, the adapters `size` at
+    a time, so the whole text is never held."""
     errors = [{"path": p, "code": c, "message": m} for p, c, m in report.errors]
     if indent is None:
         yield '{"summary": ' + json.dumps(report.summary()) + ', "errors": ' + json.dumps(errors)
         if records:
             yield ', "adapters": ['
             first = True
-            for text in _records_text(report):
+            for text in _records_text(report, size):
                 if not first:
                     yield ", "  # apart, not `", " + text`: that copied each batch's text once more
                 yield text
@@ -313,7 +316,7 @@ def json_chunks(report: ScanReport, indent: int | str | None, records: bool) -> 
     if records:
         yield ",\n" + step + '"adapters": ['
         first = True
-        for batch in _records(report):
+        for batch in _records(report, size):
             parts = [step * 2 + nested(rec, 2) for rec in batch]
             yield ("\n" if first else ",\n") + ",\n".join(parts)
             first = False
@@ -326,11 +329,11 @@ def json_text(report: ScanReport, indent: int | str | None, records: bool) -> st
     # text is held once; joining a list of the chunks held it twice (20,000 small adapters: 20.6 -> 13.2 MB
     # added for a 9.8 MB text). An io.StringIO copies its buffer again in getvalue().
     text = ""
-    for chunk in json_chunks(report, indent, records):
+    for chunk in json_chunks(report, indent, records, JSON_TEXT_BATCH):
         text += chunk
     return text
 
 
 def json_to(report: ScanReport, fp: IO[str], indent: int | str | None, records: bool) -> None:
-    for chunk in json_chunks(report, indent, records):
+    for chunk in json_chunks(report, indent, records, JSON_BATCH):
         fp.write(chunk)
