@@ -298,7 +298,8 @@ class ScanReport:
         return to_pandas(self, table)
 
     def to_polars(self, table: Literal["adapters", "modules"] = "adapters") -> Any:
-        """The table of `to_arrow` as a `polars.DataFrame`, built with polars alone."""
+        """The table of `to_arrow` as a `polars.DataFrame` (through Arrow when pyarrow is installed, else from the
+        columns with polars alone)."""
         from .report import to_polars
 
         return to_polars(self, table)

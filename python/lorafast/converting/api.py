@@ -126,8 +126,11 @@ def convert(
         raise ConvertError(f"{path} is {found}, not {source_layout}", "layout_mismatch", path)
     if found not in _FROM[to]:
         why = "already is" if found == to else "is"
-        raise ConvertError(f"{path} {why} {found}; --to {to} takes {', '.join(_FROM[to])}", "layout_mismatch"
-                           if found in ("dense",) or found == to else "unsupported", path)  # fmt: skip
+        raise ConvertError(
+            f"{path} {why} {found}; --to {to} takes {', '.join(_FROM[to])}",
+            "layout_mismatch" if found in ("dense",) or found == to else "unsupported",
+            path,
+        )
     weights = [w for w in ad.weight_files if w.endswith(".safetensors")]
     if len(ad.weight_files) != 1 or not weights:
         raise ConvertError(f"{path}: only single-file safetensors adapters are converted", "unsupported", path)
@@ -151,9 +154,16 @@ def convert(
             meta = dict(tf.metadata)
             meta.setdefault("format", "pt")
             meta["lorafast.converted"] = json.dumps(
-                {"from": found, "to": to, "source": os.path.basename(src), "source_sha256": SHA_PLACEHOLDER,
-                 "lorafast_version": _version(), **({"notes": list(notes)} if notes else {})},
-                separators=(",", ":"))  # fmt: skip
+                {
+                    "from": found,
+                    "to": to,
+                    "source": os.path.basename(src),
+                    "source_sha256": SHA_PLACEHOLDER,
+                    "lorafast_version": _version(),
+                    **({"notes": list(notes)} if notes else {}),
+                },
+                separators=(",", ":"),
+            )
             written = write_file(folder.join(WEIGHTS_NAME), tensors, meta, sha)
             digest = sha()
         files = [WEIGHTS_NAME]
@@ -170,8 +180,19 @@ def convert(
     finally:
         folder.discard()
         moe.release_scratch()
-    return ConvertResult(path, folder.out, found, to, tuple(os.path.join(folder.out, f) for f in files),
-                         len(tensors), written, sizes, digest, time.perf_counter() - started, notes)  # fmt: skip
+    return ConvertResult(
+        path,
+        folder.out,
+        found,
+        to,
+        tuple(os.path.join(folder.out, f) for f in files),
+        len(tensors),
+        written,
+        sizes,
+        digest,
+        time.perf_counter() - started,
+        notes,
+    )
 
 
 def _version() -> str:

@@ -37,8 +37,12 @@ def plan_with_conversions(adapters_or_report: Any, out: str | os.PathLike[str] |
 
     plain = plan_groups(adapters_or_report, **kwargs)
     per_expert_bases = {g.base_model for g in plain.groups if g.layout is OuterLayout.PER_EXPERT}
-    movable = [(g, a, n) for g in plain.groups if g.layout is OuterLayout.SHARED and g.base_model in per_expert_bases
-               for a, n in zip(g.adapters, g.names, strict=True)]  # fmt: skip
+    movable = [
+        (g, a, n)
+        for g in plain.groups
+        if g.layout is OuterLayout.SHARED and g.base_model in per_expert_bases
+        for a, n in zip(g.adapters, g.names, strict=True)
+    ]
     if not movable:
         return plain
     folder = os.fspath(out) if out is not None else tempfile.mkdtemp(prefix="lorafast-converted-")
@@ -63,5 +67,6 @@ def plan_with_conversions(adapters_or_report: Any, out: str | os.PathLike[str] |
         if created:
             shutil.rmtree(folder, ignore_errors=True)
         return plain
-    return replace(better, conversions=tuple(steps), unservable=plain.unservable if not better.unservable else
-                   better.unservable)  # fmt: skip
+    return replace(
+        better, conversions=tuple(steps), unservable=plain.unservable if not better.unservable else better.unservable
+    )

@@ -36,9 +36,14 @@ from lorafast.merging.targets import strip_prefixes
 from lorafast.tensors import TensorFile
 
 #: kohya prefix -> the component prefix diffusers' PEFT keys use
-_KOHYA_COMPONENTS = (("lora_unet_", "unet."), ("lora_te1_", "text_encoder."), ("lora_te2_", "text_encoder_2."),
-                     ("lora_te_", "text_encoder."), ("lora_transformer_", "transformer."),
-                     ("lora_prior_unet_", "prior."))  # fmt: skip
+_KOHYA_COMPONENTS = (
+    ("lora_unet_", "unet."),
+    ("lora_te1_", "text_encoder."),
+    ("lora_te2_", "text_encoder_2."),
+    ("lora_te_", "text_encoder."),
+    ("lora_transformer_", "transformer."),
+    ("lora_prior_unet_", "prior."),
+)
 SOURCE_FORMATS = (AdapterFormat.KOHYA, AdapterFormat.DIFFUSERS_LEGACY)
 
 #: module names that hold a `_` (diffusers UNet and transformer blocks, CLIP text encoders)
@@ -84,12 +89,21 @@ def unflatten(flat: str) -> str | None:
 #: SDXL's sgm UNet (kohya's SDXL names) has 2 layers per block, and a downsampler or upsampler as the third
 _SGM_LAYERS = 3
 #: sgm names of a resnet's layers -> diffusers'
-_SGM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
-               "skip_connection": "conv_shortcut"}  # fmt: skip
+_SGM_RESNET = {
+    "in_layers_2": "conv1",
+    "out_layers_3": "conv2",
+    "emb_layers_1": "time_emb_proj",
+    "skip_connection": "conv_shortcut",
+}
 #: sgm modules outside the blocks -> diffusers'
-_SGM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding.linear_1",
-            "time_embed_2": "time_embedding.linear_2", "label_emb_0_0": "add_embedding.linear_1",
-            "label_emb_0_2": "add_embedding.linear_2"}  # fmt: skip
+_SGM_TOP = {
+    "input_blocks_0_0": "conv_in",
+    "out_2": "conv_out",
+    "time_embed_0": "time_embedding.linear_1",
+    "time_embed_2": "time_embedding.linear_2",
+    "label_emb_0_0": "add_embedding.linear_1",
+    "label_emb_0_2": "add_embedding.linear_2",
+}
 _SGM_BLOCK = re.compile(r"^(input_blocks|middle_block|output_blocks)_(\d+)_(?:(\d+)_)?(.+)$")
 
 
@@ -117,8 +131,11 @@ def sgm_unflatten(flat: str) -> str | None:
         head = {"0": f"down_blocks.{block}.resnets.{layer}", "1": f"down_blocks.{block}.attentions.{layer}"}.get(j)
     else:
         block, layer = divmod(i, _SGM_LAYERS)
-        head = {"0": f"up_blocks.{block}.resnets.{layer}", "1": f"up_blocks.{block}.attentions.{layer}",
-                "2": f"up_blocks.{block}.upsamplers.0"}.get(j)  # fmt: skip
+        head = {
+            "0": f"up_blocks.{block}.resnets.{layer}",
+            "1": f"up_blocks.{block}.attentions.{layer}",
+            "2": f"up_blocks.{block}.upsamplers.0",
+        }.get(j)
     if head is None:
         return None
     tail = _SGM_RESNET.get(rest) if ".resnets." in head else unflatten(rest)
@@ -144,26 +161,38 @@ def _fused(*parts: tuple[str, int]) -> Split:
 
 
 #: Flux's BFL module names -> diffusers' FluxTransformer2DModel modules, as `_convert_kohya_flux_lora_to_diffusers`
-_BFL_DOUBLE = {"img_attn_qkv": _fused(("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1)),
-               "img_attn_proj": _renamed("attn.to_out.0"), "img_mlp_0": _renamed("ff.net.0.proj"),
-               "img_mlp_2": _renamed("ff.net.2"), "img_mod_lin": _renamed("norm1.linear"),
-               "txt_attn_qkv": _fused(("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1)),
-               "txt_attn_proj": _renamed("attn.to_add_out"), "txt_mlp_0": _renamed("ff_context.net.0.proj"),
-               "txt_mlp_2": _renamed("ff_context.net.2"), "txt_mod_lin": _renamed("norm1_context.linear")}  # fmt: skip
+_BFL_DOUBLE = {
+    "img_attn_qkv": _fused(("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1)),
+    "img_attn_proj": _renamed("attn.to_out.0"),
+    "img_mlp_0": _renamed("ff.net.0.proj"),
+    "img_mlp_2": _renamed("ff.net.2"),
+    "img_mod_lin": _renamed("norm1.linear"),
+    "txt_attn_qkv": _fused(("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1)),
+    "txt_attn_proj": _renamed("attn.to_add_out"),
+    "txt_mlp_0": _renamed("ff_context.net.0.proj"),
+    "txt_mlp_2": _renamed("ff_context.net.2"),
+    "txt_mod_lin": _renamed("norm1_context.linear"),
+}
 #: linear1's rows: q, k, v (hidden each), then the MLP's input (4 x hidden): diffusers' 3072, 3072, 3072, 12288
-_BFL_SINGLE = {"linear1": _fused(("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", 4)),
-               "linear2": _renamed("proj_out"), "modulation_lin": _renamed("norm.linear")}  # fmt: skip
-_BFL_TOP = {"img_in": _renamed("x_embedder"), "txt_in": _renamed("context_embedder"),
-            "time_in_in_layer": _renamed("time_text_embed.timestep_embedder.linear_1"),
-            "time_in_out_layer": _renamed("time_text_embed.timestep_embedder.linear_2"),
-            "vector_in_in_layer": _renamed("time_text_embed.text_embedder.linear_1"),
-            "vector_in_out_layer": _renamed("time_text_embed.text_embedder.linear_2"),
-            "guidance_in_in_layer": _renamed("time_text_embed.guidance_embedder.linear_1"),
-            "guidance_in_out_layer": _renamed("time_text_embed.guidance_embedder.linear_2"),
-            "final_layer_linear": _renamed("proj_out"),
-            # BFL's final modulation outputs (shift, scale), diffusers' norm_out (scale, shift): diffusers'
-            # swap_scale_shift
-            "final_layer_adaLN_modulation_1": (2, (("norm_out.linear", ((1, 1), (0, 1))),))}  # fmt: skip
+_BFL_SINGLE = {
+    "linear1": _fused(("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", 4)),
+    "linear2": _renamed("proj_out"),
+    "modulation_lin": _renamed("norm.linear"),
+}
+_BFL_TOP = {
+    "img_in": _renamed("x_embedder"),
+    "txt_in": _renamed("context_embedder"),
+    "time_in_in_layer": _renamed("time_text_embed.timestep_embedder.linear_1"),
+    "time_in_out_layer": _renamed("time_text_embed.timestep_embedder.linear_2"),
+    "vector_in_in_layer": _renamed("time_text_embed.text_embedder.linear_1"),
+    "vector_in_out_layer": _renamed("time_text_embed.text_embedder.linear_2"),
+    "guidance_in_in_layer": _renamed("time_text_embed.guidance_embedder.linear_1"),
+    "guidance_in_out_layer": _renamed("time_text_embed.guidance_embedder.linear_2"),
+    "final_layer_linear": _renamed("proj_out"),
+    # BFL's final modulation outputs (shift, scale), diffusers' norm_out (scale, shift): diffusers'
+    # swap_scale_shift
+    "final_layer_adaLN_modulation_1": (2, (("norm_out.linear", ((1, 1), (0, 1))),)),
+}
 _BFL_BLOCK = re.compile(r"^(double|single)_blocks_(\d+)_(.+)$")
 
 
@@ -235,8 +264,11 @@ def _rows(tf: TensorFile, key: str, name: str, units: int, blocks: tuple[tuple[i
     e = tf.entry(key)
     rows = e.shape[0] if e.shape else 0
     if units > 1 and (rows == 0 or rows % units):
-        raise ConvertError(f"{tf.path}: {key} has {rows} rows, which do not split into the {units} equal parts "
-                           "of its fused module", "unsupported", tf.path)  # fmt: skip
+        raise ConvertError(
+            f"{tf.path}: {key} has {rows} rows, which do not split into the {units} equal parts of its fused module",
+            "unsupported",
+            tf.path,
+        )
     unit = rows // units
     row_bytes = (e.end - e.begin) // rows if rows else 0
     parts = tuple(SourceBytes(tf, key, first * unit * row_bytes, n * unit * row_bytes) for first, n in blocks)
@@ -272,6 +304,9 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
             wants.append(Want(name, name, rank, alpha))
     left = sorted(set(tf.tensors) - used)
     if left:
-        raise ConvertError(f"{adapter.path}: tensors {left[:4]} belong to no LoRA module; converting would drop "
-                           "them", "lossy", adapter.path)  # fmt: skip
+        raise ConvertError(
+            f"{adapter.path}: tensors {left[:4]} belong to no LoRA module; converting would drop them",
+            "lossy",
+            adapter.path,
+        )
     return tensors, wants, targets is not None or not kohya

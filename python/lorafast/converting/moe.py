@@ -114,9 +114,16 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
     if len(e.shape) != 3 or e.shape[0] not in (1, experts):
         raise ConvertError(f"{key}: shape {list(e.shape)} is not a stack of {experts} experts", "bad_source", tf.path)
     stored, per = e.shape[0], e.shape[1] * e.shape[2] * _ST_DTYPES[e.dtype][1]
-    return Factor(e.dtype, experts, stored, (e.shape[1], e.shape[2]),
-                  lambda i: tf.view(key)[i if stored > 1 else 0], lambda: SourceBytes(tf, key),
-                  lambda i: SourceBytes(tf, key, (i if stored > 1 else 0) * per, per), (tf, key))  # fmt: skip
+    return Factor(
+        e.dtype,
+        experts,
+        stored,
+        (e.shape[1], e.shape[2]),
+        lambda i: tf.view(key)[i if stored > 1 else 0],
+        lambda: SourceBytes(tf, key),
+        lambda i: SourceBytes(tf, key, (i if stored > 1 else 0) * per, per),
+        (tf, key),
+    )
 
 
 _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
@@ -238,16 +245,32 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
             e = m.num_experts or 0
             a_e, b_e = tf.entry(m.a_key), tf.entry(m.b_key)
             if e <= 0 or len(a_e.shape) != 2 or len(b_e.shape) != 2 or a_e.shape[0] % e or b_e.shape[1] != a_e.shape[0]:
-                raise ConvertError(f"{m.key}: factors {list(a_e.shape)} / {list(b_e.shape)} are not r·E rows for "
-                                   f"{e} experts", "bad_source", tf.path)  # fmt: skip
+                raise ConvertError(
+                    f"{m.key}: factors {list(a_e.shape)} / {list(b_e.shape)} are not r·E rows for {e} experts",
+                    "bad_source",
+                    tf.path,
+                )
             r = a_e.shape[0] // e
             out, fin = b_e.shape[0], a_e.shape[1]
             a_key, b_key = m.a_key, m.b_key
-            a = Factor(a_e.dtype, e, e, (r, fin), partial(_tp_a_expert, tf, a_key, e, r), partial(SourceBytes, tf, a_key),
-                       partial(_rows, tf, a_key, r * fin * _ST_DTYPES[a_e.dtype][1]),
-                       (tf, a_key))  # fmt: skip  # expert-major: a reshape
-            b = Factor(b_e.dtype, e, e, (out, r), partial(_tp_b_expert, tf, b_key, e, r),
-                       partial(_b_expert_major, tf, b_key, out, r, e))  # fmt: skip  # rank-major: a transpose
+            a = Factor(
+                a_e.dtype,
+                e,
+                e,
+                (r, fin),
+                partial(_tp_a_expert, tf, a_key, e, r),
+                partial(SourceBytes, tf, a_key),
+                partial(_rows, tf, a_key, r * fin * _ST_DTYPES[a_e.dtype][1]),
+                (tf, a_key),
+            )  # expert-major: a reshape
+            b = Factor(
+                b_e.dtype,
+                e,
+                e,
+                (out, r),
+                partial(_tp_b_expert, tf, b_key, e, r),
+                partial(_b_expert_major, tf, b_key, out, r, e),
+            )  # rank-major: a transpose
         groups.append(Group(prefix, owner, leaf, a, b, m.rank or a.shape[0], _alpha(adapter, m, m.name), m.use_rslora))
         covered.update((m.a_key, m.b_key))
     for (prefix, owner, leaf), per in numbered.items():
@@ -257,17 +280,37 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
             raise ConvertError(f"{owner}: experts {missing[:8]} of {leaf} are missing", "bad_source", adapter.path)
         first = per[0]
         for m in per.values():
-            if (m.a_shape, m.b_shape, m.dtype, m.alpha, m.rank) != (first.a_shape, first.b_shape, first.dtype,
-                                                                    first.alpha, first.rank):  # fmt: skip
-                raise ConvertError(f"{m.name}: shape, dtype or scale differs from expert 0, so the experts cannot "
-                                   "be stacked", "lossy", adapter.path)  # fmt: skip
+            if (m.a_shape, m.b_shape, m.dtype, m.alpha, m.rank) != (
+                first.a_shape,
+                first.b_shape,
+                first.dtype,
+                first.alpha,
+                first.rank,
+            ):
+                raise ConvertError(
+                    f"{m.name}: shape, dtype or scale differs from expert 0, so the experts cannot be stacked",
+                    "lossy",
+                    adapter.path,
+                )
         assert first.a_shape is not None and first.b_shape is not None and first.dtype is not None
         keys_a = [str(per[i].a_key) for i in range(n)]
         keys_b = [str(per[i].b_key) for i in range(n)]
-        a = Factor(first.dtype, n, n, (first.a_shape[0], first.a_shape[1]), partial(_named, tf, keys_a),
-                   raw=partial(_named_raw, tf, keys_a))  # fmt: skip
-        b = Factor(first.dtype, n, n, (first.b_shape[0], first.b_shape[1]), partial(_named, tf, keys_b),
-                   raw=partial(_named_raw, tf, keys_b))  # fmt: skip
+        a = Factor(
+            first.dtype,
+            n,
+            n,
+            (first.a_shape[0], first.a_shape[1]),
+            partial(_named, tf, keys_a),
+            raw=partial(_named_raw, tf, keys_a),
+        )
+        b = Factor(
+            first.dtype,
+            n,
+            n,
+            (first.b_shape[0], first.b_shape[1]),
+            partial(_named, tf, keys_b),
+            raw=partial(_named_raw, tf, keys_b),
+        )
         groups.append(Group(prefix, owner, leaf, a, b, first.rank or 0, first.alpha, first.use_rslora))
     return groups, covered
 
@@ -305,8 +348,9 @@ def _reordered(g: Group, fn: Callable[[torch.Tensor], torch.Tensor], path: str) 
         return g
     b = g.b
     if b.shape[0] % 2:
-        raise ConvertError(f"{g.owner}.gate_up_proj: lora_B has {b.shape[0]} rows, not gate and up halves", "bad_source",
-                           path)  # fmt: skip
+        raise ConvertError(
+            f"{g.owner}.gate_up_proj: lora_B has {b.shape[0]} rows, not gate and up halves", "bad_source", path
+        )
     rows = Factor(b.dtype, b.experts, b.stored, b.shape, lambda i: fn(b.expert(i)))
     return Group(g.prefix, g.owner, g.proj, g.a, rows, g.rank, g.alpha, g.rslora)
 
@@ -327,17 +371,29 @@ def _fuse(gate: Group, up: Group, path: str) -> Group:
     import torch
 
     if (gate.rank, gate.alpha, gate.rslora, gate.experts) != (up.rank, up.alpha, up.rslora, up.experts):
-        raise ConvertError(f"{gate.owner}: gate and up have different rank, scale or expert count; fusing them "
-                           "would change the scale", "lossy", path)  # fmt: skip
+        raise ConvertError(
+            f"{gate.owner}: gate and up have different rank, scale or expert count; fusing them would change the scale",
+            "lossy",
+            path,
+        )
     if gate.rslora:
-        raise ConvertError(f"{gate.owner}: fusing gate and up doubles the rank, and with rsLoRA alpha/sqrt(r) "
-                           "cannot be kept exactly", "lossy", path)  # fmt: skip
+        raise ConvertError(
+            f"{gate.owner}: fusing gate and up doubles the rank, and with rsLoRA alpha/sqrt(r) cannot be kept exactly",
+            "lossy",
+            path,
+        )
     r, e = gate.rank, gate.experts
     ga, ua, gb, ub = gate.a, up.a, gate.b, up.b
-    a = Factor(ga.dtype, e, 1 if ga.stored == ua.stored == 1 else e, (2 * r, ga.shape[1]),
-               lambda i: torch.cat([ga.expert(i), ua.expert(i)], 0))  # fmt: skip
-    b = Factor(gb.dtype, e, e, (gb.shape[0] + ub.shape[0], 2 * r),
-               lambda i: torch.block_diag(gb.expert(i), ub.expert(i)))  # fmt: skip
+    a = Factor(
+        ga.dtype,
+        e,
+        1 if ga.stored == ua.stored == 1 else e,
+        (2 * r, ga.shape[1]),
+        lambda i: torch.cat([ga.expert(i), ua.expert(i)], 0),
+    )
+    b = Factor(
+        gb.dtype, e, e, (gb.shape[0] + ub.shape[0], 2 * r), lambda i: torch.block_diag(gb.expert(i), ub.expert(i))
+    )
     alpha = None if gate.alpha is None else 2 * gate.alpha
     return Group(gate.prefix, gate.owner, "gate_up_proj", a, b, 2 * r, alpha, False)
 
@@ -352,12 +408,14 @@ def fuse_gate_up(groups: list[Group], path: str) -> list[Group]:
         if g.proj == "gate_proj":
             up = by.get((g.owner, "up_proj"))
             if up is None:
-                raise ConvertError(f"{g.owner}: gate_proj without up_proj cannot be fused into gate_up_proj",
-                                   "unsupported", path)  # fmt: skip
+                raise ConvertError(
+                    f"{g.owner}: gate_proj without up_proj cannot be fused into gate_up_proj", "unsupported", path
+                )
             out.append(_fuse(g, up, path))
         elif g.proj == "up_proj":
-            raise ConvertError(f"{g.owner}: up_proj without gate_proj cannot be fused into gate_up_proj",
-                               "unsupported", path)  # fmt: skip
+            raise ConvertError(
+                f"{g.owner}: up_proj without gate_proj cannot be fused into gate_up_proj", "unsupported", path
+            )
         else:
             out.append(g)
     return out
@@ -376,8 +434,9 @@ def pad_rank(groups: list[Group], path: str) -> list[Group]:
             out.append(g)
             continue
         if g.rslora or top % g.rank:
-            raise ConvertError(f"{g.owner}.{g.proj}: padding rank {g.rank} to {top} would change its scale", "lossy",
-                               path)  # fmt: skip
+            raise ConvertError(
+                f"{g.owner}.{g.proj}: padding rank {g.rank} to {top} would change its scale", "lossy", path
+            )
         a, b, extra = g.a, g.b, top - g.rank
 
         def a_pad(i: int, a: Factor = a, extra: int = extra) -> torch.Tensor:
@@ -411,11 +470,12 @@ def split_gate_up(g: Group) -> list[Group]:
                 whole = b.raw(i)  # type: ignore[misc]
                 return SourceBytes(whole.tf, whole.name, whole.start + (size if lo else 0), size)
 
-        return Factor(b.dtype, b.experts, b.stored, (half, b.shape[1]), lambda i: b.expert(i)[lo : lo + half],
-                      raw=raw)  # fmt: skip
+        return Factor(b.dtype, b.experts, b.stored, (half, b.shape[1]), lambda i: b.expert(i)[lo : lo + half], raw=raw)
 
-    return [Group(g.prefix, g.owner, "gate_proj", g.a, part(0), g.rank, g.alpha, g.rslora),
-            Group(g.prefix, g.owner, "up_proj", g.a, part(half), g.rank, g.alpha, g.rslora)]  # fmt: skip
+    return [
+        Group(g.prefix, g.owner, "gate_proj", g.a, part(0), g.rank, g.alpha, g.rslora),
+        Group(g.prefix, g.owner, "up_proj", g.a, part(half), g.rank, g.alpha, g.rslora),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -476,14 +536,20 @@ def _require_identical(f: Factor, what: str, path: str) -> None:
     worst = 0.0
     for e in range(1, f.experts):
         other = f.expert(e)
-        if not torch.equal(first.view(torch.uint8) if first.is_contiguous() else first.contiguous().view(torch.uint8),
-                           other.contiguous().view(torch.uint8)):  # fmt: skip
+        if not torch.equal(
+            first.view(torch.uint8) if first.is_contiguous() else first.contiguous().view(torch.uint8),
+            other.contiguous().view(torch.uint8),
+        ):
             worst = max(worst, float((other.double() - first.double()).abs().max()))
             if worst == 0.0:  # same values, different bits (-0.0, NaN payloads): still not a copy
                 worst = float("nan")
     if worst != 0.0:
-        raise ConvertError(f"{what}: the experts' factors are not identical (max difference {worst:.6g}), so one "
-                           "shared copy would change the adapter", "lossy", path)  # fmt: skip
+        raise ConvertError(
+            f"{what}: the experts' factors are not identical (max difference {worst:.6g}), so one "
+            "shared copy would change the adapter",
+            "lossy",
+            path,
+        )
 
 
 def write_numbered(groups: list[Group]) -> tuple[list[OutTensor], list[OutModule]]:
@@ -499,8 +565,9 @@ def write_numbered(groups: list[Group]) -> tuple[list[OutTensor], list[OutModule
     return tensors, mods
 
 
-def write_target_parameters(groups: list[Group], path: str, rename: Callable[[str], str] | None = None,
-                            interleaved: bool = False) -> tuple[list[OutTensor], list[OutModule]]:  # fmt: skip
+def write_target_parameters(
+    groups: list[Group], path: str, rename: Callable[[str], str] | None = None, interleaved: bool = False
+) -> tuple[list[OutTensor], list[OutModule]]:
     """PEFT ParamWrapper keys: gate_up at `experts.base_layer` (the inner wrapper), down at `experts`;
     `interleaved`: gate_up's B rows in GPT-OSS's alternating order."""
     import torch
@@ -536,6 +603,9 @@ def mixtral_to_v5(owner: str) -> str:
 def source_layout(adapter: Adapter) -> str:
     layout = adapter.moe_layout
     if layout == MoeLayout.MIXED:
-        raise ConvertError(f"{adapter.path}: the adapter mixes MoE layouts; convert needs one layout per adapter",
-                           "mixed_layout", adapter.path)  # fmt: skip
+        raise ConvertError(
+            f"{adapter.path}: the adapter mixes MoE layouts; convert needs one layout per adapter",
+            "mixed_layout",
+            adapter.path,
+        )
     return str(layout.value)

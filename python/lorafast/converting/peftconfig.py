@@ -46,8 +46,16 @@ def build(
         r = ranks.most_common(1)[0][0] if ranks else 8
         alphas = Counter(w.alpha if w.alpha is not None else w.rank for w in wants if w.rank == r)
         alpha = alphas.most_common(1)[0][0] if alphas else r
-        cfg: dict[str, Any] = {"peft_type": "LORA", "r": r, "lora_alpha": _num(alpha), "rank_pattern": {},
-                               "alpha_pattern": {}, "use_rslora": False, "bias": "none", "lora_dropout": 0.0}  # fmt: skip
+        cfg: dict[str, Any] = {
+            "peft_type": "LORA",
+            "r": r,
+            "lora_alpha": _num(alpha),
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "use_rslora": False,
+            "bias": "none",
+            "lora_dropout": 0.0,
+        }
     else:
         cfg = copy.deepcopy(dict(source))
     if widest and wants:
