@@ -545,42 +545,14 @@ impl ScanResult {
     /// what the scan kept: no file is read.
     fn adapters<'py>(&self, py: Python<'py>, start: usize, stop: usize) -> PyResult<Bound<'py, PyList>> {
         let stop = stop.min(self.rows.len());
-        // Adapters whose headers repeat share their modules (one `Arc`): their module dicts are
-        // built once per batch and copied (a C-level copy), only `weight_file` set anew.
-        let mut templates: rustc_hash::FxHashMap<*const Modules, Vec<Bound<'py, PyDict>>> = Default::default();
-        let key = intern!(py, "weight_file");
+        // Adapters whose headers repeat share their module dicts, built once per batch.
+        let templates = PyDict::new(py);
         let items = self.rows[start.min(stop)..stop]
             .iter()
             .filter_map(|r| r.as_ref().ok())
             .map(|a| {
                 let d = adapter_dict(py, a, false)?;
-                let weight_file = a
-                    .target
-                    .weights
-                    .as_os_str()
-                    .into_pyobject(py)?
-                    .cast_into::<PyString>()?;
-                let modules = match templates.entry(std::sync::Arc::as_ptr(&a.class.modules)) {
-                    std::collections::hash_map::Entry::Vacant(slot) => {
-                        let built = a
-                            .class
-                            .modules
-                            .iter()
-                            .map(|m| module_dict(py, &m, &weight_file))
-                            .collect::<PyResult<Vec<_>>>()?;
-                        slot.insert(built).clone()
-                    }
-                    std::collections::hash_map::Entry::Occupied(t) => t
-                        .get()
-                        .iter()
-                        .map(|t| {
-                            let m = t.copy()?;
-                            m.set_item(key, &weight_file)?;
-                            Ok(m)
-                        })
-                        .collect::<PyResult<Vec<_>>>()?,
-                };
-                d.set_item(intern!(py, "modules"), modules)?;
+                d.set_item(intern!(py, "modules"), adapters::module_dicts(py, a, Some(&templates))?)?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;

@@ -223,6 +223,21 @@ pub(super) fn modules<'py>(
     templates: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let t = Types::of(types)?;
+    let modules = module_dicts(py, a, templates)?
+        .into_iter()
+        .map(|d| t.object(&t.module, d))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, modules)
+}
+
+/// The module dicts of one adapter. With `templates`, adapters whose headers repeat (one shared
+/// `Arc` of modules) build them once: the others copy the first's dicts (a C-level copy) and set
+/// only `weight_file` anew.
+pub(super) fn module_dicts<'py>(
+    py: Python<'py>,
+    a: &AdapterResult,
+    templates: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let weight_file = a
         .target
         .weights
@@ -230,40 +245,27 @@ pub(super) fn modules<'py>(
         .into_pyobject(py)?
         .cast_into::<PyString>()?;
     let key = std::sync::Arc::as_ptr(&a.class.modules) as usize;
-    let cached = match templates {
-        Some(templates) => templates.get_item(key)?,
-        None => None,
-    };
-    let dicts = match cached {
-        Some(cached) => {
-            let weight_file_key = intern!(py, "weight_file");
-            cached
-                .cast_into::<PyTuple>()?
-                .iter()
-                .map(|m| {
-                    let m = m.cast_into::<PyDict>()?.copy()?;
-                    m.set_item(weight_file_key, &weight_file)?;
-                    Ok(m)
-                })
-                .collect::<PyResult<Vec<_>>>()?
-        }
-        None => {
-            let dicts = a
-                .class
-                .modules
-                .iter()
-                .map(|m| module_dict(py, &m, &weight_file))
-                .collect::<PyResult<Vec<_>>>()?;
-            if let Some(templates) = templates {
-                let copies = dicts.iter().map(|d| d.copy()).collect::<PyResult<Vec<_>>>()?;
-                templates.set_item(key, PyTuple::new(py, copies)?)?;
-            }
-            dicts
-        }
-    };
-    let modules = dicts
-        .into_iter()
-        .map(|d| t.object(&t.module, d))
+    if let Some(cached) = templates.map(|t| t.get_item(key)).transpose()?.flatten() {
+        let weight_file_key = intern!(py, "weight_file");
+        return cached
+            .cast_into::<PyTuple>()?
+            .iter()
+            .map(|m| {
+                let m = m.cast_into::<PyDict>()?.copy()?;
+                m.set_item(weight_file_key, &weight_file)?;
+                Ok(m)
+            })
+            .collect();
+    }
+    let dicts = a
+        .class
+        .modules
+        .iter()
+        .map(|m| module_dict(py, &m, &weight_file))
         .collect::<PyResult<Vec<_>>>()?;
-    PyTuple::new(py, modules)
+    if let Some(templates) = templates {
+        let copies = dicts.iter().map(|d| d.copy()).collect::<PyResult<Vec<_>>>()?;
+        templates.set_item(key, PyTuple::new(py, copies)?)?;
+    }
+    Ok(dicts)
 }
