@@ -1065,10 +1065,9 @@ fn scan(
     let ropts = remote_options(storage_options, timeout, concurrency);
     let rows = detach_contained(py, Path::new(""), || {
         if any_url(&paths) {
-            // One session: the listing's connections carry the header reads.
-            let session = remote::Session::new(threads, &ropts);
-            let found = session.discover(&paths, recursive);
-            return Ok(fill_rows(found, |t| session.load_all(t, opts, progress)));
+            // One session: the listing's connections carry the header reads, which start while the
+            // listing is still coming.
+            return Ok(remote::Session::new(threads, &ropts).scan(&paths, recursive, opts, progress));
         }
         Ok(core_scan::scan_paths(&paths, recursive, opts, threads, progress))
     })?;

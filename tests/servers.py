@@ -37,8 +37,11 @@ from lorafast.testing import write_safetensors
 sys.path.insert(0, os.path.dirname(__file__))
 from malformed import write_corpus
 
-#: Bytes the core asks for first in a store (rust/remote/mod.rs SPECULATIVE_BYTES); later first reads fit its headers.
+#: The most the core asks for in a first read (rust/remote/mod.rs SPECULATIVE_BYTES); later first reads fit the
+#: store's headers.
 SPECULATIVE_BYTES = 64 << 10
+#: The core's first read while it knows nothing of a store's headers (rust/remote/mod.rs FIRST_GUESS_BYTES).
+FIRST_GUESS_BYTES = 12 << 10
 
 
 def long_peft(path: str, modules: int = 400) -> None:
@@ -446,7 +449,9 @@ class _S3Handler(_Handler):
         arg = lambda name, default="": q.get(name, [default])[0]  # noqa: E731
         prefix, delimiter = arg("prefix"), arg("delimiter")
         after = max(arg("continuation-token"), arg("start-after"))
-        limit = min(int(arg("max-keys", "1000")), 1000)
+        if arg("continuation-token"):
+            time.sleep(self.server.page_delay)
+        limit = min(int(arg("max-keys", "1000")), self.server.page_keys)
         keys = sorted(k for _, k in files_under(root) if k.startswith(prefix) and k > after)
         contents: list[str] = []
         prefixes: list[str] = []
@@ -497,6 +502,8 @@ class _KeepAliveS3Handler(_S3Handler):
 class _S3Server(_Server):
     request_queue_size = 1024  # the listen backlog (5 by default drops bursts of connects)
     etags: dict[tuple[str, int, int, int], str]
+    page_delay: float
+    page_keys: int
 
     def etag(self, path: str, st: os.stat_result, data: bytes | None, f: Any = None) -> str:
         """The md5 of the content in quotes, as S3 gives for an object put in one piece (cached until the file
@@ -517,13 +524,16 @@ class LocalS3(_LoopbackServer):
     It answers ListObjectsV2 (prefix, delimiter, pages of at most 1,000 keys), GET with `Range` and HEAD, with
     S3's ETag (the md5 of the content) and Last-Modified (the file's mtime, to the second); it checks no
     signature. Files changed on disk are served as changed, and every request is logged in `requests`, so
-    tests can count what a scan asked for. Much lighter than moto, which makes it the benchmark's S3 server
+    tests can count what a scan asked for. `page_keys` caps a listing page (S3's cap: 1,000) and `page_delay`
+    holds each page after the first that many seconds, for tests of long listings. Much lighter than moto, which makes it the benchmark's S3 server
     (`keep_alive=True`: HTTP/1.1 connections that serve many requests, as S3's do).
     """
 
-    def __init__(self, root: str, keep_alive: bool = False) -> None:
+    def __init__(self, root: str, keep_alive: bool = False, page_delay: float = 0.0, page_keys: int = 1000) -> None:
         httpd = _S3Server(("127.0.0.1", 0), _KeepAliveS3Handler if keep_alive else _S3Handler)
         httpd.etags = {}
+        httpd.page_delay = page_delay
+        httpd.page_keys = page_keys
         super().__init__(httpd, root)
         self.endpoint = self.url
 

@@ -10,7 +10,7 @@ import lorafast.testing
 import pytest
 from lorafast.errors import AdapterError
 from lorafast.testing import write_attention_adapter
-from servers import SPECULATIVE_BYTES, RangeServer, build_fleet, long_kohya, long_peft, normalized
+from servers import FIRST_GUESS_BYTES, SPECULATIVE_BYTES, RangeServer, build_fleet, long_kohya, long_peft, normalized
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_first_read_shrinks_to_the_headers_seen(tmp_path):
         assert normalized(report, f"{server.url}/ok", str(tmp_path)) == normalized(lorafast.scan(
             [str(tmp_path / f"a{i}.safetensors") for i in range(6)]))  # fmt: skip
         ranges = [rng for method, _, rng in server.requests if method == "GET"]
-        assert ranges == [f"bytes=0-{SPECULATIVE_BYTES - 1}"] + ["bytes=0-4095"] * 5
+        assert ranges == [f"bytes=0-{FIRST_GUESS_BYTES - 1}"] + ["bytes=0-4095"] * 5
     finally:
         server.stop()
 

@@ -38,6 +38,16 @@ impl Session {
             .collect()
     }
 
+    pub fn scan_urls(
+        &self,
+        urls: &[String],
+        _: bool,
+        _: ScanOptions,
+        _: bool,
+    ) -> Vec<Vec<Result<AdapterResult, Error>>> {
+        urls.iter().map(|u| vec![Err(unsupported(u))]).collect()
+    }
+
     pub fn inspect_urls(&self, urls: &[String], _: ScanOptions) -> Vec<Result<AdapterResult, Error>> {
         urls.iter().map(|u| Err(unsupported(u))).collect()
     }

@@ -2,12 +2,14 @@
 //! runtime and one [`Remote`] (its stores, with their connection pools, and request permits), and
 //! runs every job of the call there: listing, `HEAD`s and header reads alike.
 
+use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Once};
 
 use futures_util::StreamExt;
 
+use super::listing::target_key;
 use super::request::io_err;
 use super::stores::Remote;
 use super::{RemoteOptions, Stat, StatTarget};
@@ -127,7 +129,10 @@ impl Session {
     ) -> Vec<Result<AdapterResult, Error>> {
         let remote = &self.remote;
         let urls: Vec<String> = targets.iter().map(|t| t.path.to_string_lossy().into_owned()).collect();
-        let concurrency = remote.opts.concurrency.max(1);
+        // Twice as many adapters under way as request permits: the next adapter's request waits on
+        // a permit, not on the previous adapter's parsing and classification, so `concurrency`
+        // requests stay in flight.
+        let concurrency = remote.opts.concurrency.max(1).saturating_mul(2);
         scan::with_progress(progress, |done| {
             done.total.store(targets.len(), Ordering::Relaxed);
             self.run(&urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
@@ -141,6 +146,85 @@ impl Session {
                     }
                 });
                 in_input_order(jobs, concurrency).await
+            })
+        })
+    }
+
+    /// `discover_urls` and `load_urls` in one: header reads start as soon as the listing settles
+    /// folders (see `Remote::discover_streaming`), while its later pages are still coming. Each
+    /// URL's rows are its discovery's, in order, with every target loaded once.
+    pub fn scan_urls(
+        &self,
+        urls: &[String],
+        recursive: bool,
+        opts: ScanOptions,
+        progress: bool,
+    ) -> Vec<Vec<Result<AdapterResult, Error>>> {
+        let remote = &self.remote;
+        // As in `load_urls`: twice as many adapters under way as request permits.
+        let limit = remote.opts.concurrency.max(1).saturating_mul(2);
+        scan::with_progress(progress, |done| {
+            self.run(urls, |u, e| vec![Err(io_err(u, e.kind(), e.to_string()))], async {
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Target)>();
+                // URLs that need no listing are queued at once, in input order (the order the
+                // local scan and a stalled store's "skipped" rows follow); prefixes are listed
+                // all at once, each queueing its targets as its listing settles them.
+                let mut jobs = Vec::with_capacity(urls.len());
+                for (i, u) in urls.iter().enumerate() {
+                    if let Some(found) = remote.unlisted(u) {
+                        if let Ok(t) = &found {
+                            let _ = tx.send((i, t.clone())); // the loader outlives every sender
+                        }
+                        jobs.push(futures_util::future::Either::Left(async move { vec![found] }));
+                        continue;
+                    }
+                    let remote = remote.clone();
+                    let u = u.clone();
+                    let tx = tx.clone();
+                    let job = tokio::spawn(async move {
+                        let mut emit = |t: Target| {
+                            let _ = tx.send((i, t));
+                        };
+                        remote.discover_streaming(&u, recursive, Some(&mut emit)).await
+                    });
+                    let url = urls[i].clone();
+                    jobs.push(futures_util::future::Either::Right(async move {
+                        job.await.unwrap_or_else(|e| vec![Err(join_error(&url, &e))])
+                    }));
+                }
+                drop(tx); // the listings hold the other senders: the loader ends once all are done
+                let discovery = futures_util::future::join_all(jobs);
+                let queued = futures_util::stream::poll_fn(|cx| rx.poll_recv(cx));
+                let loading = queued
+                    .map(|(i, t)| {
+                        done.total.fetch_add(1, Ordering::Relaxed);
+                        let remote = remote.clone();
+                        let key = (i, target_key(&t));
+                        let url = t.path.to_string_lossy().into_owned();
+                        async move {
+                            let r = tokio::spawn(async move { remote.load(t, opts).await }).await;
+                            done.count.fetch_add(1, Ordering::Relaxed);
+                            (key, r.unwrap_or_else(|e| Err(join_error(&url, &e))))
+                        }
+                    })
+                    .buffer_unordered(limit)
+                    .collect::<HashMap<_, _>>();
+                let (found, mut loaded) = futures_util::join!(discovery, loading);
+                found
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, targets)| {
+                        targets
+                            .into_iter()
+                            .map(|t| {
+                                let t = t?;
+                                loaded.remove(&(i, target_key(&t))).unwrap_or_else(|| {
+                                    Err(Error::adapter(t.path, AdapterErrorCode::Internal, "scan lost a row"))
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect()
             })
         })
     }

@@ -1,48 +1,123 @@
 //! Discovery on a listing: object store prefixes are listed and the local rules apply
 //! (`scan.rs`); web servers cannot be listed, so their URLs are taken for a file or a PEFT folder.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use futures_util::TryStreamExt;
+use object_store::list::PaginatedListOptions;
 use object_store::path::Path as Key;
 use object_store::ObjectStoreExt;
 
 use super::loading::{NO_WEIGHTS_WHY, REMOTE_PICKLE_WHY};
 use super::request::io_err;
 use super::stores::{Loc, Remote};
-use super::{ObjectStat, Stat};
+use super::{ObjectStat, Stat, SPECULATIVE_BYTES};
 use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{Target, CONFIG_NAME, PEFT_WEIGHTS};
 
+/// An adapter's identity for streamed discovery: a load's result depends on nothing else.
+pub(super) type TargetKey = (PathBuf, PathBuf, Option<PathBuf>);
+
+pub(super) fn target_key(t: &Target) -> TargetKey {
+    (t.path.clone(), t.weights.clone(), t.config.clone())
+}
+
+/// Keys in the first page of a streamed listing: enough settled folders to start `concurrency`
+/// header reads while the rest of the listing comes, in a short answer.
+fn first_page_keys(concurrency: usize) -> usize {
+    concurrency.saturating_mul(4).clamp(64, 1000)
+}
+
 impl Remote {
     pub(super) async fn discover(&self, url: &str, recursive: bool) -> Vec<Result<Target, Error>> {
+        self.discover_streaming(url, recursive, None).await
+    }
+
+    /// `discover`; with `emit`, also hands it each target as soon as the listing has settled it
+    /// (keys come in order, so a folder the listing has passed gets no more keys), while later
+    /// pages are still coming, and then the rest: every target of the result once. A folder is
+    /// settled without waiting for its parents', so a target inside a PEFT folder whose
+    /// `adapter_config.json` sorts after it can be emitted and then not be in the result (the
+    /// local rules leave a PEFT folder's sub-folders out): the caller keeps only the result's.
+    pub(super) async fn discover_streaming(
+        &self,
+        url: &str,
+        recursive: bool,
+        mut emit: Option<&mut (dyn FnMut(Target) + Send)>,
+    ) -> Vec<Result<Target, Error>> {
+        if let Some(found) = self.unlisted(url) {
+            if let (Some(emit), Ok(t)) = (emit, &found) {
+                emit(t.clone());
+            }
+            return vec![found];
+        }
         let loc = match self.loc(url) {
             Ok(l) => l,
             Err(e) => return vec![Err(e)],
         };
-        if names_file(&loc.key) || !loc.store.listable {
-            return vec![Ok(guess_target(url, &loc))];
-        }
-        let listed = match self.list(&loc).await {
-            Ok(l) => l,
-            Err(e) => return vec![Err(e)],
-        };
-        if listed.is_empty() {
-            return vec![self.lone_object(&loc).await];
-        }
+        let streaming = emit.is_some() && recursive;
         let mut tree = Dir::default();
-        for parts in listed {
-            tree.insert(&parts);
+        let mut any = false;
+        let mut emitted: HashSet<TargetKey> = HashSet::new();
+        let mut on_page = |page: Vec<Vec<String>>| {
+            any |= !page.is_empty();
+            for parts in &page {
+                tree.insert(parts);
+            }
+            if let (true, Some(emit), Some(last)) = (streaming, emit.as_mut(), page.last()) {
+                tree.emit_settled(url, last, &mut |t| {
+                    if emitted.insert(target_key(&t)) {
+                        emit(t);
+                    }
+                });
+            }
+        };
+        let first_page = streaming.then(|| first_page_keys(self.opts.concurrency));
+        if let Err(e) = self.list(&loc, first_page, &mut on_page).await {
+            return vec![Err(e)];
+        }
+        if !any {
+            let t = self.lone_object(&loc).await;
+            if let (Some(emit), Ok(t)) = (emit, &t) {
+                emit(t.clone());
+            }
+            return vec![t];
         }
         let mut out = Vec::new();
         tree.walk(url, recursive, true, &mut out);
+        if let Some(emit) = emit {
+            for t in out.iter().flatten() {
+                if emitted.insert(target_key(t)) {
+                    emit(t.clone());
+                }
+            }
+        }
         out
     }
 
-    /// Every object under a prefix, as key parts relative to it.
-    async fn list(&self, loc: &Loc) -> Result<Vec<Vec<String>>, Error> {
+    /// What discovery finds at `url` without a request, if it needs none: the URL names a
+    /// `.safetensors` object or a web server's file or folder (which cannot be listed), or it is
+    /// no valid URL.
+    pub(super) fn unlisted(&self, url: &str) -> Option<Result<Target, Error>> {
+        match self.loc(url) {
+            Err(e) => Some(Err(e)),
+            Ok(loc) if names_file(&loc.key) || !loc.store.listable => Some(Ok(guess_target(url, &loc))),
+            Ok(_) => None,
+        }
+    }
+
+    /// Every object under a prefix, as key parts relative to it, handed to `on_page` a page at a
+    /// time (the first of at most `first_page` keys, when given).
+    async fn list(
+        &self,
+        loc: &Loc,
+        first_page: Option<usize>,
+        on_page: &mut (dyn FnMut(Vec<Vec<String>>) + Send),
+    ) -> Result<(), Error> {
+        // One permit for the whole listing: its pages do not queue behind the header reads.
         let _permit = self
             .permits
             .acquire()
@@ -50,28 +125,73 @@ impl Remote {
             .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
         self.check_stalled(loc)?;
         let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
+        let Some(pages) = &loc.store.pages else {
+            let objects: Vec<object_store::ObjectMeta> = loc
+                .store
+                .inner
+                .list(prefix)
+                .try_collect()
+                .await
+                .map_err(|e| self.fail(loc, &e, false))?;
+            loc.store.stalls.store(0, Ordering::Relaxed);
+            on_page(self.record_listed(loc, objects));
+            return Ok(());
+        };
+        // `list_paginated` takes the prefix as text, with no '/' added.
+        let prefix = prefix.map(|k| format!("{}/", k.as_ref()));
+        let mut max_keys = first_page;
+        let mut token: Option<String> = None;
+        loop {
+            let options = PaginatedListOptions {
+                page_token: token.clone(),
+                max_keys: max_keys.take(),
+                ..PaginatedListOptions::default()
+            };
+            let page = pages
+                .list_paginated(prefix.as_deref(), options)
+                .await
+                .map_err(|e| self.fail(loc, &e, false))?;
+            loc.store.stalls.store(0, Ordering::Relaxed);
+            on_page(self.record_listed(loc, page.result.objects));
+            // A server that hands back the token it was given would loop forever.
+            match page.page_token {
+                Some(next) if !next.is_empty() && token.as_ref() != Some(&next) => token = Some(next),
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    /// Listed objects as key parts relative to the listed prefix; what the listing says of each
+    /// is kept for `stat` (when asked for) and the small weights' sizes for the first header read.
+    fn record_listed(&self, loc: &Loc, objects: Vec<object_store::ObjectMeta>) -> Vec<Vec<String>> {
         let depth = loc.key.parts().count();
-        let objects: Vec<object_store::ObjectMeta> = loc
-            .store
-            .inner
-            .list(prefix)
-            .try_collect()
-            .await
-            .map_err(|e| self.fail(loc, &e, false))?;
-        loc.store.stalls.store(0, Ordering::Relaxed);
         let keep = self.keep_listed.load(Ordering::Relaxed);
         let mut listed = Vec::with_capacity(objects.len());
         let mut stats = Vec::new();
+        let mut small = Vec::new();
         for o in objects {
             let parts: Vec<String> = o.location.parts().skip(depth).map(|p| p.as_ref().to_owned()).collect();
             if parts.is_empty() {
                 continue;
             }
-            if keep {
+            let is_small = o.size <= SPECULATIVE_BYTES && names_file(&o.location);
+            if keep || is_small {
                 // The URL `Dir::walk` gives this object: the prefix's URL and the parts, joined by '/'.
-                stats.push((join(&loc.url, &parts.join("/")), object_stat(&o)));
+                let url = join(&loc.url, &parts.join("/"));
+                if is_small {
+                    small.push((url.clone(), o.size));
+                }
+                if keep {
+                    stats.push((url, object_stat(&o)));
+                }
             }
             listed.push(parts);
+        }
+        if !small.is_empty() {
+            self.small_objects
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(small);
         }
         if keep {
             self.listed
@@ -79,7 +199,7 @@ impl Remote {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .extend(stats);
         }
-        Ok(listed)
+        listed
     }
 
     /// What the store says about the object at `url`: the listing's answer when this call listed
@@ -227,6 +347,8 @@ fn guess_target(url: &str, loc: &Loc) -> Target {
 pub(super) struct Dir {
     pub files: BTreeSet<String>,
     pub dirs: BTreeMap<String, Dir>,
+    /// Sub-folders whose targets `emit_settled` has not handed out yet.
+    pending: Vec<String>,
 }
 
 impl Dir {
@@ -240,9 +362,35 @@ impl Dir {
         };
         let mut dir = self;
         for f in folders {
-            dir = dir.dirs.entry(f.clone()).or_default();
+            let Dir { dirs, pending, .. } = dir;
+            dir = dirs.entry(f.clone()).or_insert_with(|| {
+                pending.push(f.clone());
+                Dir::default()
+            });
         }
         dir.files.insert(file.clone());
+    }
+
+    /// Hands `emit` the targets of the sub-folders (at any depth) the listing has passed: those off
+    /// `frontier`, the last listed key's parts below this folder. Each folder once.
+    pub fn emit_settled(&mut self, url: &str, frontier: &[String], emit: &mut dyn FnMut(Target)) {
+        // The sub-folder the last key lies in, if any: it may still get keys.
+        let open = frontier.split_last().and_then(|(_, folders)| folders.first());
+        let Dir { dirs, pending, .. } = self;
+        pending.retain(|name| {
+            let Some(sub) = dirs.get_mut(name) else {
+                return false;
+            };
+            let sub_url = join(url, name);
+            if Some(name) == open {
+                sub.emit_settled(&sub_url, &frontier[1..], emit);
+                return true;
+            }
+            let mut out = Vec::new();
+            sub.walk(&sub_url, true, false, &mut out);
+            out.into_iter().flatten().for_each(&mut *emit);
+            false
+        });
     }
 
     fn safetensors(&self) -> impl Iterator<Item = &String> {

@@ -110,8 +110,14 @@ impl Remote {
             kind,
         };
         let longest = &loc.store.longest_header;
+        let listed_size = self
+            .small_objects
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&loc.url)
+            .copied();
         let (first, size) = self
-            .get_range(loc, 0..first_read_size(longest.load(Ordering::Relaxed)))
+            .get_range_with(loc, || 0..first_read_size(longest.load(Ordering::Relaxed), listed_size))
             .await?;
         if size < N_LEN {
             return Err(header_err(HeaderError::HeaderTooSmall(size)));

@@ -1,10 +1,10 @@
 //! Adapters in object stores and on web servers: `s3://`, `gs://`, `az://`, `http(s)://` and
 //! `hf://org/repo[@revision]/path`, read through the `object_store` crate (feature `remote`).
 //!
-//! Only headers are fetched. The first request asks for the first [`SPECULATIVE_BYTES`] of the
-//! weights (fewer once the store's headers are known to be short: [`first_read_size`]), which also
-//! tells the object's size (`Content-Range`); a second range request follows only when the header
-//! is longer. `adapter_config.json` is fetched whole (at most 16 MiB), in
+//! Only headers are fetched. The first request asks for the start of the weights, sized by
+//! [`first_read_size`] from what is known (the longest header seen in the store, the object's size
+//! when a listing gave it), which also tells the object's size (`Content-Range`); a second range
+//! request, to the header's exact end, follows only when the header is longer. `adapter_config.json` is fetched whole (at most 16 MiB), in
 //! parallel with the header. Kohya `.alpha` scalars, the only tensor data a scan reads, are
 //! fetched with small range requests (nearby ones merged) so that remote results equal local ones.
 //!
@@ -32,26 +32,40 @@ use std::time::Duration;
 use crate::error::{AdapterErrorCode, Error};
 use crate::scan::{self, is_url, AdapterResult, ScanOptions, Target};
 
-/// First range request: the header of almost every adapter fits (500 PEFT modules take ~60 KiB).
-/// Once a store has answered, its first reads shrink to fit the headers seen there (see
-/// [`first_read_size`]), so a fleet of small headers does not pay 64 KiB of tensor data each.
+/// The most a first range request asks for: the header of almost every adapter fits (500 PEFT
+/// modules take ~60 KiB).
 pub const SPECULATIVE_BYTES: u64 = 64 << 10;
+/// The first read while nothing is known of a store's headers (and the object is larger than
+/// [`SPECULATIVE_BYTES`] or of unknown size): room for ~100 tensors' entries, and small enough to
+/// come, response headers included, in the first flight of a new TCP connection (10 segments), so
+/// the call's first wave of requests, all sent before any answer, does not fetch `concurrency` x
+/// 64 KiB of tensor data. A longer header costs one more request, to its exact end.
+pub const FIRST_GUESS_BYTES: u64 = 12 << 10;
 /// The smallest first read: a few KiB more cost little next to the round trip.
 pub const MIN_SPECULATIVE_BYTES: u64 = 4 << 10;
 
 /// Bytes to ask for first, given the longest header (with its 8-byte length) seen in this store so
-/// far (0: none yet): a quarter more than that, in 4 KiB steps, between [`MIN_SPECULATIVE_BYTES`]
-/// and [`SPECULATIVE_BYTES`]. It only grows during a call, so a fleet of headers of one recipe
-/// costs one request each after the first answer, and a longer header than any seen costs one more
-/// request (as a header over 64 KiB always does).
-pub fn first_read_size(longest_seen: u64) -> u64 {
-    if longest_seen == 0 {
-        return SPECULATIVE_BYTES;
-    }
-    let want = longest_seen.saturating_add(longest_seen / 4);
-    want.div_ceil(4 << 10)
-        .saturating_mul(4 << 10)
-        .clamp(MIN_SPECULATIVE_BYTES, SPECULATIVE_BYTES)
+/// far (0: none yet) and the object's size if a listing gave it.
+/// - Nothing seen yet: an object of at most [`SPECULATIVE_BYTES`] is read whole (one request,
+///   whatever its header); another, [`FIRST_GUESS_BYTES`].
+/// - Else a quarter more than the longest header seen, in 4 KiB steps, between
+///   [`MIN_SPECULATIVE_BYTES`] and [`SPECULATIVE_BYTES`]. It only grows during a call, so a fleet
+///   of headers of one recipe costs one request each after the first answer, and a longer header
+///   than any seen costs one more request (as a header over 64 KiB always does).
+///
+/// Never more than the object's known size (at least the 8-byte length prefix): a listing's size
+/// can be stale, which costs at most a second request, never a wrong result.
+pub fn first_read_size(longest_seen: u64, object_size: Option<u64>) -> u64 {
+    let want = match (longest_seen, object_size) {
+        (0, Some(size)) if size <= SPECULATIVE_BYTES => size,
+        (0, _) => FIRST_GUESS_BYTES,
+        (seen, _) => seen
+            .saturating_add(seen / 4)
+            .div_ceil(4 << 10)
+            .saturating_mul(4 << 10)
+            .clamp(MIN_SPECULATIVE_BYTES, SPECULATIVE_BYTES),
+    };
+    want.min(object_size.unwrap_or(u64::MAX)).max(crate::header::N_LEN)
 }
 
 /// Consecutive timeouts after which a store is given up for the rest of the call.
@@ -246,6 +260,24 @@ impl Session {
             .into_iter()
             .map(|s| s.unwrap_or_else(|| Err(Error::adapter("", AdapterErrorCode::Internal, "scan lost a row"))))
             .collect()
+    }
+
+    /// Finds and loads every adapter under `paths`, local paths and URLs mixed, in input order:
+    /// what `load_all(discover(paths))` gives (discovery failures as rows, in place). Header reads
+    /// of a listed prefix start while its listing is still coming.
+    pub fn scan(
+        &self,
+        paths: &[PathBuf],
+        recursive: bool,
+        opts: ScanOptions,
+        progress: bool,
+    ) -> Vec<Result<AdapterResult, Error>> {
+        let any_url = paths.iter().any(|p| url_of(p).is_some());
+        split_inputs(
+            paths,
+            |run| scan::scan_paths(run, recursive, opts, self.threads, progress && !any_url),
+            |urls| self.imp().scan_urls(urls, recursive, opts, progress),
+        )
     }
 
     /// `inspect` for each path or URL: the single adapter there (the `locate` rules), loaded in full.

@@ -77,12 +77,23 @@ impl Remote {
 
     /// Bytes `range` of an object (clipped to its end) and the object's size.
     pub(super) async fn get_range(&self, loc: &Loc, range: Range<u64>) -> Result<(Bytes, u64), Error> {
+        self.get_range_with(loc, || range).await
+    }
+
+    /// `get_range` of the range `range()` gives once a permit is held: a read that waited for its
+    /// turn is sized from what is known when it goes out.
+    pub(super) async fn get_range_with(
+        &self,
+        loc: &Loc,
+        range: impl FnOnce() -> Range<u64>,
+    ) -> Result<(Bytes, u64), Error> {
         let _permit = self
             .permits
             .acquire()
             .await
             .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
         self.check_stalled(loc)?;
+        let range = range();
         if loc.store.ignores_range.load(Ordering::Relaxed) {
             return self.get_without_range(loc, range).await;
         }

@@ -10,6 +10,7 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
+use object_store::list::PaginatedListStore;
 use object_store::path::Path as Key;
 use object_store::{BackoffConfig, ClientConfigKey, ClientOptions, ObjectStore, RetryConfig};
 use tokio::sync::Semaphore;
@@ -24,6 +25,9 @@ pub(super) struct Store {
     pub(super) inner: Arc<dyn ObjectStore>,
     /// Object stores list prefixes; web servers cannot.
     pub(super) listable: bool,
+    /// The store's listing one page at a time (S3, GCS, Azure), so that a listing can start with a
+    /// short page and header reads with it.
+    pub(super) pages: Option<Arc<dyn PaginatedListStore>>,
     /// Timeouts in a row, with no success in between.
     pub(super) stalls: AtomicUsize,
     /// Set once the server answered a range request with the whole object.
@@ -52,6 +56,19 @@ pub(super) struct Remote {
     /// once `keep_listed` is set, so a plain scan does not hold a map of its whole listing.
     pub(super) listed: Mutex<HashMap<String, ObjectStat>>,
     pub(super) keep_listed: AtomicBool,
+    /// Sizes of the listed `.safetensors` objects of at most [`super::SPECULATIVE_BYTES`], by URL:
+    /// those the first header read takes whole ([`super::first_read_size`]). Larger ones are not
+    /// kept, so a plain scan holds no map of its whole listing.
+    pub(super) small_objects: Mutex<HashMap<String, u64>>,
+}
+
+/// A built store, and its paginated listing where it has one.
+type Built = (Arc<dyn ObjectStore>, Option<Arc<dyn PaginatedListStore>>);
+
+/// `store` as both an object store and a paginated listing.
+fn listing<S: ObjectStore + PaginatedListStore>(store: S) -> Built {
+    let store = Arc::new(store);
+    (store.clone(), Some(store))
 }
 
 fn store_error(e: impl std::fmt::Display) -> StoreError {
@@ -66,6 +83,7 @@ impl Remote {
             permits: Semaphore::new(opts.concurrency.max(1)),
             listed: Mutex::new(HashMap::new()),
             keep_listed: AtomicBool::new(false),
+            small_objects: Mutex::new(HashMap::new()),
         }
     }
 
@@ -94,7 +112,7 @@ impl Remote {
         ]
     }
 
-    fn build(&self, p: &Parsed) -> Result<Arc<dyn ObjectStore>, StoreError> {
+    fn build(&self, p: &Parsed) -> Result<Built, StoreError> {
         let user = &self.opts.storage_options;
         let user_sets = |names: &[&str]| user.iter().any(|(k, _)| names.contains(&k.as_str()));
         match p.kind {
@@ -120,7 +138,7 @@ impl Remote {
                 if http_endpoint && !user_sets(&["allow_http", "aws_allow_http"]) {
                     b = b.with_allow_http(true);
                 }
-                Ok(Arc::new(b.build().map_err(store_error)?))
+                Ok(listing(b.build().map_err(store_error)?))
             }
             Kind::Gcs => {
                 let mut b = GoogleCloudStorageBuilder::from_env()
@@ -132,7 +150,7 @@ impl Remote {
                 for (k, v) in user {
                     b = b.with_config(GoogleConfigKey::from_str(k).map_err(store_error)?, v);
                 }
-                Ok(Arc::new(b.build().map_err(store_error)?))
+                Ok(listing(b.build().map_err(store_error)?))
             }
             Kind::Azure => {
                 let mut b = MicrosoftAzureBuilder::from_env()
@@ -144,7 +162,7 @@ impl Remote {
                 for (k, v) in user {
                     b = b.with_config(AzureConfigKey::from_str(k).map_err(store_error)?, v);
                 }
-                Ok(Arc::new(b.build().map_err(store_error)?))
+                Ok(listing(b.build().map_err(store_error)?))
             }
             Kind::Http | Kind::HuggingFace => {
                 let mut options = ClientOptions::new().with_allow_http(p.base.starts_with("http://"));
@@ -171,7 +189,7 @@ impl Remote {
                     .with_url(&p.base)
                     .with_retry(self.retry())
                     .with_client_options(options);
-                Ok(Arc::new(b.build().map_err(store_error)?))
+                Ok((Arc::new(b.build().map_err(store_error)?), None))
             }
         }
     }
@@ -184,10 +202,11 @@ impl Remote {
             stores
                 .entry(p.base.clone())
                 .or_insert_with(|| {
-                    self.build(&p).map(|inner| {
+                    self.build(&p).map(|(inner, pages)| {
                         Arc::new(Store {
                             inner,
                             listable: !matches!(p.kind, Kind::Http | Kind::HuggingFace),
+                            pages,
                             stalls: AtomicUsize::new(0),
                             ignores_range: AtomicBool::new(false),
                             longest_header: AtomicU64::new(0),

@@ -100,15 +100,73 @@ fn merges_ranges() {
 
 #[test]
 fn first_read_fits_the_headers_seen() {
-    use super::{first_read_size, MIN_SPECULATIVE_BYTES, SPECULATIVE_BYTES};
-    assert_eq!(first_read_size(0), SPECULATIVE_BYTES); // nothing seen yet: the full 64 KiB
-    assert_eq!(first_read_size(8), MIN_SPECULATIVE_BYTES);
-    assert_eq!(first_read_size(3000), 4 << 10); // 3,750 bytes, in 4 KiB steps
-    assert_eq!(first_read_size(4000), 8 << 10); // 5,000
-    assert_eq!(first_read_size(57_000), SPECULATIVE_BYTES);
-    assert_eq!(first_read_size(10 << 20), SPECULATIVE_BYTES);
-    assert_eq!(first_read_size(u64::MAX), SPECULATIVE_BYTES);
+    use super::{first_read_size, FIRST_GUESS_BYTES, MIN_SPECULATIVE_BYTES, SPECULATIVE_BYTES};
+    // Nothing seen yet, size unknown or over 64 KiB: the guess.
+    assert_eq!(first_read_size(0, None), FIRST_GUESS_BYTES);
+    assert_eq!(first_read_size(0, Some(SPECULATIVE_BYTES + 1)), FIRST_GUESS_BYTES);
+    assert_eq!(first_read_size(8, None), MIN_SPECULATIVE_BYTES);
+    assert_eq!(first_read_size(3000, None), 4 << 10); // 3,750 bytes, in 4 KiB steps
+    assert_eq!(first_read_size(4000, None), 8 << 10); // 5,000
+    assert_eq!(first_read_size(57_000, None), SPECULATIVE_BYTES);
+    assert_eq!(first_read_size(10 << 20, None), SPECULATIVE_BYTES);
+    assert_eq!(first_read_size(u64::MAX, None), SPECULATIVE_BYTES);
     for n in [1u64, 100, 4096, 20_000, 40_000, 52_000] {
-        assert!(first_read_size(n) >= n + n / 4 && first_read_size(n) % 4096 == 0, "{n}");
+        let got = first_read_size(n, None);
+        assert!(got >= n + n / 4 && got % 4096 == 0, "{n}");
     }
+}
+
+#[test]
+fn first_read_uses_the_listed_size() {
+    use super::{first_read_size, SPECULATIVE_BYTES};
+    // Nothing seen yet: an object of at most 64 KiB is read whole, so its header never needs a
+    // second request, however long.
+    assert_eq!(first_read_size(0, Some(40_000)), 40_000);
+    assert_eq!(first_read_size(0, Some(SPECULATIVE_BYTES)), SPECULATIVE_BYTES);
+    // Once headers are known, no more than the adaptive size, and never past the object's end.
+    assert_eq!(first_read_size(3000, Some(40_000)), 4 << 10);
+    assert_eq!(first_read_size(3000, Some(1000)), 1000);
+    // Empty or tiny objects still ask for the 8-byte length prefix (the answer says what is there).
+    assert_eq!(first_read_size(0, Some(0)), 8);
+    assert_eq!(first_read_size(5000, Some(3)), 8);
+}
+
+#[test]
+fn settled_folders_are_emitted_once_and_open_ones_wait() {
+    let pages: [&[&str]; 3] = [
+        &[
+            "a/x.safetensors",
+            "b/adapter_config.json",
+            "b/adapter_model.safetensors",
+            "c/d/one.safetensors",
+        ],
+        &["c/d/two.safetensors", "c/e/w.safetensors", "f/w.safetensors"],
+        &["f/z.safetensors"],
+    ];
+    let mut d = Dir::default();
+    let mut emitted: Vec<Vec<String>> = Vec::new();
+    for page in pages {
+        let mut got = Vec::new();
+        let mut last = Vec::new();
+        for k in page {
+            last = k.split('/').map(str::to_owned).collect::<Vec<_>>();
+            d.insert(&last);
+        }
+        d.emit_settled("s3://b", &last, &mut |t| got.push(t.weights.display().to_string()));
+        emitted.push(got);
+    }
+    let w = |s: &str| format!("s3://b/{s}");
+    // Page 1 ends in c/d: a and b are settled, c (and c/d) are open.
+    assert_eq!(emitted[0], vec![w("a/x.safetensors"), w("b/adapter_model.safetensors")]);
+    // Page 2 ends in f: c/d now holds two files (two adapters, not a one-file folder), c/e is one.
+    assert_eq!(
+        emitted[1],
+        vec![
+            w("c/d/one.safetensors"),
+            w("c/d/two.safetensors"),
+            w("c/e/w.safetensors")
+        ]
+    );
+    // The last key's folder stays open: the caller emits it from the final walk.
+    assert!(emitted[2].is_empty());
 }
