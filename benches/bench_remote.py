@@ -1,7 +1,7 @@
 """Remote scans at network speed: lorafast against boto3 / huggingface_hub loops, behind a latency proxy.
 
-Writes N small-header adapters (one .safetensors of 16 tensors each: a ~2 KB header, 128 KiB of data, so a
-64 KiB first read is all data past the header), and serves them on loopback from
+Writes N small-header adapters (one .safetensors of 16 tensors each: a ~2 KB header, 128 KiB of data, so what
+a first read asks past the header is tensor data), and serves them on loopback from
   s3:       moto's S3 app (as tests/servers.py MotoS3 runs it, but behind an HTTP/1.1 keep-alive server),
   s3-light: tests/servers.py LocalS3 (ListObjectsV2, ranged GET, HEAD over a folder; keep-alive), a lighter
             S3-compatible server than moto, whose request rate caps the 20 ms case, and
