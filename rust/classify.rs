@@ -14,6 +14,7 @@ use crate::names::{self, Role, Spelling, Variant};
 
 mod modules;
 pub use modules::{ModuleInfo, Modules};
+use modules::{Names, Repeated};
 
 /// The tensor naming scheme an adapter is written in (docs/scan.md describes each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -618,6 +619,7 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
                 | u8::from(sa.len() == 3 && memchr::memmem::find(g.key.as_bytes(), b"experts").is_some()) << 4,
             kind: ModuleKind::Incomplete,
             dims: None,
+            record: usize::MAX,
         })
     }
 
@@ -644,8 +646,11 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
         out: &mut Classification,
     ) {
         self.last_hit = i;
-        let t = self.templates[i];
-        let Some(dims) = t.dims else { return };
+        // The answers, not the whole template: a copy of it costs a dozen moves per module.
+        let (kind, like, Some(dims)) = (self.templates[i].kind, self.templates[i].record, self.templates[i].dims)
+        else {
+            return;
+        };
         if let Some(l) = parts.layer {
             self.layers.insert(l);
         }
@@ -655,14 +660,41 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
             // `rank_pattern` to read, but the alpha may come from an `alpha_pattern`).
             let name = names::strip_prefix(g.key);
             let config = self.configs.for_key(g.key, &self.components);
+            let config_rank = config.and_then(|c| c.rank_for(name));
+            // Everything else in its record is the template's (a kohya `lora_mid`, which a
+            // template does not compare, is not).
+            if g.mid.is_none() {
+                let tensors = &self.header.tensors;
+                let tname = |i: Option<u32>| i.map(|i| tensors[i as usize].name.as_ref());
+                let own = Repeated {
+                    names: Names {
+                        key: g.key,
+                        name,
+                        leaf,
+                        a_key: tname(g.a),
+                        b_key: tname(g.b),
+                        alpha_key: tname(g.alpha),
+                        bias_key: tname(g.bias),
+                        magnitude_key: tname(g.magnitude),
+                    },
+                    layer: parts.layer,
+                    expert: parts.expert,
+                    num_experts: n_exp,
+                    alpha: self.alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(name))),
+                    config_rank,
+                };
+                if self.modules.push_like(like, &own) {
+                    return;
+                }
+            }
             let answers = Answers {
-                kind: t.kind,
+                kind,
                 layer: parts.layer,
                 expert: parts.expert,
                 dims,
                 n_exp,
                 config,
-                config_rank: config.and_then(|c| c.rank_for(name)),
+                config_rank,
             };
             self.record(gi, g, f, name, leaf, answers);
         }
@@ -673,6 +705,12 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
     fn remember(&mut self, mut t: Template<'h>, kind: ModuleKind, dims: Dims, before: usize, out: &Classification) {
         if out.problems.len() == before && before < MAX_PROBLEMS && self.templates.len() < 32 {
             (t.kind, t.dims) = (kind, Some(dims));
+            // This module's record, which `record` pushes next.
+            t.record = if self.keep_modules {
+                self.modules.len()
+            } else {
+                usize::MAX
+            };
             self.templates.push(t);
             self.last_hit = self.templates.len() - 1;
         }
@@ -1021,6 +1059,8 @@ struct Template<'h> {
     /// The answers: set when the template is remembered.
     kind: ModuleKind,
     dims: Option<Dims>,
+    /// The index of its module's record, when records are kept (else `usize::MAX`).
+    record: usize,
 }
 
 impl Template<'_> {
@@ -1694,6 +1734,10 @@ mod tests {
                 }
                 if m == "o_proj" && layer % 2 == 1 {
                     tensors.push((format!("{key}.lora_magnitude_vector"), vec![out]));
+                }
+                // A `lora_mid` (a template does not compare it) in the first v_proj and layer 3's.
+                if m == "v_proj" && (layer == 0 || layer == 3) {
+                    tensors.push((format!("{key}.lora_mid.weight"), vec![8, 8]));
                 }
             }
         }

@@ -21,6 +21,7 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -527,6 +528,40 @@ fn parse_config_text(path: &Path, text: &str) -> Result<LoraConfig, Error> {
     LoraConfig::from_json(text).map_err(|message| Error::adapter(path, AdapterErrorCode::InvalidConfig, message))
 }
 
+/// Configs a scan thread keeps parsed, by text (see `parse_config_kept`).
+const CONFIGS_KEPT: usize = 8;
+/// The longest config text kept: memory per thread stays bounded.
+const MAX_KEPT_CONFIG: usize = 64 << 10;
+
+thread_local! {
+    /// The configs this thread parsed last, most recent first: the adapters of a fleet share a
+    /// few configs, and parsing one costs about as much as a tenth of a 448-tensor header.
+    static CONFIGS: RefCell<Vec<(String, Rc<LoraConfig>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `parse_config_text`, answered from this thread's parsed configs when `text` is one of them.
+/// A config is a pure function of its text, so a kept one is exactly what a new parse gives.
+fn parse_config_kept(path: &Path, text: &str) -> Result<Rc<LoraConfig>, Error> {
+    let kept = CONFIGS.with(|cell| {
+        let mut configs = cell.borrow_mut();
+        let i = configs.iter().position(|(t, _)| t == text)?;
+        configs[..=i].rotate_right(1);
+        Some(Rc::clone(&configs[0].1))
+    });
+    if let Some(config) = kept {
+        return Ok(config);
+    }
+    let config = Rc::new(parse_config_text(path, text)?);
+    if text.len() <= MAX_KEPT_CONFIG {
+        CONFIGS.with(|cell| {
+            let mut configs = cell.borrow_mut();
+            configs.truncate(CONFIGS_KEPT - 1);
+            configs.insert(0, (text.to_owned(), Rc::clone(&config)));
+        });
+    }
+    Ok(config)
+}
+
 /// diffusers keeps the PEFT config of each component in `lora_adapter_metadata`, keys prefixed
 /// by the component (`unet.r`, `text_encoder.r`): one config per component.
 fn metadata_configs(header: &Header<'_>) -> Option<(String, Vec<(String, LoraConfig)>)> {
@@ -663,10 +698,7 @@ fn load_header(
             target,
         },
         None => {
-            let config = match &text {
-                Some(text) => Some((text.clone(), parse_config(text)?)),
-                None => None,
-            };
+            let config = text.as_ref().map(|t| parse_config_kept(&config_path, t)).transpose()?;
             // Repeated tensor names are found by `classify` while it groups tensors (cheaper
             // than a separate pass); `duplicate_tensor` turns them back into the header error.
             let header = parse_header_unchecked_names(bytes, file_size).map_err(|kind| Error::Header {
@@ -674,7 +706,15 @@ fn load_header(
                 kind,
             })?;
             let alphas = target.weights.clone();
-            let result = build_result(target, config, &header, &alphas, opts, content_hash);
+            let result = build_result_of(
+                target,
+                text.clone(),
+                config.as_deref(),
+                &header,
+                &alphas,
+                opts,
+                content_hash,
+            );
             if let Some(key) = &key {
                 memo::put(key, &result.class, result.config_json.as_deref());
             }
@@ -716,13 +756,27 @@ pub fn build_result(
     opts: ScanOptions,
     content_hash: Option<String>,
 ) -> AdapterResult {
+    let (text, config) = config.unzip();
+    build_result_of(target, text, config.as_ref(), header, alpha_file, opts, content_hash)
+}
+
+/// `build_result` with the config's text and the config it parses to apart.
+fn build_result_of(
+    target: Target,
+    text: Option<String>,
+    config: Option<&LoraConfig>,
+    header: &Header<'_>,
+    alpha_file: &Path,
+    opts: ScanOptions,
+    content_hash: Option<String>,
+) -> AdapterResult {
     let meta_config = if config.is_none() {
         metadata_configs(header)
     } else {
         None
     };
     let configs = Configs {
-        file: config.as_ref().map(|(_, c)| c),
+        file: config,
         components: meta_config.as_ref().map_or(&[], |(_, c)| c.as_slice()),
     };
     let class = classify(
@@ -738,7 +792,7 @@ pub fn build_result(
         .as_ref()
         .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
     AdapterResult {
-        config_json: config.map(|(text, _)| text).or(meta_config.map(|(text, _)| text)),
+        config_json: text.or(meta_config.map(|(text, _)| text)),
         metadata: if opts.keep_modules { metadata } else { None },
         header_size: header.header_size,
         file_size: header.file_size,
@@ -913,6 +967,27 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    /// A kept config is the config its text parses to, and the thread keeps at most
+    /// `CONFIGS_KEPT`, the most recently used.
+    #[test]
+    fn kept_configs_are_what_their_text_parses_to() {
+        let path = Path::new("adapter_config.json");
+        let text = |r: usize| format!(r#"{{"r": {r}, "lora_alpha": {}, "target_modules": ["q_proj"]}}"#, 2 * r);
+        for round in 0..3 {
+            for r in 0..CONFIGS_KEPT + 2 {
+                let kept = parse_config_kept(path, &text(r)).unwrap();
+                let fresh = parse_config_text(path, &text(r)).unwrap();
+                assert_eq!(format!("{kept:?}"), format!("{fresh:?}"), "round {round}, r {r}");
+            }
+        }
+        CONFIGS.with(|c| assert_eq!(c.borrow().len(), CONFIGS_KEPT));
+        let bad = parse_config_kept(path, "{").unwrap_err();
+        assert_eq!(
+            format!("{bad:?}"),
+            format!("{:?}", parse_config_text(path, "{").unwrap_err())
+        );
     }
 
     /// A one-tensor safetensors file whose header carries `pad` bytes of metadata.

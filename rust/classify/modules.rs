@@ -144,6 +144,57 @@ pub struct ModuleInfo<'m> {
     pub use_rslora: bool,
 }
 
+impl<'m> ModuleInfo<'m> {
+    fn names(&self) -> Names<'m> {
+        Names {
+            key: self.key,
+            name: self.name,
+            leaf: self.leaf,
+            a_key: self.a_key,
+            b_key: self.b_key,
+            alpha_key: self.alpha_key,
+            bias_key: self.bias_key,
+            magnitude_key: self.magnitude_key,
+        }
+    }
+}
+
+/// A module's key, name, leaf and tensor names (see [`ModuleInfo`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Names<'m> {
+    pub key: &'m str,
+    pub name: &'m str,
+    pub leaf: &'m str,
+    pub a_key: Option<&'m str>,
+    pub b_key: Option<&'m str>,
+    pub alpha_key: Option<&'m str>,
+    pub bias_key: Option<&'m str>,
+    pub magnitude_key: Option<&'m str>,
+}
+
+/// Where `add_names` put them.
+struct NameSpans {
+    key: Span,
+    name: Span,
+    leaf: Span,
+    a_key: Option<Span>,
+    b_key: Option<Span>,
+    alpha_key: Option<Span>,
+    bias_key: Option<Span>,
+    magnitude_key: Option<Span>,
+}
+
+/// What a module that repeats another (`Modules::push_like`) has of its own.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Repeated<'m> {
+    pub names: Names<'m>,
+    pub layer: Option<u32>,
+    pub expert: Option<u32>,
+    pub num_experts: Option<u64>,
+    pub alpha: Option<f64>,
+    pub config_rank: Option<u64>,
+}
+
 /// The module records of one adapter, in the order the header first names each module.
 #[derive(Clone, Default)]
 pub struct Modules {
@@ -184,25 +235,12 @@ impl Modules {
 
     /// Adds a module, copying its names and shapes in.
     pub fn push(&mut self, m: &ModuleInfo<'_>) {
-        // The first factor's name holds the key (its start), which holds the name and leaf.
-        let source = m.a_key.or(m.b_key).unwrap_or("");
-        let base = m.a_key.or(m.b_key).map(|k| self.add_text(k));
-        let key = self.place(m.key, source, base);
-        let name = self.place(m.name, m.key, Some(key));
-        let leaf = self.place(m.leaf, m.key, Some(key));
-        let a_key = if m.a_key.is_some() { base } else { None };
-        let b_key = match (m.a_key, m.b_key) {
-            (None, Some(_)) => base,
-            (_, b) => b.map(|b| self.add_text(b)),
-        };
+        let n = self.add_names(&m.names());
         let extra_start = self.extra.len();
         for k in &m.extra_keys {
             let span = self.add_text(k);
             self.extra.push(span);
         }
-        let alpha_key = m.alpha_key.map(|k| self.add_text(k));
-        let bias_key = m.bias_key.map(|k| self.add_text(k));
-        let magnitude_key = m.magnitude_key.map(|k| self.add_text(k));
         let a_shape = m.a_shape.map(|s| self.add_dims(s));
         let b_shape = m.b_shape.map(|s| self.add_dims(s));
         let mut present = 0;
@@ -215,14 +253,14 @@ impl Modules {
             alpha: keep(m.alpha, HAS_ALPHA, &mut present),
             layer: keep(m.layer, HAS_LAYER, &mut present),
             expert: keep(m.expert, HAS_EXPERT, &mut present),
-            key,
-            name,
-            leaf,
-            a_key: keep(a_key, HAS_A_KEY, &mut present),
-            b_key: keep(b_key, HAS_B_KEY, &mut present),
-            alpha_key: keep(alpha_key, HAS_ALPHA_KEY, &mut present),
-            bias_key: keep(bias_key, HAS_BIAS_KEY, &mut present),
-            magnitude_key: keep(magnitude_key, HAS_MAGNITUDE_KEY, &mut present),
+            key: n.key,
+            name: n.name,
+            leaf: n.leaf,
+            a_key: keep(n.a_key, HAS_A_KEY, &mut present),
+            b_key: keep(n.b_key, HAS_B_KEY, &mut present),
+            alpha_key: keep(n.alpha_key, HAS_ALPHA_KEY, &mut present),
+            bias_key: keep(n.bias_key, HAS_BIAS_KEY, &mut present),
+            magnitude_key: keep(n.magnitude_key, HAS_MAGNITUDE_KEY, &mut present),
             a_shape: keep(a_shape, HAS_A_SHAPE, &mut present),
             b_shape: keep(b_shape, HAS_B_SHAPE, &mut present),
             extra_keys: span_of(extra_start, self.extra.len() - extra_start),
@@ -232,6 +270,58 @@ impl Modules {
             use_rslora: m.use_rslora,
         };
         self.records.push(record);
+    }
+
+    /// Adds a module whose kind, rank, features, dtype, shapes and `use_rslora` are those of
+    /// module `like`, pushed before, and which has no extra keys: its names and its own numbers
+    /// (`m`) go in, the rest is `like`'s record, its shapes shared. Cheaper than `push` for the
+    /// modules that repeat per layer. False (nothing added) when there is no module `like`.
+    pub(crate) fn push_like(&mut self, like: usize, m: &Repeated<'_>) -> bool {
+        let Some(mut r) = self.records.get(like).cloned() else {
+            return false;
+        };
+        let n = self.add_names(&m.names);
+        let mut present = r.present & (HAS_RANK | HAS_IN_FEATURES | HAS_OUT_FEATURES | HAS_A_SHAPE | HAS_B_SHAPE);
+        r.num_experts = keep(m.num_experts, HAS_NUM_EXPERTS, &mut present);
+        r.config_rank = keep(m.config_rank, HAS_CONFIG_RANK, &mut present);
+        r.alpha = keep(m.alpha, HAS_ALPHA, &mut present);
+        r.layer = keep(m.layer, HAS_LAYER, &mut present);
+        r.expert = keep(m.expert, HAS_EXPERT, &mut present);
+        (r.key, r.name, r.leaf) = (n.key, n.name, n.leaf);
+        r.a_key = keep(n.a_key, HAS_A_KEY, &mut present);
+        r.b_key = keep(n.b_key, HAS_B_KEY, &mut present);
+        r.alpha_key = keep(n.alpha_key, HAS_ALPHA_KEY, &mut present);
+        r.bias_key = keep(n.bias_key, HAS_BIAS_KEY, &mut present);
+        r.magnitude_key = keep(n.magnitude_key, HAS_MAGNITUDE_KEY, &mut present);
+        r.extra_keys = span_of(self.extra.len(), 0);
+        r.present = present;
+        self.records.push(r);
+        true
+    }
+
+    /// Copies a module's names in: the first factor's name holds the key (its start), which holds
+    /// the name and leaf.
+    #[inline(always)]
+    fn add_names(&mut self, m: &Names<'_>) -> NameSpans {
+        let source = m.a_key.or(m.b_key).unwrap_or("");
+        let base = m.a_key.or(m.b_key).map(|k| self.add_text(k));
+        let key = self.place(m.key, source, base);
+        let name = self.place(m.name, m.key, Some(key));
+        let leaf = self.place(m.leaf, m.key, Some(key));
+        let b_key = match (m.a_key, m.b_key) {
+            (None, Some(_)) => base,
+            (_, b) => b.map(|b| self.add_text(b)),
+        };
+        NameSpans {
+            key,
+            name,
+            leaf,
+            a_key: if m.a_key.is_some() { base } else { None },
+            b_key,
+            alpha_key: m.alpha_key.map(|k| self.add_text(k)),
+            bias_key: m.bias_key.map(|k| self.add_text(k)),
+            magnitude_key: m.magnitude_key.map(|k| self.add_text(k)),
+        }
     }
 
     /// Sets the expert count of every per-expert (`expert_2d`) module: the adapter's, known only
@@ -274,6 +364,7 @@ impl Modules {
         }
     }
 
+    #[inline]
     fn add_text(&mut self, s: &str) -> Span {
         let start = self.text.len();
         self.text.push_str(s);
@@ -283,6 +374,7 @@ impl Modules {
     /// `s` as a part of the text at `within`, which was copied from `source`, when it is: when `s`
     /// lies inside `source` in memory (a key is a slice of its tensor's name, a module name and leaf
     /// slices of the key), or else starts or ends it. Otherwise `s` is added.
+    #[inline(always)]
     fn place(&mut self, s: &str, source: &str, within: Option<Span>) -> Span {
         let Some(w) = within else {
             return self.add_text(s);
@@ -300,9 +392,13 @@ impl Modules {
         self.add_text(s)
     }
 
+    #[inline]
     fn add_dims(&mut self, shape: &[u64]) -> Span {
         let start = self.dims.len();
-        self.dims.extend_from_slice(shape);
+        // Shapes are short: one by one costs less than the call `extend_from_slice` makes to `memcpy`.
+        for &d in shape {
+            self.dims.push(d);
+        }
         span_of(start, shape.len())
     }
 }
