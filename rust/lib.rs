@@ -11,6 +11,7 @@ pub mod error;
 pub mod header;
 pub mod json;
 pub mod memo;
+pub mod module_table;
 pub mod names;
 pub mod open;
 pub mod remote;

@@ -16,6 +16,7 @@ use crate::classify::{Format, ModuleInfo, Modules, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
 use crate::error::Error;
 use crate::header::{self, Dtype, ReadMode};
+use crate::module_table::{self, ModuleTable, StringColumn};
 use crate::remote::{self, RemoteOptions};
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
 use crate::torch;
@@ -616,6 +617,70 @@ impl ScanResult {
         })
     }
 
+    /// `prefix`, the summary records of every successful row as `records_json` writes them (joined
+    /// by ", "), then `suffix`: `to_json()`'s whole text, made as one `str` of its final length and
+    /// written in place on the scan's threads, so that the text is held once (joining batches held
+    /// it twice; growing it by `+=` held it twice whenever the allocator moved it).
+    fn json_text<'py>(&self, py: Python<'py>, prefix: &str, suffix: &str) -> PyResult<Bound<'py, PyString>> {
+        use rayon::prelude::*;
+        const SEP: &[u8] = b", ";
+        let ok: Vec<&AdapterResult> = self.rows.iter().filter_map(|r| r.as_ref().ok()).collect();
+        // Each record is written twice: once to learn its length, once into the text.
+        let lens: Vec<usize> = py.detach(|| {
+            core_scan::with_pool(None, || {
+                ok.par_iter()
+                    .map_init(String::new, |buf, a| {
+                        buf.clear();
+                        record_json(buf, a);
+                        buf.len()
+                    })
+                    .collect()
+            })
+        });
+        let records: usize = lens.iter().sum::<usize>() + SEP.len() * lens.len().saturating_sub(1);
+        let total = prefix.len() + records + suffix.len();
+        if !prefix.is_ascii() || !suffix.is_ascii() {
+            return Err(PyValueError::new_err(
+                "json_text: prefix and suffix must be ASCII (json.dumps output)",
+            ));
+        }
+        let (text, data) = ascii_str(py, total)?;
+        // SAFETY: `data` is the `total` bytes of the str just made, which nothing else refers to
+        // until it is returned; the threads below write disjoint parts of it.
+        let out = unsafe { std::slice::from_raw_parts_mut(data, total) };
+        let (head, rest) = out.split_at_mut(prefix.len());
+        head.copy_from_slice(prefix.as_bytes());
+        let (mut body, tail) = rest.split_at_mut(records);
+        tail.copy_from_slice(suffix.as_bytes());
+        let mut parts: Vec<&mut [u8]> = Vec::with_capacity(ok.len());
+        for (i, len) in lens.iter().enumerate() {
+            let (part, more) = body.split_at_mut(len + if i > 0 { SEP.len() } else { 0 });
+            parts.push(part);
+            body = more;
+        }
+        py.detach(|| {
+            core_scan::with_pool(None, || {
+                ok.par_iter()
+                    .zip(parts)
+                    .enumerate()
+                    .for_each_init(String::new, |buf, (i, (a, part))| {
+                        buf.clear();
+                        if i > 0 {
+                            buf.push_str(", ");
+                        }
+                        record_json(buf, a);
+                        // The same record written the same way: the length cannot differ.
+                        part.copy_from_slice(buf.as_bytes());
+                    })
+            })
+        });
+        // `record_json` escapes as `ensure_ascii` does; a str of maxchar 127 must hold nothing else.
+        if !out.is_ascii() {
+            return Err(PyValueError::new_err("json_text: a record was not ASCII"));
+        }
+        Ok(text)
+    }
+
     /// The adapter table's columns, one row per adapter: numpy arrays; `(values, valid)` pairs for
     /// nullable numbers; `(codes, dictionary)` pairs for repeated strings (code -1: null); lists of
     /// `str` for unique strings.
@@ -628,8 +693,8 @@ impl ScanResult {
         let mut config_path: Vec<Option<&OsStr>> = Vec::with_capacity(n);
         let mut content_hash: Vec<Option<&str>> = Vec::with_capacity(n);
         let mut error_message: Vec<Option<String>> = Vec::with_capacity(n);
-        let mut header_size = Nullable::<u64>::with_capacity(n);
-        let mut file_size = Nullable::<u64>::with_capacity(n);
+        let mut header_size = module_table::Nullable::<u64>::with_capacity(n);
+        let mut file_size = module_table::Nullable::<u64>::with_capacity(n);
         for row in &self.rows {
             match row {
                 Ok(a) => {
@@ -661,8 +726,8 @@ impl ScanResult {
         d.set_item("base_model_name_or_path", base_model.into_py(py)?)?;
         d.set_item("weight_file", weight_file)?;
         d.set_item("config_path", config_path)?;
-        d.set_item("header_size", header_size.into_py(py)?)?;
-        d.set_item("file_size", file_size.into_py(py)?)?;
+        d.set_item("header_size", nullable_py(py, header_size)?)?;
+        d.set_item("file_size", nullable_py(py, file_size)?)?;
         d.set_item("content_hash", content_hash)?;
         d.set_item("error_code", error_code.into_py(py)?)?;
         d.set_item("error_message", error_message)?;
@@ -670,88 +735,40 @@ impl ScanResult {
     }
 
     /// The module table's columns, one row per module of every successful adapter, `row` naming
-    /// the adapter's row; encoded as in `table`.
+    /// the adapter's row; encoded as in `table`, with `scale` (`LoraModule.scale`) after `alpha`.
+    /// Built on the scan's threads with the GIL released (`rust/module_table.rs`).
     fn module_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let n: usize = self
-            .rows
-            .iter()
-            .filter_map(|r| r.as_ref().ok())
-            .map(|a| a.class.modules.len())
-            .sum();
-        let mut row = Vec::with_capacity(n);
-        let (mut name, mut key, mut leaf, mut kind, mut dtype) = Default::default();
-        let (mut a_key, mut b_key): (Interner, Interner) = Default::default();
-        let mut layer = Nullable::<u32>::with_capacity(n);
-        let mut expert = Nullable::<u32>::with_capacity(n);
-        let mut num_experts = Nullable::<u64>::with_capacity(n);
-        let mut rank = Nullable::<u64>::with_capacity(n);
-        let mut in_features = Nullable::<u64>::with_capacity(n);
-        let mut out_features = Nullable::<u64>::with_capacity(n);
-        let mut alpha = Nullable::<f64>::with_capacity(n);
-        let mut config_rank = Nullable::<u64>::with_capacity(n);
-        let mut use_rslora = Vec::with_capacity(n);
-        // Adapters that share a classification (the memo's `Arc`) have the same module rows: the
-        // first one's are copied, not interned again (on a fleet of few recipes, most of the cost).
-        let mut first: rustc_hash::FxHashMap<*const Modules, std::ops::Range<usize>> = Default::default();
-        for (i, r) in self.rows.iter().enumerate() {
-            let Ok(a) = r else { continue };
-            let start = row.len();
-            row.resize(start + a.class.modules.len(), i as u32);
-            if let Some(done) = first.get(&std::sync::Arc::as_ptr(&a.class.modules)) {
-                for codes in [
-                    &mut name, &mut key, &mut leaf, &mut kind, &mut dtype, &mut a_key, &mut b_key,
-                ] {
-                    Interner::repeat(codes, done.clone());
-                }
-                layer.repeat(done.clone());
-                expert.repeat(done.clone());
-                num_experts.repeat(done.clone());
-                rank.repeat(done.clone());
-                in_features.repeat(done.clone());
-                out_features.repeat(done.clone());
-                alpha.repeat(done.clone());
-                config_rank.repeat(done.clone());
-                use_rslora.extend_from_within(done.clone());
-                continue;
-            }
-            first.insert(std::sync::Arc::as_ptr(&a.class.modules), start..row.len());
-            for m in a.class.modules.iter() {
-                Interner::push(&mut name, Some(m.name));
-                Interner::push(&mut key, Some(m.key));
-                Interner::push(&mut leaf, Some(m.leaf));
-                Interner::push(&mut kind, Some(m.kind.name()));
-                Interner::push(&mut dtype, m.dtype.map(Dtype::name));
-                a_key.push(m.a_key);
-                b_key.push(m.b_key);
-                layer.push(m.layer);
-                expert.push(m.expert);
-                num_experts.push(m.num_experts);
-                rank.push(m.rank);
-                in_features.push(m.in_features);
-                out_features.push(m.out_features);
-                alpha.push(m.alpha);
-                config_rank.push(m.config_rank);
-                use_rslora.push(m.use_rslora);
-            }
-        }
+        let t = py.detach(|| core_scan::with_pool(None, || ModuleTable::build(&self.rows)));
+        let [name, key, leaf, kind, dtype, a_key, b_key] = t.strings;
+        let [num_experts, rank, in_features, out_features, config_rank] = t.numbers;
+        let strings = |c: StringColumn<'_>| -> PyResult<Bound<'py, PyTuple>> {
+            PyTuple::new(
+                py,
+                [
+                    c.codes.into_pyarray(py).into_any(),
+                    PyList::new(py, c.names)?.into_any(),
+                ],
+            )
+        };
         let d = PyDict::new(py);
-        d.set_item("row", row.into_pyarray(py))?;
-        d.set_item("name", Interner::into_py(name, py)?)?;
-        d.set_item("key", Interner::into_py(key, py)?)?;
-        d.set_item("leaf", Interner::into_py(leaf, py)?)?;
-        d.set_item("kind", Interner::into_py(kind, py)?)?;
-        d.set_item("layer", layer.into_py(py)?)?;
-        d.set_item("expert", expert.into_py(py)?)?;
-        d.set_item("num_experts", num_experts.into_py(py)?)?;
-        d.set_item("rank", rank.into_py(py)?)?;
-        d.set_item("in_features", in_features.into_py(py)?)?;
-        d.set_item("out_features", out_features.into_py(py)?)?;
-        d.set_item("dtype", Interner::into_py(dtype, py)?)?;
-        d.set_item("alpha", alpha.into_py(py)?)?;
-        d.set_item("config_rank", config_rank.into_py(py)?)?;
-        d.set_item("use_rslora", use_rslora.into_pyarray(py))?;
-        d.set_item("a_key", a_key.into_py(py)?)?;
-        d.set_item("b_key", b_key.into_py(py)?)?;
+        d.set_item("row", t.row.into_pyarray(py))?;
+        d.set_item("name", strings(name)?)?;
+        d.set_item("key", strings(key)?)?;
+        d.set_item("leaf", strings(leaf)?)?;
+        d.set_item("kind", strings(kind)?)?;
+        d.set_item("layer", nullable_py(py, t.layer)?)?;
+        d.set_item("expert", nullable_py(py, t.expert)?)?;
+        d.set_item("num_experts", nullable_py(py, num_experts)?)?;
+        d.set_item("rank", nullable_py(py, rank)?)?;
+        d.set_item("in_features", nullable_py(py, in_features)?)?;
+        d.set_item("out_features", nullable_py(py, out_features)?)?;
+        d.set_item("dtype", strings(dtype)?)?;
+        d.set_item("alpha", nullable_py(py, t.alpha)?)?;
+        d.set_item("scale", t.scale.into_pyarray(py))?;
+        d.set_item("config_rank", nullable_py(py, config_rank)?)?;
+        d.set_item("use_rslora", t.use_rslora.into_pyarray(py))?;
+        d.set_item("a_key", strings(a_key)?)?;
+        d.set_item("b_key", strings(b_key)?)?;
         Ok(d)
     }
 
@@ -960,11 +977,6 @@ impl Interner {
         self.codes.push(code);
     }
 
-    /// Appends a copy of the codes at `range`.
-    fn repeat(&mut self, range: std::ops::Range<usize>) {
-        self.codes.extend_from_within(range);
-    }
-
     fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         PyTuple::new(
             py,
@@ -976,40 +988,41 @@ impl Interner {
     }
 }
 
-/// A nullable number column: values (0 where null) and a validity mask.
-struct Nullable<T> {
-    values: Vec<T>,
-    valid: Vec<bool>,
+/// A new `str` of `len` ASCII characters, not yet written, and its bytes.
+///
+/// `PyUnicode_New` is the one way to make a `str` and then write it: CPython's own encoders,
+/// `json.dumps` among them, do so. It is not in the limited API this module is built against (abi3),
+/// but every CPython since 3.3 exports it unchanged; `PyUnicode_AsUTF8AndSize` (limited API) gives
+/// the bytes of an ASCII `str` without copying them.
+fn ascii_str(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyString>, *mut u8)> {
+    extern "C" {
+        fn PyUnicode_New(size: pyo3::ffi::Py_ssize_t, maxchar: pyo3::ffi::Py_UCS4) -> *mut pyo3::ffi::PyObject;
+    }
+    let size = pyo3::ffi::Py_ssize_t::try_from(len).map_err(|_| PyValueError::new_err("text too long"))?;
+    // SAFETY: called with the GIL held; a NULL result is the raised MemoryError.
+    let obj = unsafe { Bound::from_owned_ptr_or_err(py, PyUnicode_New(size, 127))? };
+    let text = obj.cast_into::<PyString>()?;
+    let mut got: pyo3::ffi::Py_ssize_t = 0;
+    // SAFETY: `text` is a live str; for an ASCII str this returns its own buffer.
+    let data = unsafe { pyo3::ffi::PyUnicode_AsUTF8AndSize(text.as_ptr(), &mut got) };
+    if data.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    if got != size {
+        return Err(PyValueError::new_err("json_text: the new str has the wrong length"));
+    }
+    Ok((text, data.cast_mut().cast()))
 }
 
-impl<T: numpy::Element + Default + Copy> Nullable<T> {
-    fn with_capacity(n: usize) -> Self {
-        Nullable {
-            values: Vec::with_capacity(n),
-            valid: Vec::with_capacity(n),
-        }
-    }
-
-    fn push(&mut self, v: Option<T>) {
-        self.values.push(v.unwrap_or_default());
-        self.valid.push(v.is_some());
-    }
-
-    /// Appends a copy of the values at `range`.
-    fn repeat(&mut self, range: std::ops::Range<usize>) {
-        self.values.extend_from_within(range.clone());
-        self.valid.extend_from_within(range);
-    }
-
-    fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
-        PyTuple::new(
-            py,
-            [
-                self.values.into_pyarray(py).into_any(),
-                self.valid.into_pyarray(py).into_any(),
-            ],
-        )
-    }
+/// A nullable column as `(values, valid)`.
+fn nullable_py<T: numpy::Element>(py: Python<'_>, c: module_table::Nullable<T>) -> PyResult<Bound<'_, PyTuple>> {
+    PyTuple::new(
+        py,
+        [
+            c.values.into_pyarray(py).into_any(),
+            c.valid.into_pyarray(py).into_any(),
+        ],
+    )
 }
 
 /// Rows in discovery order: failed discoveries in place, loaded targets between them.

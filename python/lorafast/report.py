@@ -67,26 +67,12 @@ def module_columns(report: ScanReport) -> dict[str, Column]:
     raw = report._result.module_table()
     out: dict[str, Column] = {}
     for name, value in raw.items():
-        if name == "row" or name == "use_rslora":
+        if not isinstance(value, tuple):  # row, scale (`LoraModule.scale`, computed by the core), use_rslora
             out[name] = ("num", value)
         elif isinstance(value[1], list):
             out[name] = ("dict", *value)
         else:
             out[name] = ("nullable", *value)
-        if name == "alpha":
-            out["scale"] = ("num", _scale(raw))
-    return out
-
-
-def _scale(raw: dict[str, Any]) -> np.ndarray:
-    """`LoraModule.scale` for every module: alpha / r (alpha / sqrt(r) with rsLoRA), 1.0 when alpha is unknown."""
-    alpha, alpha_ok = raw["alpha"]
-    rank, rank_ok = raw["rank"]
-    rank_f = rank.astype(np.float64)
-    known = alpha_ok & rank_ok & (rank > 0)
-    denom = np.where(raw["use_rslora"], np.sqrt(rank_f), rank_f)
-    out = np.ones(len(alpha), dtype=np.float64)
-    np.divide(alpha, denom, out=out, where=known)
     return out
 
 
@@ -260,8 +246,9 @@ def to_parquet(report: ScanReport, path: str, modules_path: str | None = None) -
 #: held twice while it crosses (the core's buffer and the str): 20,000 small adapters streamed added 0.28x-0.31x
 #: the columns at 1,024 a batch and 0.15x-0.19x at 256 (eight runs each), in the same time.
 JSON_BATCH = 256
-#: The same when the text is returned: there 1,024 gave 1.93x-1.98x the columns and 256 gave 2.13x-3.62x (eight
-#: runs each). Growing the text, glibc moved it more often among the smaller batches' freed blocks.
+#: The same when the text is returned by pieces (indented, or from a merged distributed result): there 1,024 gave
+#: 1.93x-1.98x the columns and 256 gave 2.13x-3.62x (eight runs each). Growing the text, glibc moved it more often
+#: among the smaller batches' freed blocks. The compact text of a scan's own result is written whole by the core.
 JSON_TEXT_BATCH = 1024
 
 
@@ -289,12 +276,20 @@ def _records_text(report: ScanReport, size: int) -> Iterator[str]:
             yield text
 
 
+def _errors(report: ScanReport) -> list[dict[str, str]]:
+    return [{"path": p, "code": c, "message": m} for p, c, m in report.errors]
+
+
+def _compact_head(report: ScanReport) -> str:
+    """The compact text up to the adapters: `{"summary": ..., "errors": [...]`."""
+    return '{"summary": ' + json.dumps(report.summary()) + ', "errors": ' + json.dumps(_errors(report))
+
+
 def json_chunks(report: ScanReport, indent: int | str | None, records: bool, size: int) -> Iterator[str]:
     """Exactly `json.dumps({"summary", "errors"[, "adapters"]}, indent=indent)` in pieces, the adapters `size` at
     a time, so the whole text is never held."""
-    errors = [{"path": p, "code": c, "message": m} for p, c, m in report.errors]
     if indent is None:
-        yield '{"summary": ' + json.dumps(report.summary()) + ', "errors": ' + json.dumps(errors)
+        yield _compact_head(report)
         if records:
             yield ', "adapters": ['
             first = True
@@ -312,7 +307,7 @@ def json_chunks(report: ScanReport, indent: int | str | None, records: bool, siz
         return json.dumps(value, indent=indent).replace("\n", "\n" + step * level)
 
     yield "{\n" + step + '"summary": ' + nested(report.summary(), 1)
-    yield ",\n" + step + '"errors": ' + nested(errors, 1)
+    yield ",\n" + step + '"errors": ' + nested(_errors(report), 1)
     if records:
         yield ",\n" + step + '"adapters": ['
         first = True
@@ -325,9 +320,13 @@ def json_chunks(report: ScanReport, indent: int | str | None, records: bool, siz
 
 
 def json_text(report: ScanReport, indent: int | str | None, records: bool) -> str:
+    result = report._result
+    if indent is None and records and hasattr(result, "json_text"):
+        # The core makes the str at its final length and writes the records into it: the text is held once.
+        return str(result.json_text(_compact_head(report) + ', "adapters": [', "]}"))
     # `text += chunk` on a str nothing else refers to grows it in place in CPython (a realloc, no copy), so the
-    # text is held once; joining a list of the chunks held it twice (20,000 small adapters: 20.6 -> 13.2 MB
-    # added for a 9.8 MB text). An io.StringIO copies its buffer again in getvalue().
+    # text is held once unless the allocator moves it; joining a list of the chunks held it twice (20,000 small
+    # adapters: 20.6 -> 13.2 MB added for a 9.8 MB text). An io.StringIO copies its buffer again in getvalue().
     text = ""
     for chunk in json_chunks(report, indent, records, JSON_TEXT_BATCH):
         text += chunk
