@@ -738,35 +738,47 @@ impl ScanResult {
     /// the adapter's row; encoded as in `table`, with `scale` (`LoraModule.scale`) after `alpha`.
     /// Built on the scan's threads with the GIL released (`rust/module_table.rs`).
     fn module_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let t = py.detach(|| core_scan::with_pool(None, || ModuleTable::build(&self.rows)));
-        let [name, key, leaf, kind, dtype, a_key, b_key] = t.strings;
-        let [num_experts, rank, in_features, out_features, config_rank] = t.numbers;
+        let t = py
+            .detach(|| core_scan::with_pool(None, || ModuleTable::build(&self.rows)))
+            .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(format!("module table: {e}")))?;
+        let ModuleTable {
+            arena,
+            row,
+            strings,
+            layer,
+            expert,
+            numbers,
+            alpha,
+            scale,
+            use_rslora,
+        } = t;
+        let [name, key, leaf, kind, dtype, a_key, b_key] = strings;
+        let [num_experts, rank, in_features, out_features, config_rank] = numbers;
+        // Every column is a numpy view of the one arena, which lives as long as any of them.
+        let owner = Bound::new(py, ColumnMemory(arena))?;
         let strings = |c: StringColumn<'_>| -> PyResult<Bound<'py, PyTuple>> {
             PyTuple::new(
                 py,
-                [
-                    c.codes.into_pyarray(py).into_any(),
-                    PyList::new(py, c.names)?.into_any(),
-                ],
+                [arena_column(&owner, &c.codes), PyList::new(py, c.names)?.into_any()],
             )
         };
         let d = PyDict::new(py);
-        d.set_item("row", t.row.into_pyarray(py))?;
+        d.set_item("row", arena_column(&owner, &row))?;
         d.set_item("name", strings(name)?)?;
         d.set_item("key", strings(key)?)?;
         d.set_item("leaf", strings(leaf)?)?;
         d.set_item("kind", strings(kind)?)?;
-        d.set_item("layer", nullable_py(py, t.layer)?)?;
-        d.set_item("expert", nullable_py(py, t.expert)?)?;
-        d.set_item("num_experts", nullable_py(py, num_experts)?)?;
-        d.set_item("rank", nullable_py(py, rank)?)?;
-        d.set_item("in_features", nullable_py(py, in_features)?)?;
-        d.set_item("out_features", nullable_py(py, out_features)?)?;
+        d.set_item("layer", arena_nullable(&owner, &layer)?)?;
+        d.set_item("expert", arena_nullable(&owner, &expert)?)?;
+        d.set_item("num_experts", arena_nullable(&owner, &num_experts)?)?;
+        d.set_item("rank", arena_nullable(&owner, &rank)?)?;
+        d.set_item("in_features", arena_nullable(&owner, &in_features)?)?;
+        d.set_item("out_features", arena_nullable(&owner, &out_features)?)?;
         d.set_item("dtype", strings(dtype)?)?;
-        d.set_item("alpha", nullable_py(py, t.alpha)?)?;
-        d.set_item("scale", t.scale.into_pyarray(py))?;
-        d.set_item("config_rank", nullable_py(py, config_rank)?)?;
-        d.set_item("use_rslora", t.use_rslora.into_pyarray(py))?;
+        d.set_item("alpha", arena_nullable(&owner, &alpha)?)?;
+        d.set_item("scale", arena_column(&owner, &scale))?;
+        d.set_item("config_rank", arena_nullable(&owner, &config_rank)?)?;
+        d.set_item("use_rslora", arena_column(&owner, &use_rslora))?;
         d.set_item("a_key", strings(a_key)?)?;
         d.set_item("b_key", strings(b_key)?)?;
         Ok(d)
@@ -1012,6 +1024,32 @@ fn ascii_str(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyString>, *mut 
         return Err(PyValueError::new_err("json_text: the new str has the wrong length"));
     }
     Ok((text, data.cast_mut().cast()))
+}
+
+/// The memory of a module table's columns, which its numpy arrays view.
+#[pyclass(frozen)]
+struct ColumnMemory(module_table::Arena);
+
+/// A numpy view of one of the arena's columns, which keeps the arena alive.
+fn arena_column<'py, T: numpy::Element + module_table::Plain>(
+    owner: &Bound<'py, ColumnMemory>,
+    column: &module_table::Column<T>,
+) -> Bound<'py, PyAny> {
+    let rows = numpy::ndarray::ArrayView1::from(owner.get().0.get(column));
+    // SAFETY: the rows are in the arena, which `owner` holds and never changes or moves (a
+    // mapping), for as long as the array refers to `owner`.
+    unsafe { numpy::PyArray1::borrow_from_array(&rows, owner.clone().into_any()) }.into_any()
+}
+
+/// A nullable column of the arena as `(values, valid)`.
+fn arena_nullable<'py, T: numpy::Element + module_table::Plain>(
+    owner: &Bound<'py, ColumnMemory>,
+    column: &module_table::NullableColumn<T>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    PyTuple::new(
+        owner.py(),
+        [arena_column(owner, &column.values), arena_column(owner, &column.valid)],
+    )
 }
 
 /// A nullable column as `(values, valid)`.

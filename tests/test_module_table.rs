@@ -100,19 +100,35 @@ fn expected(rows: &[Result<AdapterResult, _core::error::Error>]) -> Vec<Row> {
 }
 
 fn decoded(t: &ModuleTable<'_>) -> Vec<Row> {
-    let string = |c: &StringColumn<'_>, i: usize| (c.codes[i] >= 0).then(|| c.names[c.codes[i] as usize].to_string());
-    (0..t.row.len())
+    let string = |c: &StringColumn<'_>, i: usize| {
+        let code = t.get(&c.codes)[i];
+        (code >= 0).then(|| c.names[code as usize].to_string())
+    };
+    let opt = |values: f64, valid: bool| valid.then_some(values);
+    let (layer, layer_ok) = (t.get(&t.layer.values), t.get(&t.layer.valid));
+    let (expert, expert_ok) = (t.get(&t.expert.values), t.get(&t.expert.valid));
+    let (alpha, alpha_ok) = (t.get(&t.alpha.values), t.get(&t.alpha.valid));
+    (0..t.len())
         .map(|i| {
-            let opt = |values: f64, valid: bool| valid.then_some(values);
             let mut numbers = vec![
-                opt(f64::from(t.layer.values[i]), t.layer.valid[i]),
-                opt(f64::from(t.expert.values[i]), t.expert.valid[i]),
+                opt(f64::from(layer[i]), layer_ok[i]),
+                opt(f64::from(expert[i]), expert_ok[i]),
             ];
             // The table's order is num_experts, rank, in_features, out_features, config_rank.
-            numbers.extend(t.numbers.iter().map(|c| opt(c.values[i] as f64, c.valid[i])));
-            numbers.push(opt(t.alpha.values[i], t.alpha.valid[i]));
+            numbers.extend(
+                t.numbers
+                    .iter()
+                    .map(|c| opt(t.get(&c.values)[i] as f64, t.get(&c.valid)[i])),
+            );
+            numbers.push(opt(alpha[i], alpha_ok[i]));
             let strings = std::array::from_fn(|k| string(&t.strings[k], i));
-            (t.row[i], strings, numbers, t.scale[i], t.use_rslora[i])
+            (
+                t.get(&t.row)[i],
+                strings,
+                numbers,
+                t.get(&t.scale)[i],
+                t.get(&t.use_rslora)[i],
+            )
         })
         .collect()
 }
@@ -139,22 +155,24 @@ fn module_table_equals_a_serial_walk_on_any_number_of_threads() {
     let mut tables = Vec::new();
     for threads in [1, 2, 5] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        let table = pool.install(|| ModuleTable::build(&rows));
+        let table = pool.install(|| ModuleTable::build(&rows)).unwrap();
         assert_eq!(decoded(&table), want, "{threads} threads");
         // Dictionaries in first-appearance order: each code is at most one more than any before it.
         for col in &table.strings {
             let mut next = 0;
-            for &c in &col.codes {
+            for &c in table.get(&col.codes) {
                 assert!(c < next + 1, "code {c} before {next}");
                 next = next.max(c + 1);
             }
             assert_eq!(next as usize, col.names.len());
         }
-        tables.push(
-            table
-                .strings
-                .map(|c| (c.codes, c.names.iter().map(|s| s.to_string()).collect::<Vec<_>>())),
-        );
+        let strings = table.strings.each_ref().map(|c| {
+            (
+                table.get(&c.codes).to_vec(),
+                c.names.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            )
+        });
+        tables.push(strings);
     }
     assert!(
         tables.windows(2).all(|w| w[0] == w[1]),
@@ -166,7 +184,10 @@ fn module_table_equals_a_serial_walk_on_any_number_of_threads() {
 #[test]
 fn module_table_of_no_modules_is_empty() {
     let rows: Vec<Result<AdapterResult, _core::error::Error>> = Vec::new();
-    let table = ModuleTable::build(&rows);
-    assert!(table.row.is_empty() && table.scale.is_empty());
-    assert!(table.strings.iter().all(|c| c.codes.is_empty() && c.names.is_empty()));
+    let table = ModuleTable::build(&rows).unwrap();
+    assert!(table.is_empty() && table.get(&table.scale).is_empty());
+    assert!(table
+        .strings
+        .iter()
+        .all(|c| table.get(&c.codes).is_empty() && c.names.is_empty()));
 }

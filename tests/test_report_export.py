@@ -265,6 +265,24 @@ def test_arrow_tables_match_the_columns_and_the_adapters(fleet):
         assert g == w  # `scale` too: the core divides as `LoraModule.scale` does
 
 
+def test_module_columns_outlive_the_report(fleet):
+    """The module table's numpy columns are views of one block of memory the core made; they keep it alive after
+    the report, the result and every other column are gone."""
+    import gc
+
+    report = lorafast.scan([fleet], threads=2)
+    raw = report._result.module_table()
+    copies = {n: tuple(np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in v)
+              if isinstance(v, tuple) else np.array(v, copy=True) for n, v in raw.items()}  # fmt: skip
+    rank_values = raw["rank"][0]
+    del report, raw
+    gc.collect()
+    for _ in range(3):  # new allocations that would reuse freed memory
+        lorafast.scan([fleet], threads=2)._result.module_table()
+    assert len(rank_values) > 1000
+    assert np.array_equal(rank_values, copies["rank"][0])
+
+
 def test_pandas_and_polars_equal_arrow(fleet):
     pytest.importorskip("pyarrow")
     report = lorafast.scan([fleet], threads=2)
