@@ -741,21 +741,10 @@ impl ScanResult {
         let t = py
             .detach(|| core_scan::with_pool(None, || ModuleTable::build(&self.rows)))
             .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(format!("module table: {e}")))?;
-        let ModuleTable {
-            arena,
-            row,
-            strings,
-            layer,
-            expert,
-            numbers,
-            alpha,
-            scale,
-            use_rslora,
-        } = t;
-        let [name, key, leaf, kind, dtype, a_key, b_key] = strings;
-        let [num_experts, rank, in_features, out_features, config_rank] = numbers;
+        let [name, key, leaf, kind, dtype, a_key, b_key] = t.strings;
+        let [num_experts, rank, in_features, out_features, config_rank] = t.numbers;
         // Every column is a numpy view of the one arena, which lives as long as any of them.
-        let owner = Bound::new(py, ColumnMemory(arena))?;
+        let owner = Bound::new(py, ColumnMemory(t.arena))?;
         let strings = |c: StringColumn<'_>| -> PyResult<Bound<'py, PyTuple>> {
             PyTuple::new(
                 py,
@@ -763,22 +752,22 @@ impl ScanResult {
             )
         };
         let d = PyDict::new(py);
-        d.set_item("row", arena_column(&owner, &row))?;
+        d.set_item("row", arena_column(&owner, &t.row))?;
         d.set_item("name", strings(name)?)?;
         d.set_item("key", strings(key)?)?;
         d.set_item("leaf", strings(leaf)?)?;
         d.set_item("kind", strings(kind)?)?;
-        d.set_item("layer", arena_nullable(&owner, &layer)?)?;
-        d.set_item("expert", arena_nullable(&owner, &expert)?)?;
+        d.set_item("layer", arena_nullable(&owner, &t.layer)?)?;
+        d.set_item("expert", arena_nullable(&owner, &t.expert)?)?;
         d.set_item("num_experts", arena_nullable(&owner, &num_experts)?)?;
         d.set_item("rank", arena_nullable(&owner, &rank)?)?;
         d.set_item("in_features", arena_nullable(&owner, &in_features)?)?;
         d.set_item("out_features", arena_nullable(&owner, &out_features)?)?;
         d.set_item("dtype", strings(dtype)?)?;
-        d.set_item("alpha", arena_nullable(&owner, &alpha)?)?;
-        d.set_item("scale", arena_column(&owner, &scale))?;
+        d.set_item("alpha", arena_nullable(&owner, &t.alpha)?)?;
+        d.set_item("scale", arena_column(&owner, &t.scale))?;
         d.set_item("config_rank", arena_nullable(&owner, &config_rank)?)?;
-        d.set_item("use_rslora", arena_column(&owner, &use_rslora))?;
+        d.set_item("use_rslora", arena_column(&owner, &t.use_rslora))?;
         d.set_item("a_key", strings(a_key)?)?;
         d.set_item("b_key", strings(b_key)?)?;
         Ok(d)
