@@ -135,6 +135,22 @@ class _WithoutObjects:
         return getattr(self._result, name)
 
 
+def test_iteration_does_not_hold_the_adapters_it_handed_over(fleet):
+    """An adapter the caller drops dies at once with its modules (by reference count, no collection): the batch it
+    came from does not keep it, so a loop over a large report leaves no module objects for the collector."""
+    import weakref
+
+    report = lorafast.scan([fleet], threads=2)
+    it = iter(report)
+    first = next(it)
+    while not first.modules:
+        first = next(it)
+    refs = [weakref.ref(first), weakref.ref(first.modules[0])]
+    del first
+    next(it)
+    assert [r() for r in refs] == [None, None]
+
+
 def test_iteration_from_dicts_equals_iteration_from_objects(fleet):
     report = lorafast.scan([fleet], threads=2)
     plain = lorafast.ScanReport(_WithoutObjects(report._result))

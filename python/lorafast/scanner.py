@@ -228,7 +228,12 @@ class ScanReport:
                 adapters, configs = build(start, stop, _ADAPTER_TYPES)
                 for i, text in configs:
                     adapters[i].__dict__.update(_config_fields(text, adapters[i].config_path))
-                yield from adapters
+                # Handed over, not held: an adapter the caller drops dies with its modules, young. Kept in the
+                # batch, a batch's modules (16,000 on a dense fleet) outlived the young collections and
+                # triggered full ones, over every object of the process (pandas' included).
+                adapters.reverse()
+                while adapters:
+                    yield adapters.pop()
             start = stop
 
     def columns(self) -> dict[str, np.ndarray]:
