@@ -683,8 +683,9 @@ impl ScanResult {
 
     /// The adapter table's columns, one row per adapter: numpy arrays; `(values, valid)` pairs for
     /// nullable numbers; `(codes, dictionary)` pairs for repeated strings (code -1: null); lists of
-    /// `str` for unique strings.
-    fn table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// `str` for unique strings, left out without `strings` (`string_buffers` gives them).
+    #[pyo3(signature = (strings = true))]
+    fn table<'py>(&self, py: Python<'py>, strings: bool) -> PyResult<Bound<'py, PyDict>> {
         let n = self.rows.len();
         let mut peft_type = Interner::default();
         let mut base_model = Interner::default();
@@ -724,14 +725,59 @@ impl ScanResult {
         let d = PyDict::new(py);
         d.set_item("peft_type", peft_type.into_py(py)?)?;
         d.set_item("base_model_name_or_path", base_model.into_py(py)?)?;
-        d.set_item("weight_file", weight_file)?;
-        d.set_item("config_path", config_path)?;
         d.set_item("header_size", nullable_py(py, header_size)?)?;
         d.set_item("file_size", nullable_py(py, file_size)?)?;
-        d.set_item("content_hash", content_hash)?;
         d.set_item("error_code", error_code.into_py(py)?)?;
-        d.set_item("error_message", error_message)?;
+        if strings {
+            d.set_item("weight_file", weight_file)?;
+            d.set_item("config_path", config_path)?;
+            d.set_item("content_hash", content_hash)?;
+            d.set_item("error_message", error_message)?;
+        }
         Ok(d)
+    }
+
+    /// One string column of the adapter table (`path`, `weight_file`, `config_path`,
+    /// `content_hash`, `error_message`) as Arrow's utf8 buffers: (int32 offsets, bytes, valid), no
+    /// `str` per row. Bytes of a path that are not UTF-8 are written `\xNN`, as
+    /// `os.fsdecode(p).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")` gives
+    /// them, since Arrow strings are UTF-8. None past 2 GiB of text (int32 offsets).
+    fn string_buffers<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let n = self.rows.len();
+        let mut offsets: Vec<i32> = Vec::with_capacity(n + 1);
+        let mut data: Vec<u8> = Vec::new();
+        let mut valid: Vec<bool> = Vec::with_capacity(n);
+        offsets.push(0);
+        let mut detail: String;
+        for row in &self.rows {
+            let value: Option<&[u8]> = match (name, row) {
+                ("path", Ok(a)) => Some(a.target.path.as_os_str().as_bytes()),
+                ("path", Err(e)) => Some(e.path().as_os_str().as_bytes()),
+                ("weight_file", Ok(a)) => Some(a.target.weights.as_os_str().as_bytes()),
+                ("config_path", Ok(a)) => a.target.config.as_ref().map(|p| p.as_os_str().as_bytes()),
+                ("content_hash", Ok(a)) => a.content_hash.as_deref().map(str::as_bytes),
+                ("error_message", Err(e)) => {
+                    detail = e.detail();
+                    Some(detail.as_bytes())
+                }
+                ("weight_file" | "config_path" | "content_hash", Err(_)) | ("error_message", Ok(_)) => None,
+                _ => return Err(PyValueError::new_err(format!("no string column {name:?}"))),
+            };
+            if let Some(bytes) = value {
+                push_utf8_escaped(&mut data, bytes);
+            }
+            valid.push(value.is_some());
+            let Ok(end) = i32::try_from(data.len()) else {
+                return Ok(None);
+            };
+            offsets.push(end);
+        }
+        let columns = [
+            offsets.into_pyarray(py).into_any(),
+            data.into_pyarray(py).into_any(),
+            valid.into_pyarray(py).into_any(),
+        ];
+        Ok(Some(PyTuple::new(py, columns)?))
     }
 
     /// The module table's columns, one row per module of every successful adapter, `row` naming
@@ -986,6 +1032,16 @@ impl Interner {
                 PyList::new(py, self.names)?.into_any(),
             ],
         )
+    }
+}
+
+/// `bytes` as UTF-8, each byte of an invalid sequence written as `\xNN` (Python's backslashreplace).
+fn push_utf8_escaped(out: &mut Vec<u8>, bytes: &[u8]) {
+    for chunk in bytes.utf8_chunks() {
+        out.extend_from_slice(chunk.valid().as_bytes());
+        for b in chunk.invalid() {
+            out.extend_from_slice(format!("\\x{b:02x}").as_bytes());
+        }
     }
 }
 

@@ -341,6 +341,29 @@ def test_non_utf8_paths_in_tables(tmp_path):
     assert report.to_json() == reference_json(report, None, True)
 
 
+@pytest.mark.parametrize("content_hash", [False, True])
+def test_arrow_string_columns_made_by_the_core_equal_the_lists(tmp_path, content_hash):
+    """The Arrow string columns come from the core's buffers, not lists of str: the same values, nulls where the
+    lists have None, and non-UTF-8 bytes of paths as `\\xNN`, as `_utf8` writes them."""
+    pytest.importorskip("pyarrow")
+    from lorafast.report import STRING_COLUMNS, _utf8
+
+    tensors = {"lora_unet_x.lora_down.weight": ("F16", (4, 8)), "lora_unet_x.lora_up.weight": ("F16", (8, 4))}
+    for name in ["plain", "ünï☃de 🎉", os.fsdecode(b"raw-\xff\xfe"), os.fsdecode(b"cut-\xe2\x82")]:
+        write_safetensors(str(tmp_path / f"{name}.safetensors"), tensors)
+    peft(tmp_path / os.fsdecode(b"peft-\xff"), r=4)
+    (tmp_path / os.fsdecode(b"bad-\xfe.safetensors")).write_bytes(b"\x01")
+    report = lorafast.scan([tmp_path], content_hash=content_hash)
+    assert len(report) == 6 and len(report.errors) == 1
+    lists = {"path": report.paths, **report._result.table()}
+    table = report.to_arrow()
+    for name in STRING_COLUMNS:
+        assert table[name].to_pylist() == _utf8(lists[name]), name
+        assert table[name].null_count == lists[name].count(None)
+    assert any(p.endswith("raw-\\xff\\xfe.safetensors") for p in table["path"].to_pylist())
+    assert table["content_hash"].null_count == (1 if content_hash else 6)
+
+
 def test_empty_tables(tmp_path):
     pytest.importorskip("pyarrow")
     report = lorafast.scan([tmp_path])
