@@ -10,7 +10,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::classify::{Format, ModuleInfo, Modules, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
@@ -738,16 +738,18 @@ impl ScanResult {
     }
 
     /// One string column of the adapter table (`path`, `weight_file`, `config_path`,
-    /// `content_hash`, `error_message`) as Arrow's utf8 buffers: (int32 offsets, bytes, valid), no
-    /// `str` per row. Bytes of a path that are not UTF-8 are written `\xNN`, as
+    /// `content_hash`, `error_message`) as Arrow's utf8 buffers: (int32 offsets, bytes, valid,
+    /// escaped), no `str` per row. Bytes of a path that are not UTF-8 are written `\xNN`, as
     /// `os.fsdecode(p).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")` gives
-    /// them, since Arrow strings are UTF-8. None past 2 GiB of text (int32 offsets).
+    /// them, since Arrow strings are UTF-8; `escaped` says whether any was. None past 2 GiB of
+    /// text (int32 offsets).
     fn string_buffers<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let n = self.rows.len();
         let mut offsets: Vec<i32> = Vec::with_capacity(n + 1);
         let mut data: Vec<u8> = Vec::new();
         let mut valid: Vec<bool> = Vec::with_capacity(n);
         offsets.push(0);
+        let mut escaped = false;
         let mut detail: String;
         for row in &self.rows {
             let value: Option<&[u8]> = match (name, row) {
@@ -764,7 +766,7 @@ impl ScanResult {
                 _ => return Err(PyValueError::new_err(format!("no string column {name:?}"))),
             };
             if let Some(bytes) = value {
-                push_utf8_escaped(&mut data, bytes);
+                escaped |= push_utf8_escaped(&mut data, bytes);
             }
             valid.push(value.is_some());
             let Ok(end) = i32::try_from(data.len()) else {
@@ -776,6 +778,7 @@ impl ScanResult {
             offsets.into_pyarray(py).into_any(),
             data.into_pyarray(py).into_any(),
             valid.into_pyarray(py).into_any(),
+            PyBool::new(py, escaped).to_owned().into_any(),
         ];
         Ok(Some(PyTuple::new(py, columns)?))
     }
@@ -1035,14 +1038,18 @@ impl Interner {
     }
 }
 
-/// `bytes` as UTF-8, each byte of an invalid sequence written as `\xNN` (Python's backslashreplace).
-fn push_utf8_escaped(out: &mut Vec<u8>, bytes: &[u8]) {
+/// `bytes` as UTF-8, each byte of an invalid sequence written as `\xNN` (Python's backslashreplace);
+/// whether there was one.
+fn push_utf8_escaped(out: &mut Vec<u8>, bytes: &[u8]) -> bool {
+    let mut escaped = false;
     for chunk in bytes.utf8_chunks() {
         out.extend_from_slice(chunk.valid().as_bytes());
         for b in chunk.invalid() {
             out.extend_from_slice(format!("\\x{b:02x}").as_bytes());
+            escaped = true;
         }
     }
+    escaped
 }
 
 /// A new `str` of `len` ASCII characters, not yet written, and its bytes.

@@ -362,6 +362,19 @@ def test_arrow_string_columns_made_by_the_core_equal_the_lists(tmp_path, content
         assert table[name].null_count == lists[name].count(None)
     assert any(p.endswith("raw-\\xff\\xfe.safetensors") for p in table["path"].to_pylist())
     assert table["content_hash"].null_count == (1 if content_hash else 6)
+    # pandas: the dtype and values pandas gives each list, from the buffers where no byte needed an escape; a
+    # column with a path that is not UTF-8 (which pandas' own inference raises on) is object, its str as
+    # `os.fsdecode` gives them.
+    pd = pytest.importorskip("pandas")
+    df = report.to_pandas()
+    for name in STRING_COLUMNS:
+        try:
+            want = pd.Series(lists[name], name=name)
+        except UnicodeEncodeError:
+            want = pd.Series(lists[name], name=name, dtype=object)
+        pd.testing.assert_series_equal(df[name], want)
+        assert list(df[name]) == list(want)
+    assert df["path"].dtype == object and df["error_message"].dtype == pd.Series(["a"]).dtype
 
 
 def test_empty_tables(tmp_path):

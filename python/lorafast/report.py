@@ -19,10 +19,14 @@ if TYPE_CHECKING:
     from .scanner import ScanReport
 
 Table = Literal["adapters", "modules"]
+#: How string columns come: lists of str (None), Arrow buffers ("arrow"), or buffers where no escape was needed
+#: ("exact").
+Utf8 = Literal[None, "arrow", "exact"]
 
 #: A column before conversion: ("num", values) | ("nullable", values, valid) | ("dict", codes, names)
-#: | ("str", list of str or None) | ("utf8", offsets, bytes, valid): Arrow's buffers of a string column, made by
-#: the core. Dictionary code -1 and valid False are nulls.
+#: | ("str", list of str or None) | ("utf8", offsets, bytes, valid, escaped): Arrow's buffers of a string column,
+#: made by the core (`escaped`: a path's bytes that are not UTF-8 are written `\xNN`). Dictionary code -1 and valid
+#: False are nulls.
 Column = tuple[Any, ...]
 
 STATUS_NAMES = ("ok", "problems", "error")
@@ -32,9 +36,10 @@ STATUS_NAMES = ("ok", "problems", "error")
 STRING_COLUMNS = ("path", "weight_file", "config_path", "content_hash", "error_message")
 
 
-def adapter_columns(report: ScanReport, utf8: bool = False) -> dict[str, Column]:
+def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> dict[str, Column]:
     """`utf8`: the string columns as Arrow's buffers where the core makes them, rather than lists of str (20,000
-    small adapters: a list of paths is 2.6 MB of str objects for 1.4 MB of text)."""
+    small adapters: a list of paths is 2.6 MB of str objects for 1.4 MB of text); with "exact", only a column that
+    needed no escape (a path that is not UTF-8 stays a str of `os.fsdecode`, in a list)."""
     from .scanner import FLAGS, FORMATS, MOE_LAYOUTS
 
     cols = report.columns()
@@ -43,7 +48,7 @@ def adapter_columns(report: ScanReport, utf8: bool = False) -> dict[str, Column]
 
     def strings(name: str) -> Column:
         got = buffers(name) if buffers is not None else None
-        if got is not None:
+        if got is not None and not (utf8 == "exact" and got[3]):
             return ("utf8", *got)
         if name not in extra:  # past 2 GiB of text: the list after all
             extra.update(report._result.table())
@@ -93,7 +98,7 @@ def module_columns(report: ScanReport) -> dict[str, Column]:
     return out
 
 
-def _columns(report: ScanReport, table: Table, utf8: bool = False) -> dict[str, Column]:
+def _columns(report: ScanReport, table: Table, utf8: Utf8 = None) -> dict[str, Column]:
     if table == "adapters":
         return adapter_columns(report, utf8)
     if table == "modules":
@@ -135,14 +140,12 @@ def _arrow_arrays(report: ScanReport, table: Table) -> Iterator[tuple[str, Any]]
     # reserved segments doubled the peak memory of an export (20,000 small adapters: 11.2 MB -> 5.7 MB for
     # 5.4 MB of tables). Number columns without nulls are numpy's buffers, not copies.
     pool = pa.system_memory_pool()
-    for name, col in _columns(report, table, utf8=True).items():
+    for name, col in _columns(report, table, "arrow").items():
         kind = col[0]
         if kind == "num":
             yield name, pa.array(col[1], memory_pool=pool)
         elif kind == "utf8":
-            offsets, data, valid = col[1:]
-            nulls = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
-            yield name, pa.StringArray.from_buffers(len(valid), pa.py_buffer(offsets), pa.py_buffer(data), nulls)
+            yield name, _arrow_utf8(col)
         elif kind == "nullable":
             yield name, pa.array(col[1], mask=_nulls(~col[2]), memory_pool=pool)
         elif kind == "dict":
@@ -157,11 +160,23 @@ def _arrow_arrays(report: ScanReport, table: Table) -> Iterator[tuple[str, Any]]
                 yield name, pa.array(_utf8(col[1]), pa.string(), memory_pool=pool)
 
 
+def _arrow_utf8(col: Column) -> Any:
+    import pyarrow as pa
+
+    offsets, data, valid = col[1:4]
+    nulls = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.StringArray.from_buffers(len(valid), pa.py_buffer(offsets), pa.py_buffer(data), nulls)
+
+
 def to_pandas(report: ScanReport, table: Table = "adapters") -> Any:
     import pandas as pd
 
+    # Where pandas' str dtype is Arrow-backed (pandas 3 with pyarrow), a column of str is made from the core's
+    # Arrow buffers, as `_pandas_strings` makes it from a list.
+    str_dtype = pd.Series(["a"]).dtype  # what pandas makes of a column of str
+    arrow_backed = getattr(str_dtype, "storage", None) == "pyarrow"
     data: dict[str, Any] = {}
-    for name, col in _columns(report, table).items():
+    for name, col in _columns(report, table, "exact" if arrow_backed else None).items():
         kind = col[0]
         if kind == "num":
             data[name] = col[1]
@@ -173,6 +188,14 @@ def to_pandas(report: ScanReport, table: Table = "adapters") -> Any:
                 data[name] = pd.arrays.IntegerArray(values, ~valid)
         elif kind == "dict":
             data[name] = pd.Categorical.from_codes(col[1], categories=pd.Index(col[2], dtype=object))
+        elif kind == "utf8":
+            valid = col[3]
+            # A column of None only: object, as pandas makes it from the list.
+            data[name] = (
+                pd.array(_arrow_utf8(col), dtype=str_dtype)
+                if valid.any()
+                else pd.array([None] * len(valid), dtype=object)
+            )
         else:
             data[name] = _pandas_strings(pd, col[1])
     # copy=False: the columns are fresh, and consolidating them into 2D blocks copied every one.
@@ -191,8 +214,11 @@ def _pandas_strings(pd: Any, values: list[str | None]) -> Any:
 
     try:
         return pd.array(pa.array(values, pa.string(), memory_pool=pa.system_memory_pool()), dtype=dtype)
-    except UnicodeEncodeError:  # a path that is not UTF-8: as pandas does it
-        return column
+    except UnicodeEncodeError:
+        # A path that is not UTF-8 (surrogate-escaped by `os.fsdecode`) cannot be Arrow's, and pandas' own
+        # inference raises on it (pandas 3.1: `pd.Series(values)` raises UnicodeEncodeError): an object column,
+        # in a Series so that the frame does not infer its dtype again.
+        return pd.Series(column, dtype=object, copy=False)
 
 
 def to_polars(report: ScanReport, table: Table = "adapters") -> Any:
