@@ -24,41 +24,12 @@ use crate::error::Error;
 use crate::header::Dtype;
 use crate::scan::AdapterResult;
 
-/// The string columns, in the order of `ModuleTable::strings`.
-pub const STRING_COLUMNS: [&str; 7] = ["name", "key", "leaf", "kind", "dtype", "a_key", "b_key"];
-/// The nullable whole-number columns, in the order of `ModuleTable::numbers`.
-pub const NUMBER_COLUMNS: [&str; 5] = ["num_experts", "rank", "in_features", "out_features", "config_rank"];
-
 /// A string column: a code per row (-1: null) into its distinct values.
 pub struct StringColumn<'r> {
     /// A code per row, -1 for null.
     pub codes: Column<i32>,
     /// The distinct values, in first-appearance order.
     pub names: Vec<&'r str>,
-}
-
-/// A nullable number column: values (0 where null) and a validity mask.
-pub struct Nullable<T> {
-    /// A value per row, 0 where null.
-    pub values: Vec<T>,
-    /// Whether each row's value is there.
-    pub valid: Vec<bool>,
-}
-
-impl<T: Default> Nullable<T> {
-    /// An empty column with room for `n` rows.
-    pub fn with_capacity(n: usize) -> Self {
-        Nullable {
-            values: Vec::with_capacity(n),
-            valid: Vec::with_capacity(n),
-        }
-    }
-
-    /// Appends a row.
-    pub fn push(&mut self, v: Option<T>) {
-        self.valid.push(v.is_some());
-        self.values.push(v.unwrap_or_default());
-    }
 }
 
 /// Number types a column holds: all-zero bytes are a value (the arena starts zeroed), and a column
@@ -162,13 +133,13 @@ pub struct ModuleTable<'r> {
     pub arena: Arena,
     /// The adapter's row in the report.
     pub row: Column<u32>,
-    /// The columns of `STRING_COLUMNS`.
+    /// name, key, leaf, kind, dtype, a_key, b_key.
     pub strings: [StringColumn<'r>; 7],
     /// The layer index.
     pub layer: NullableColumn<u32>,
     /// The expert index.
     pub expert: NullableColumn<u32>,
-    /// The columns of `NUMBER_COLUMNS`.
+    /// num_experts, rank, in_features, out_features, config_rank.
     pub numbers: [NullableColumn<u64>; 5],
     /// The module's alpha.
     pub alpha: NullableColumn<f64>,
@@ -320,10 +291,6 @@ struct Rows<'a> {
     use_rslora: &'a mut [bool],
 }
 
-fn split<T>(s: &mut [T], mid: usize) -> (&mut [T], &mut [T]) {
-    s.split_at_mut(mid)
-}
-
 fn split_pair<'a, T>(p: (&'a mut [T], &'a mut [bool]), mid: usize) -> [(&'a mut [T], &'a mut [bool]); 2] {
     let (a, b) = p.0.split_at_mut(mid);
     let (c, d) = p.1.split_at_mut(mid);
@@ -332,14 +299,14 @@ fn split_pair<'a, T>(p: (&'a mut [T], &'a mut [bool]), mid: usize) -> [(&'a mut 
 
 impl<'a> Rows<'a> {
     fn split_at(self, mid: usize) -> (Self, Self) {
-        let (row_a, row_b) = split(self.row, mid);
-        let codes = self.codes.map(|c| split(c, mid));
+        let (row_a, row_b) = self.row.split_at_mut(mid);
+        let codes = self.codes.map(|c| c.split_at_mut(mid));
         let [layer_a, layer_b] = split_pair(self.layer, mid);
         let [expert_a, expert_b] = split_pair(self.expert, mid);
         let numbers = self.numbers.map(|p| split_pair(p, mid));
         let [alpha_a, alpha_b] = split_pair(self.alpha, mid);
-        let (scale_a, scale_b) = split(self.scale, mid);
-        let (rs_a, rs_b) = split(self.use_rslora, mid);
+        let (scale_a, scale_b) = self.scale.split_at_mut(mid);
+        let (rs_a, rs_b) = self.use_rslora.split_at_mut(mid);
         let mut codes_b = Vec::with_capacity(7);
         let mut numbers_b = Vec::with_capacity(5);
         let codes_a = codes.map(|(a, b)| {

@@ -624,6 +624,11 @@ impl ScanResult {
     fn json_text<'py>(&self, py: Python<'py>, prefix: &str, suffix: &str) -> PyResult<Bound<'py, PyString>> {
         use rayon::prelude::*;
         const SEP: &[u8] = b", ";
+        if !prefix.is_ascii() || !suffix.is_ascii() {
+            return Err(PyValueError::new_err(
+                "json_text: prefix and suffix must be ASCII (json.dumps output)",
+            ));
+        }
         let ok: Vec<&AdapterResult> = self.rows.iter().filter_map(|r| r.as_ref().ok()).collect();
         // Each record is written twice: once to learn its length, once into the text.
         let lens: Vec<usize> = py.detach(|| {
@@ -639,11 +644,6 @@ impl ScanResult {
         });
         let records: usize = lens.iter().sum::<usize>() + SEP.len() * lens.len().saturating_sub(1);
         let total = prefix.len() + records + suffix.len();
-        if !prefix.is_ascii() || !suffix.is_ascii() {
-            return Err(PyValueError::new_err(
-                "json_text: prefix and suffix must be ASCII (json.dumps output)",
-            ));
-        }
         let (text, data) = ascii_str(py, total)?;
         // SAFETY: `data` is the `total` bytes of the str just made, which nothing else refers to
         // until it is returned; the threads below write disjoint parts of it.
@@ -694,8 +694,8 @@ impl ScanResult {
         let mut config_path: Vec<Option<&OsStr>> = Vec::with_capacity(n);
         let mut content_hash: Vec<Option<&str>> = Vec::with_capacity(n);
         let mut error_message: Vec<Option<String>> = Vec::with_capacity(n);
-        let mut header_size = module_table::Nullable::<u64>::with_capacity(n);
-        let mut file_size = module_table::Nullable::<u64>::with_capacity(n);
+        let mut header_size = Nullable::<u64>::with_capacity(n);
+        let mut file_size = Nullable::<u64>::with_capacity(n);
         for row in &self.rows {
             match row {
                 Ok(a) => {
@@ -725,8 +725,8 @@ impl ScanResult {
         let d = PyDict::new(py);
         d.set_item("peft_type", peft_type.into_py(py)?)?;
         d.set_item("base_model_name_or_path", base_model.into_py(py)?)?;
-        d.set_item("header_size", nullable_py(py, header_size)?)?;
-        d.set_item("file_size", nullable_py(py, file_size)?)?;
+        d.set_item("header_size", header_size.into_py(py)?)?;
+        d.set_item("file_size", file_size.into_py(py)?)?;
         d.set_item("error_code", error_code.into_py(py)?)?;
         if strings {
             d.set_item("weight_file", weight_file)?;
@@ -744,6 +744,12 @@ impl ScanResult {
     /// them, since Arrow strings are UTF-8; `escaped` says whether any was. None past 2 GiB of
     /// text (int32 offsets).
     fn string_buffers<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        if !matches!(
+            name,
+            "path" | "weight_file" | "config_path" | "content_hash" | "error_message"
+        ) {
+            return Err(PyValueError::new_err(format!("no string column {name:?}")));
+        }
         let n = self.rows.len();
         let mut offsets: Vec<i32> = Vec::with_capacity(n + 1);
         let mut data: Vec<u8> = Vec::new();
@@ -762,8 +768,7 @@ impl ScanResult {
                     detail = e.detail();
                     Some(detail.as_bytes())
                 }
-                ("weight_file" | "config_path" | "content_hash", Err(_)) | ("error_message", Ok(_)) => None,
-                _ => return Err(PyValueError::new_err(format!("no string column {name:?}"))),
+                _ => None, // weight_file, config_path, content_hash of a failed row; error_message of a loaded one
             };
             if let Some(bytes) = value {
                 escaped |= push_utf8_escaped(&mut data, bytes);
@@ -1104,15 +1109,34 @@ fn arena_nullable<'py, T: numpy::Element + module_table::Plain>(
     )
 }
 
-/// A nullable column as `(values, valid)`.
-fn nullable_py<T: numpy::Element>(py: Python<'_>, c: module_table::Nullable<T>) -> PyResult<Bound<'_, PyTuple>> {
-    PyTuple::new(
-        py,
-        [
-            c.values.into_pyarray(py).into_any(),
-            c.valid.into_pyarray(py).into_any(),
-        ],
-    )
+/// A nullable number column: values (0 where null) and a validity mask.
+struct Nullable<T> {
+    values: Vec<T>,
+    valid: Vec<bool>,
+}
+
+impl<T: numpy::Element + Default + Copy> Nullable<T> {
+    fn with_capacity(n: usize) -> Self {
+        Nullable {
+            values: Vec::with_capacity(n),
+            valid: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, v: Option<T>) {
+        self.values.push(v.unwrap_or_default());
+        self.valid.push(v.is_some());
+    }
+
+    fn into_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(
+            py,
+            [
+                self.values.into_pyarray(py).into_any(),
+                self.valid.into_pyarray(py).into_any(),
+            ],
+        )
+    }
 }
 
 /// Rows in discovery order: failed discoveries in place, loaded targets between them.

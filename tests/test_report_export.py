@@ -377,6 +377,12 @@ def test_arrow_string_columns_made_by_the_core_equal_the_lists(tmp_path, content
     assert df["path"].dtype == object and df["error_message"].dtype == pd.Series(["a"]).dtype
 
 
+def test_string_buffers_reject_an_unknown_column(tmp_path):
+    for report in (lorafast.scan([tmp_path]), lorafast.scan([tmp_path / "missing"])):
+        with pytest.raises(ValueError, match="no string column"):
+            report._result.string_buffers("rank")
+
+
 def test_empty_tables(tmp_path):
     pytest.importorskip("pyarrow")
     report = lorafast.scan([tmp_path])
