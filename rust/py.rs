@@ -12,7 +12,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::classify::{Format, ModuleInfo, Modules, MoeLayout};
+use crate::classify::{Format, Modules, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
 use crate::error::Error;
 use crate::header::{self, Dtype, ReadMode};
@@ -22,6 +22,7 @@ use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target}
 use crate::torch;
 
 mod adapters;
+mod module_values;
 
 /// Paths go to Python as `str` decoded the way `os.fsdecode` does (surrogateescape), so a name
 /// that is not UTF-8 round-trips to the same bytes.
@@ -208,44 +209,6 @@ fn header_dict<'py>(py: Python<'py>, parts: HeaderParts) -> PyResult<Bound<'py, 
     Ok(d)
 }
 
-fn shape_tuple<'py>(py: Python<'py>, shape: Option<&[u64]>) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    shape.map(|s| PyTuple::new(py, s)).transpose()
-}
-
-/// Keys are interned: a module dict is built per module of every adapter inspected, and a fresh
-/// key string each time was most of its cost.
-fn module_dict<'py>(
-    py: Python<'py>,
-    m: &ModuleInfo<'_>,
-    weight_file: &Bound<'py, PyString>,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item(intern!(py, "name"), m.name)?;
-    d.set_item(intern!(py, "key"), m.key)?;
-    d.set_item(intern!(py, "kind"), m.kind.name())?;
-    d.set_item(intern!(py, "leaf"), m.leaf)?;
-    d.set_item(intern!(py, "layer"), m.layer)?;
-    d.set_item(intern!(py, "expert"), m.expert)?;
-    d.set_item(intern!(py, "num_experts"), m.num_experts)?;
-    d.set_item(intern!(py, "rank"), m.rank)?;
-    d.set_item(intern!(py, "in_features"), m.in_features)?;
-    d.set_item(intern!(py, "out_features"), m.out_features)?;
-    d.set_item(intern!(py, "dtype"), m.dtype.map(Dtype::name))?;
-    d.set_item(intern!(py, "a_key"), m.a_key)?;
-    d.set_item(intern!(py, "b_key"), m.b_key)?;
-    d.set_item(intern!(py, "a_shape"), shape_tuple(py, m.a_shape)?)?;
-    d.set_item(intern!(py, "b_shape"), shape_tuple(py, m.b_shape)?)?;
-    d.set_item(intern!(py, "alpha"), m.alpha)?;
-    d.set_item(intern!(py, "alpha_key"), m.alpha_key)?;
-    d.set_item(intern!(py, "bias_key"), m.bias_key)?;
-    d.set_item(intern!(py, "magnitude_key"), m.magnitude_key)?;
-    d.set_item(intern!(py, "extra_keys"), PyTuple::new(py, &m.extra_keys)?)?;
-    d.set_item(intern!(py, "config_rank"), m.config_rank)?;
-    d.set_item(intern!(py, "use_rslora"), m.use_rslora)?;
-    d.set_item(intern!(py, "weight_file"), weight_file)?;
-    Ok(d)
-}
-
 /// The header's `__metadata__` as a dict, in file order, so a report's JSON is the same text each time.
 fn metadata_dict<'py>(py: Python<'py>, r: &AdapterResult) -> PyResult<Option<Bound<'py, PyDict>>> {
     r.metadata
@@ -300,10 +263,11 @@ fn adapter_dict<'py>(py: Python<'py>, r: &AdapterResult, with_modules: bool) -> 
         return Ok(d);
     }
     let weight_file = weight_file.cast_into::<PyString>()?;
+    let mut values = module_values::Interned::default();
     let modules: Vec<Bound<'py, PyDict>> = c
         .modules
         .iter()
-        .map(|m| module_dict(py, &m, &weight_file))
+        .map(|m| module_values::module_dict(py, &m, &weight_file, &mut values))
         .collect::<PyResult<_>>()?;
     d.set_item(intern!(py, "modules"), modules)?;
     Ok(d)
@@ -546,14 +510,12 @@ impl ScanResult {
     /// what the scan kept: no file is read.
     fn adapters<'py>(&self, py: Python<'py>, start: usize, stop: usize) -> PyResult<Bound<'py, PyList>> {
         let stop = stop.min(self.rows.len());
-        // Adapters whose headers repeat share their module dicts, built once per batch.
-        let templates = PyDict::new(py);
-        let items = self.rows[start.min(stop)..stop]
-            .iter()
-            .filter_map(|r| r.as_ref().ok())
+        let ok = || self.rows[start.min(stop)..stop].iter().filter_map(|r| r.as_ref().ok());
+        let mut modules = adapters::ModuleDicts::new(adapters::Batch::of(ok()));
+        let items = ok()
             .map(|a| {
                 let d = adapter_dict(py, a, false)?;
-                d.set_item(intern!(py, "modules"), adapters::module_dicts(py, a, Some(&templates))?)?;
+                d.set_item(intern!(py, "modules"), modules.of(py, a)?)?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -574,17 +536,18 @@ impl ScanResult {
         adapters::build(slf.py(), slf.as_any(), &rows[start.min(stop)..stop], start, types)
     }
 
-    /// The `LoraModule` objects of row `row`, an adapter `adapter_objects` gave without them.
-    #[pyo3(signature = (row, types, templates = None))]
+    /// The `LoraModule` objects of row `row`, an adapter `adapter_objects` gave without them, with
+    /// the cache of its batch.
+    #[pyo3(signature = (row, types, cache = None))]
     fn module_objects<'py>(
         &self,
         py: Python<'py>,
         row: usize,
         types: &Bound<'py, PyTuple>,
-        templates: Option<&Bound<'py, PyDict>>,
+        cache: Option<&Bound<'py, adapters::ModuleCache>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         match self.rows.get(row) {
-            Some(Ok(a)) => adapters::modules(py, a, types, templates),
+            Some(Ok(a)) => adapters::modules(py, a, types, cache),
             _ => Err(pyo3::exceptions::PyIndexError::new_err(row)),
         }
     }

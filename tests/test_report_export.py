@@ -123,6 +123,34 @@ def test_modules_built_on_first_access_survive_copies_pickles_and_the_report(fle
         fresh[0].nope  # noqa: B018
 
 
+def test_modules_of_distinct_headers_that_name_the_same_modules(tmp_path):
+    """Adapters whose headers all differ (tensors in another order, one of 10 ranks: more variants of a module than
+    a batch remembers) but name the same modules: the core builds each module once per batch and copies it. Every
+    module still equals `inspect`'s, in its own dict, with its own `weight_file`."""
+    keys = [f"base_model.model.model.layers.{i}.self_attn.{m}" for i in range(3) for m in ("q_proj", "v_proj")]
+    for n in range(24):
+        r = 2 + n % 10
+        tensors = {}
+        for k in keys[n % len(keys) :] + keys[: n % len(keys)]:
+            tensors[f"{k}.lora_A.weight"] = ("F16", (r, 16))
+            tensors[f"{k}.lora_B.weight"] = ("F16", (16, r))
+        write_safetensors(str(tmp_path / f"a{n:02d}.safetensors"), tensors)
+    report = lorafast.scan([tmp_path], threads=2)
+    got = list(report)
+    assert len(got) == 24 and len({a.modules[0].key for a in got}) == len(keys)
+    for a in got:
+        want = lorafast.inspect(a.path)
+        assert a.modules == want.modules and a == want
+        for ma, mw in zip(a.modules, want.modules, strict=True):
+            assert list(vars(ma)) == list(vars(mw)) and repr(ma) == repr(mw)
+            assert [type(v) for v in vars(ma).values()] == [type(v) for v in vars(mw).values()]
+            assert ma.weight_file == a.path
+    dicts = [vars(m) for a in got for m in a.modules]
+    assert len({id(d) for d in dicts}) == len(dicts)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got[5].modules[0].rank = 1  # type: ignore[misc]
+
+
 class _WithoutObjects:
     """A scan result without `adapter_objects`, as a merged distributed result: iteration converts dicts."""
 

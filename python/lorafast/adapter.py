@@ -158,9 +158,9 @@ class Adapter:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             from .scanner import _ADAPTER_TYPES
 
-            report, row, templates = pending
+            report, row, cache = pending
             fields = self.__dict__
-            fields["modules"] = modules = report.module_objects(row, _ADAPTER_TYPES, templates)
+            fields["modules"] = modules = report.module_objects(row, _ADAPTER_TYPES, cache)
             # The instance dict as `__init__` leaves it: every field, in field order, and nothing else.
             object.__setattr__(self, "__dict__", {f: fields[f] for f in _ADAPTER_FIELDS})
             return modules

@@ -99,11 +99,9 @@ def _adapter(raw: _core.RawAdapter) -> Adapter:
     )
 
 
-#: What the core builds report iteration's objects from (`ScanResult.adapter_objects`): `object.__new__`, `object.
-#: __setattr__`, the classes, and the enum members in column-code order.
+#: What the core builds report iteration's objects from (`ScanResult.adapter_objects`): the classes, and the enum
+#: members in column-code order.
 _ADAPTER_TYPES = (
-    object.__new__,
-    object.__setattr__,
     Adapter,
     LoraModule,
     Problem,

@@ -3,52 +3,106 @@
 //!
 //! An object is `object.__new__(cls)` with its `__dict__` set to exactly its dataclass fields (what
 //! `lorafast.scanner._adapter` builds through the dataclass `__init__`, which sets 28 fields one
-//! `object.__setattr__` at a time). Adapters whose headers repeat share one classification (the
-//! memo's `Arc`): its part of the dict (format, dtypes, flags, problems, ...: immutable values,
-//! safely shared) and its module dicts are built once per batch and copied, a C-level dict copy.
+//! `object.__setattr__` at a time), both done through the C functions they call. Adapters whose
+//! headers repeat share one classification (the memo's `Arc`): its part of the dict (format,
+//! dtypes, flags, problems, ...: immutable values, safely shared) and its module dicts are built
+//! once per batch and copied, a C-level dict copy.
+//!
+//! Modules are built when first read, per adapter, with what its batch shares ([`ModuleCache`]):
+//! a shared classification's dicts are copied; another adapter's module is copied from the first
+//! equal module of the batch once one has been seen twice (headers that differ mostly name the same
+//! modules); a module not seen before is made a field at a time, as the dataclass `__init__` does,
+//! with its values' Python objects shared (`module_values.rs`). 224,000 modules of 1,000 adapters
+//! whose headers all differ: 245 -> 145 ms.
 
+use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple, PyType};
 
-use super::{metadata_dict, module_dict};
-use crate::classify::{Classification, Modules};
+use rustc_hash::FxHashMap;
+
+use super::metadata_dict;
+use super::module_values::{module_dict, module_fields, Interned};
+use crate::classify::{Classification, ModuleInfo, Modules};
 use crate::codes::Flag;
 use crate::error::Error;
 use crate::scan::AdapterResult;
 
-/// What the objects are made of, from `lorafast.scanner._ADAPTER_TYPES`: `object.__new__`,
-/// `object.__setattr__`, the `Adapter`, `LoraModule` and `Problem` classes, and the
-/// `AdapterFormat` and `MoeLayout` members in column-code order.
+/// What the objects are made of, from `lorafast.scanner._ADAPTER_TYPES`: the `Adapter`,
+/// `LoraModule` and `Problem` classes, and the `AdapterFormat` and `MoeLayout` members in
+/// column-code order.
 struct Types<'py> {
-    new: Bound<'py, PyAny>,
-    setattr: Bound<'py, PyAny>,
-    adapter: Bound<'py, PyAny>,
-    module: Bound<'py, PyAny>,
-    problem: Bound<'py, PyAny>,
+    adapter: Maker<'py>,
+    module: Maker<'py>,
+    problem: Maker<'py>,
     formats: Bound<'py, PyTuple>,
     layouts: Bound<'py, PyTuple>,
 }
 
 impl<'py> Types<'py> {
     fn of(types: &Bound<'py, PyTuple>) -> PyResult<Self> {
-        let (new, setattr, adapter, module, problem, formats, layouts) = types.extract()?;
+        let (adapter, module, problem, formats, layouts) = types.extract()?;
         Ok(Types {
-            new,
-            setattr,
-            adapter,
-            module,
-            problem,
+            adapter: Maker::of(adapter)?,
+            module: Maker::of(module)?,
+            problem: Maker::of(problem)?,
             formats,
             layouts,
         })
     }
+}
 
-    /// An instance of `cls` whose `__dict__` is `fields`, bypassing the frozen dataclass `__init__`.
-    fn object(&self, cls: &Bound<'py, PyAny>, fields: Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
-        let obj = self.new.call1((cls,))?;
-        self.setattr.call1((&obj, intern!(cls.py(), "__dict__"), fields))?;
+/// Makes instances of one class whose `__dict__` is given, bypassing the frozen dataclass
+/// `__init__`: `object.__new__(cls)` then `object.__setattr__(obj, "__dict__", fields)`, done
+/// through the C functions those two call (the class's `tp_new` slot, `PyObject_GenericSetAttr`).
+/// As two Python-level calls they were a third of the time of building a module.
+struct Maker<'py> {
+    cls: Bound<'py, PyType>,
+    new: ffi::newfunc,
+    no_args: Bound<'py, PyTuple>,
+}
+
+impl<'py> Maker<'py> {
+    fn of(cls: Bound<'py, PyType>) -> PyResult<Self> {
+        // SAFETY: `cls` is a live type object; its `tp_new` slot is a `newfunc` or null.
+        let slot = unsafe { ffi::PyType_GetSlot(cls.as_type_ptr(), ffi::Py_tp_new) };
+        if slot.is_null() {
+            return Err(PyTypeError::new_err(format!("{cls} cannot be instantiated")));
+        }
+        // SAFETY: the slot's type is `newfunc` (CPython's `PyTypeObject.tp_new`).
+        let new = unsafe { std::mem::transmute::<*mut std::ffi::c_void, ffi::newfunc>(slot) };
+        Ok(Maker {
+            no_args: PyTuple::empty(cls.py()),
+            cls,
+            new,
+        })
+    }
+
+    /// An instance whose `__dict__` is `fields`.
+    fn make(&self, fields: Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
+        let obj = self.instance()?;
+        set_attr(&obj, intern!(self.cls.py(), "__dict__"), fields.as_any())?;
         Ok(obj)
+    }
+
+    /// `object.__new__(cls)`: the class's own `tp_new` with no arguments.
+    fn instance(&self) -> PyResult<Bound<'py, PyAny>> {
+        // SAFETY: a new reference, or null with an exception set.
+        unsafe {
+            let raw = (self.new)(self.cls.as_type_ptr(), self.no_args.as_ptr(), std::ptr::null_mut());
+            Bound::from_owned_ptr_or_err(self.cls.py(), raw)
+        }
+    }
+}
+
+/// `object.__setattr__(obj, name, value)`, which a frozen dataclass `__init__` sets its fields with.
+fn set_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    // SAFETY: all three are live objects; 0, or -1 with an exception set.
+    match unsafe { ffi::PyObject_GenericSetAttr(obj.as_ptr(), name.as_ptr(), value.as_ptr()) } {
+        0 => Ok(()),
+        _ => Err(PyErr::fetch(obj.py())),
     }
 }
 
@@ -125,7 +179,7 @@ fn class_fields<'py, 'r>(
             f.set_item(intern!(py, "code"), names.get(py, p.code.code()))?;
             f.set_item(intern!(py, "message"), &p.message)?;
             f.set_item(intern!(py, "tensor"), &p.tensor)?;
-            t.object(&t.problem, f)
+            t.problem.make(f)
         })
         .collect::<PyResult<Vec<_>>>()?;
     d.set_item(intern!(py, "problems"), PyTuple::new(py, problems)?)?;
@@ -142,9 +196,8 @@ fn class_fields<'py, 'r>(
 ///
 /// Modules are built on first access (`Adapter.__getattr__`): a dense adapter has hundreds, and
 /// building them all cost several times a memo-assisted scan. An adapter with modules gets, in
-/// place of its `modules` field, `_modules_pending`: `(report, row, templates)` for
-/// `module_objects`, where `templates` is a dict the batch's adapters that share a classification
-/// share (None for the others), so that classification's module dicts are built once and copied.
+/// place of its `modules` field, `_modules_pending`: `(report, row, cache)` for `module_objects`,
+/// where `cache` is the batch's [`ModuleCache`].
 #[allow(clippy::type_complexity)]
 pub(super) fn build<'py, 'r>(
     py: Python<'py>,
@@ -159,22 +212,16 @@ pub(super) fn build<'py, 'r>(
             .enumerate()
             .filter_map(|(i, r)| r.as_ref().ok().map(|a| (first + i, a)))
     };
-    // Only a classification that more than one adapter of the batch shares is worth a template:
-    // building one and copying it costs more than building the dict once.
-    let mut uses: rustc_hash::FxHashMap<*const Modules, usize> = Default::default();
-    for (_, a) in ok() {
-        *uses.entry(std::sync::Arc::as_ptr(&a.class.modules)).or_default() += 1;
-    }
-    let mut templates: rustc_hash::FxHashMap<*const Modules, Bound<'py, PyDict>> = Default::default();
+    let batch = Batch::of(ok().map(|(_, a)| a));
+    let mut templates: FxHashMap<usize, Bound<'py, PyDict>> = Default::default();
     let mut names = Names::default();
-    let mut out = Vec::with_capacity(uses.values().sum());
-    let module_templates = PyDict::new(py);
+    let mut out = Vec::new();
     let mut configs = Vec::new();
+    let mut cache = None;
     for (row, a) in ok() {
-        let shared = std::sync::Arc::as_ptr(&a.class.modules);
-        let is_shared = uses[&shared] > 1;
-        let d = if is_shared {
-            match templates.entry(shared) {
+        let shared = batch.is_shared(a);
+        let d = if shared {
+            match templates.entry(class_key(a)) {
                 std::collections::hash_map::Entry::Occupied(e) => e.get().copy()?,
                 std::collections::hash_map::Entry::Vacant(e) => {
                     e.insert(class_fields(py, &a.class, &t, &mut names)?).copy()?
@@ -206,66 +253,223 @@ pub(super) fn build<'py, 'r>(
             d.set_item(intern!(py, "modules"), PyTuple::empty(py))?;
         } else {
             d.del_item(intern!(py, "modules"))?;
-            let templates = is_shared.then_some(&module_templates);
-            d.set_item(intern!(py, "_modules_pending"), (report, row, templates))?;
+            let cache = match &cache {
+                Some(c) => c,
+                None => cache.insert(Bound::new(py, ModuleCache::new(batch.clone()))?),
+            };
+            d.set_item(intern!(py, "_modules_pending"), (report, row, cache))?;
         }
-        out.push(t.object(&t.adapter, d)?);
+        out.push(t.adapter.make(d)?);
     }
     Ok((PyList::new(py, out)?, configs))
 }
 
-/// The `LoraModule`s of one adapter, as `inspect` gives them. With `templates` (see `build`), its
-/// classification's module dicts are copied from there, or built and left there for the others.
+/// The key of an adapter's classification: adapters whose headers repeat share one (the memo's
+/// `Arc`), and the report's rows keep it alive while anything built from it is.
+fn class_key(a: &AdapterResult) -> usize {
+    std::sync::Arc::as_ptr(&a.class.modules) as usize
+}
+
+/// Which classifications more than one adapter of a batch shares. Only those are worth a template
+/// (their dicts built once and copied): building one and copying it costs more than building the
+/// dicts once.
+#[derive(Clone, Default)]
+pub(super) struct Batch {
+    shared: rustc_hash::FxHashSet<usize>,
+}
+
+impl Batch {
+    pub(super) fn of<'a>(adapters: impl Iterator<Item = &'a AdapterResult>) -> Self {
+        let mut uses: FxHashMap<usize, usize> = Default::default();
+        for a in adapters {
+            *uses.entry(class_key(a)).or_default() += 1;
+        }
+        let shared = uses.into_iter().filter(|&(_, n)| n > 1).map(|(k, _)| k).collect();
+        Batch { shared }
+    }
+
+    fn is_shared(&self, a: &AdapterResult) -> bool {
+        self.shared.contains(&class_key(a))
+    }
+}
+
+/// What building one batch's modules shares: the values' Python objects, the module dicts of each
+/// shared classification (copied for every adapter that has it, with its own `weight_file`), and
+/// the modules seen so far of the others.
+#[derive(Default)]
+pub(super) struct ModuleDicts {
+    batch: Batch,
+    values: Interned,
+    templates: FxHashMap<usize, Vec<Py<PyDict>>>,
+    /// The modules of classifications no other adapter shares, by key: where each distinct one was
+    /// first seen, and its dict once a second one equal to it was (adapters whose headers differ
+    /// mostly still name the same modules, with one of a few ranks).
+    seen: FxHashMap<Box<str>, Vec<SeenModule>>,
+}
+
+/// Distinct modules remembered per key: enough for a fleet's few ranks, and a bound on the
+/// comparisons a module that matches none of them costs.
+const SEEN_PER_KEY: usize = 8;
+
+/// A module of the batch, to compare others with its key against.
+struct SeenModule {
+    modules: std::sync::Arc<Modules>,
+    index: usize,
+    /// Its rank: what tells a key's variants apart, compared before the whole module.
+    rank: Option<u64>,
+    template: Option<Py<PyDict>>,
+}
+
+impl SeenModule {
+    fn is(&self, m: &ModuleInfo<'_>) -> bool {
+        self.rank == m.rank && self.modules.get(self.index).as_ref() == Some(m)
+    }
+}
+
+impl ModuleDicts {
+    pub(super) fn new(batch: Batch) -> Self {
+        ModuleDicts {
+            batch,
+            ..Default::default()
+        }
+    }
+
+    /// The module dicts of one adapter.
+    pub(super) fn of<'py>(&mut self, py: Python<'py>, a: &AdapterResult) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let weight_file = a
+            .target
+            .weights
+            .as_os_str()
+            .into_pyobject(py)?
+            .cast_into::<PyString>()?;
+        let key = class_key(a);
+        if let Some(template) = self.templates.get(&key) {
+            let weight_file_key = intern!(py, "weight_file");
+            return template
+                .iter()
+                .map(|m| {
+                    let m = m.bind(py).copy()?;
+                    m.set_item(weight_file_key, &weight_file)?;
+                    Ok(m)
+                })
+                .collect();
+        }
+        let dicts = a
+            .class
+            .modules
+            .iter()
+            .map(|m| module_dict(py, &m, &weight_file, &mut self.values))
+            .collect::<PyResult<Vec<_>>>()?;
+        if self.batch.is_shared(a) {
+            let copies = dicts
+                .iter()
+                .map(|d| Ok(d.copy()?.unbind()))
+                .collect::<PyResult<Vec<_>>>()?;
+            self.templates.insert(key, copies);
+        }
+        Ok(dicts)
+    }
+
+    /// The `LoraModule`s of one adapter: a shared classification's from its dicts; another's copied
+    /// from an equal module of the batch seen twice before, else made as the dataclass `__init__`
+    /// makes them, a field at a time (the instance keeps its fields in the class's shared-key
+    /// storage, with no dict of its own to build or free).
+    fn objects<'py>(&mut self, py: Python<'py>, a: &AdapterResult, t: &Types<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        if self.templates.contains_key(&class_key(a)) || self.batch.is_shared(a) {
+            return self.of(py, a)?.into_iter().map(|d| t.module.make(d)).collect();
+        }
+        let weight_file = a
+            .target
+            .weights
+            .as_os_str()
+            .into_pyobject(py)?
+            .cast_into::<PyString>()?;
+        let weight_file_key = intern!(py, "weight_file");
+        a.class
+            .modules
+            .iter()
+            .enumerate()
+            .map(|(index, m)| {
+                let Some(earlier) = earlier(&mut self.seen, a, index, &m) else {
+                    let obj = t.module.instance()?;
+                    module_fields(py, &m, &weight_file, &mut self.values, |k, v| set_attr(&obj, k, &v))?;
+                    return Ok(obj);
+                };
+                let d = match &earlier.template {
+                    Some(template) => template.bind(py).copy()?,
+                    None => {
+                        let d = module_dict(py, &m, &weight_file, &mut self.values)?;
+                        earlier.template = Some(d.copy()?.unbind());
+                        d
+                    }
+                };
+                d.set_item(weight_file_key, &weight_file)?;
+                t.module.make(d)
+            })
+            .collect()
+    }
+}
+
+/// The batch's earlier module equal to `m` (module `index` of `a`), if there is one; else `m` is
+/// remembered for the modules after it to be compared with (up to [`SEEN_PER_KEY`] per key).
+fn earlier<'s>(
+    seen: &'s mut FxHashMap<Box<str>, Vec<SeenModule>>,
+    a: &AdapterResult,
+    index: usize,
+    m: &ModuleInfo<'_>,
+) -> Option<&'s mut SeenModule> {
+    let this = || SeenModule {
+        modules: a.class.modules.clone(),
+        index,
+        rank: m.rank,
+        template: None,
+    };
+    if !seen.contains_key(m.key) {
+        seen.insert(m.key.into(), vec![this()]);
+        return None;
+    }
+    let same = seen.get_mut(m.key)?;
+    match same.iter().position(|s| s.is(m)) {
+        Some(at) => Some(&mut same[at]),
+        None => {
+            if same.len() < SEEN_PER_KEY {
+                same.push(this());
+            }
+            None
+        }
+    }
+}
+
+/// One batch's [`ModuleDicts`], held by its adapters until each has built its modules (then freed
+/// with the last). The lock is only ever held by the thread that holds the GIL.
+#[pyclass(frozen, module = "lorafast._core")]
+pub(super) struct ModuleCache {
+    dicts: std::sync::Mutex<ModuleDicts>,
+}
+
+impl ModuleCache {
+    fn new(batch: Batch) -> Self {
+        ModuleCache {
+            dicts: std::sync::Mutex::new(ModuleDicts::new(batch)),
+        }
+    }
+}
+
+/// The `LoraModule`s of one adapter, as `inspect` gives them, with its batch's `cache` (see `build`).
 pub(super) fn modules<'py>(
     py: Python<'py>,
     a: &AdapterResult,
     types: &Bound<'py, PyTuple>,
-    templates: Option<&Bound<'py, PyDict>>,
+    cache: Option<&Bound<'py, ModuleCache>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let t = Types::of(types)?;
-    let modules = module_dicts(py, a, templates)?
-        .into_iter()
-        .map(|d| t.object(&t.module, d))
-        .collect::<PyResult<Vec<_>>>()?;
-    PyTuple::new(py, modules)
-}
-
-/// The module dicts of one adapter. With `templates`, adapters whose headers repeat (one shared
-/// `Arc` of modules) build them once: the others copy the first's dicts (a C-level copy) and set
-/// only `weight_file` anew.
-pub(super) fn module_dicts<'py>(
-    py: Python<'py>,
-    a: &AdapterResult,
-    templates: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Vec<Bound<'py, PyDict>>> {
-    let weight_file = a
-        .target
-        .weights
-        .as_os_str()
-        .into_pyobject(py)?
-        .cast_into::<PyString>()?;
-    let key = std::sync::Arc::as_ptr(&a.class.modules) as usize;
-    if let Some(cached) = templates.map(|t| t.get_item(key)).transpose()?.flatten() {
-        let weight_file_key = intern!(py, "weight_file");
-        return cached
-            .cast_into::<PyTuple>()?
-            .iter()
-            .map(|m| {
-                let m = m.cast_into::<PyDict>()?.copy()?;
-                m.set_item(weight_file_key, &weight_file)?;
-                Ok(m)
-            })
-            .collect();
-    }
-    let dicts = a
-        .class
-        .modules
-        .iter()
-        .map(|m| module_dict(py, &m, &weight_file))
-        .collect::<PyResult<Vec<_>>>()?;
-    if let Some(templates) = templates {
-        let copies = dicts.iter().map(|d| d.copy()).collect::<PyResult<Vec<_>>>()?;
-        templates.set_item(key, PyTuple::new(py, copies)?)?;
-    }
-    Ok(dicts)
+    // A module built while another is (a finalizer that reads `modules`, run by the collector
+    // mid-build) finds the lock taken and builds without the cache rather than wait on itself.
+    let mut guard = cache.and_then(|c| c.get().dicts.try_lock().ok());
+    let mut own = None;
+    let dicts = match guard.as_deref_mut() {
+        Some(d) => d,
+        None => own.insert(ModuleDicts::default()),
+    };
+    PyTuple::new(py, dicts.objects(py, a, &t)?)
 }
