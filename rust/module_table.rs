@@ -197,7 +197,10 @@ impl Values {
     }
 }
 
-fn strings<'m>(m: &ModuleInfo<'m>) -> [Option<&'m str>; 7] {
+/// A module's name, key, leaf, kind, dtype, a_key and b_key.
+type ModuleStrings<'m> = [Option<&'m str>; 7];
+
+fn strings<'m>(m: &ModuleInfo<'m>) -> ModuleStrings<'m> {
     [
         Some(m.name),
         Some(m.key),
@@ -224,9 +227,16 @@ struct Group<'r> {
     names: [Vec<&'r str>; 7],
 }
 
+/// The string codes rows of a group have had, by the module key they went with: distinct
+/// classifications mostly name the same modules, so a module's seven strings are found by one
+/// lookup and compared, rather than hashed and looked up one by one. A few per key (another
+/// adapter's module of that key may have another dtype, or lack a factor); the rest are interned.
+const CODES_PER_KEY: usize = 4;
+
 fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) -> Group<'r> {
     let mut index: [FxHashMap<&'r str, i32>; 7] = Default::default();
     let mut names: [Vec<&'r str>; 7] = Default::default();
+    let mut by_key: FxHashMap<&'r str, Vec<(ModuleStrings<'r>, [i32; 7])>> = FxHashMap::default();
     let rows = range
         .clone()
         .map(|c| {
@@ -234,15 +244,26 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
             let mut codes = Vec::with_capacity(modules.len());
             let mut values = (uses[c] > 1).then(|| Vec::with_capacity(modules.len()));
             for m in modules.iter() {
-                let mut row = [-1i32; 7];
-                for (k, s) in strings(&m).into_iter().enumerate() {
-                    if let Some(s) = s {
-                        row[k] = *index[k].entry(s).or_insert_with(|| {
-                            names[k].push(s);
-                            names[k].len() as i32 - 1
-                        });
+                let strings = strings(&m);
+                let known = by_key.entry(m.key).or_default();
+                let row = match known.iter().find(|(s, _)| *s == strings) {
+                    Some((_, row)) => *row,
+                    None => {
+                        let mut row = [-1i32; 7];
+                        for (k, s) in strings.into_iter().enumerate() {
+                            if let Some(s) = s {
+                                row[k] = *index[k].entry(s).or_insert_with(|| {
+                                    names[k].push(s);
+                                    names[k].len() as i32 - 1
+                                });
+                            }
+                        }
+                        if known.len() < CODES_PER_KEY {
+                            known.push((strings, row));
+                        }
+                        row
                     }
-                }
+                };
                 codes.push(row);
                 if let Some(v) = values.as_mut() {
                     v.push(Values::of(&m));

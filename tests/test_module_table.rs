@@ -26,7 +26,8 @@ fn fleet() -> PathBuf {
         for layer in 0..(1 + i % 4) {
             for module in ["q_proj", "v_proj", "down_proj"] {
                 let key = format!("base_model.model.model.layers.{layer}.self_attn.{module}");
-                let dtype = if i % 7 == 0 { "F16" } else { "BF16" };
+                // Six dtypes: a module key with more string variants than the table remembers per key.
+                let dtype = ["BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"][i % 6];
                 tensors.push((format!("{key}.lora_A.weight"), dtype.to_string(), vec![rank, 64]));
                 tensors.push((format!("{key}.lora_B.weight"), dtype.to_string(), vec![32, rank]));
             }

@@ -336,12 +336,7 @@ impl ModuleDicts {
 
     /// The module dicts of one adapter.
     pub(super) fn of<'py>(&mut self, py: Python<'py>, a: &AdapterResult) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let weight_file = a
-            .target
-            .weights
-            .as_os_str()
-            .into_pyobject(py)?
-            .cast_into::<PyString>()?;
+        let weight_file = weight_file(py, a)?;
         let key = class_key(a);
         if let Some(template) = self.templates.get(&key) {
             let weight_file_key = intern!(py, "weight_file");
@@ -378,12 +373,7 @@ impl ModuleDicts {
         if self.templates.contains_key(&class_key(a)) || self.batch.is_shared(a) {
             return self.of(py, a)?.into_iter().map(|d| t.module.make(d)).collect();
         }
-        let weight_file = a
-            .target
-            .weights
-            .as_os_str()
-            .into_pyobject(py)?
-            .cast_into::<PyString>()?;
+        let weight_file = weight_file(py, a)?;
         let weight_file_key = intern!(py, "weight_file");
         a.class
             .modules
@@ -408,6 +398,15 @@ impl ModuleDicts {
             })
             .collect()
     }
+}
+
+/// The adapter's weights file as the `str` its modules' `weight_file` share.
+fn weight_file<'py>(py: Python<'py>, a: &AdapterResult) -> PyResult<Bound<'py, PyString>> {
+    Ok(a.target
+        .weights
+        .as_os_str()
+        .into_pyobject(py)?
+        .cast_into::<PyString>()?)
 }
 
 /// The batch's earlier module equal to `m` (module `index` of `a`), if there is one; else `m` is
