@@ -1438,6 +1438,8 @@ fn _debug_panic_on(path: Option<PathBuf>) {
 #[pymodule(gil_used = false)]
 mod _core {
     #[pymodule_export]
+    use super::adapters::ModuleCache;
+    #[pymodule_export]
     use super::{
         _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many, map_file,
         read_header, read_torch_header, read_url_range, scan, scan_targets, MappedFile, ScanResult,
