@@ -214,10 +214,50 @@ fn strings<'m>(m: &ModuleInfo<'m>) -> ModuleStrings<'m> {
 
 /// One distinct classification's rows: string codes (into its group's dictionaries until `remap`,
 /// then the table's), and its values when more than one adapter uses it (else they are read from
-/// the modules where they are written).
+/// the modules where they are written), which become `columns` once the codes are the table's.
 struct ClassRows {
     codes: Vec<[i32; 7]>,
     values: Option<Vec<Values>>,
+    columns: Option<ClassColumns>,
+}
+
+/// A classification more than one adapter uses, as columns: each adapter's rows are a copy of
+/// each, column by column (writing a row at a time into 28 columns was most of the dense fleet's
+/// table build after its page faults).
+#[derive(Default)]
+struct ClassColumns {
+    codes: [Vec<i32>; 7],
+    layer: (Vec<u32>, Vec<bool>),
+    expert: (Vec<u32>, Vec<bool>),
+    numbers: [(Vec<u64>, Vec<bool>); 5],
+    alpha: (Vec<f64>, Vec<bool>),
+    scale: Vec<f64>,
+    use_rslora: Vec<bool>,
+}
+
+impl ClassColumns {
+    fn of(codes: &[[i32; 7]], values: &[Values]) -> Self {
+        let mut c = ClassColumns::default();
+        for (row, v) in codes.iter().zip(values) {
+            for (col, &code) in c.codes.iter_mut().zip(row) {
+                col.push(code);
+            }
+            push_opt(&mut c.layer, v.layer);
+            push_opt(&mut c.expert, v.expert);
+            for (col, &n) in c.numbers.iter_mut().zip(&v.numbers) {
+                push_opt(col, n);
+            }
+            push_opt(&mut c.alpha, v.alpha);
+            c.scale.push(v.scale);
+            c.use_rslora.push(v.use_rslora);
+        }
+        c
+    }
+}
+
+fn push_opt<T: Default>(col: &mut (Vec<T>, Vec<bool>), v: Option<T>) {
+    col.1.push(v.is_some());
+    col.0.push(v.unwrap_or_default());
 }
 
 /// A group of distinct classifications interned together, with its own dictionaries.
@@ -269,7 +309,11 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                     v.push(Values::of(&m));
                 }
             }
-            ClassRows { codes, values }
+            ClassRows {
+                codes,
+                values,
+                columns: None,
+            }
         })
         .collect();
     Group {
@@ -365,6 +409,25 @@ impl<'a> Rows<'a> {
         )
     }
 
+    /// Rows `i..` are a copy of a classification's, for adapter row `row`; returns their number.
+    fn put_class(&mut self, i: usize, row: u32, c: &ClassColumns) -> usize {
+        let n = c.scale.len();
+        let at = i..i + n;
+        self.row[at.clone()].fill(row);
+        for (col, from) in self.codes.iter_mut().zip(&c.codes) {
+            col[at.clone()].copy_from_slice(from);
+        }
+        copy_pair(&mut self.layer, &at, &c.layer);
+        copy_pair(&mut self.expert, &at, &c.expert);
+        for (col, from) in self.numbers.iter_mut().zip(&c.numbers) {
+            copy_pair(col, &at, from);
+        }
+        copy_pair(&mut self.alpha, &at, &c.alpha);
+        self.scale[at.clone()].copy_from_slice(&c.scale);
+        self.use_rslora[at].copy_from_slice(&c.use_rslora);
+        n
+    }
+
     fn put(&mut self, i: usize, row: u32, codes: &[i32; 7], v: &Values) {
         self.row[i] = row;
         for (col, &code) in self.codes.iter_mut().zip(codes) {
@@ -379,6 +442,11 @@ impl<'a> Rows<'a> {
         self.scale[i] = v.scale;
         self.use_rslora[i] = v.use_rslora;
     }
+}
+
+fn copy_pair<T: Copy>(col: &mut (&mut [T], &mut [bool]), at: &Range<usize>, from: &(Vec<T>, Vec<bool>)) {
+    col.0[at.clone()].copy_from_slice(&from.0);
+    col.1[at.clone()].copy_from_slice(&from.1);
 }
 
 fn put_opt<T: Default>(col: &mut (&mut [T], &mut [bool]), i: usize, v: Option<T>) {
@@ -444,6 +512,9 @@ impl<'r> ModuleTable<'r> {
                         }
                     }
                 }
+                if let Some(values) = class.values.take() {
+                    class.columns = Some(ClassColumns::of(&class.codes, &values));
+                }
             }
         });
         let mut class_rows: Vec<Option<&ClassRows>> = vec![None; classes.len()];
@@ -496,13 +567,8 @@ impl<'r> ModuleTable<'r> {
             for row in range {
                 let Some(c) = row_class[row] else { continue };
                 let Some(class) = class_rows[c] else { continue };
-                match &class.values {
-                    Some(values) => {
-                        for (codes, v) in class.codes.iter().zip(values) {
-                            out.put(i, row as u32, codes, v);
-                            i += 1;
-                        }
-                    }
+                match &class.columns {
+                    Some(columns) => i += out.put_class(i, row as u32, columns),
                     None => {
                         for (codes, m) in class.codes.iter().zip(classes[c].iter()) {
                             out.put(i, row as u32, codes, &Values::of(&m));

@@ -18,6 +18,7 @@ __all__ = [
     "TORCH_ERROR_CODES",
     "__version__",
     "MappedFile",
+    "ModuleCache",
     "ScanResult",
     "_debug_panic_on",
     "assemble",
