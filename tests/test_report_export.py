@@ -295,6 +295,9 @@ def test_arrow_tables_match_the_columns_and_the_adapters(fleet):
         assert row["num_problems"] == len(a.problems)
 
     modules = report.to_arrow("modules")
+    # The dictionary columns are made without pyarrow's bounds check: a full validation checks every code.
+    table.validate(full=True)
+    modules.validate(full=True)
     want = [
         (report.paths.index(a.path), m.name, m.key, m.leaf, m.kind, m.layer, m.expert, m.num_experts, m.rank,
          m.in_features, m.out_features, m.dtype, m.alpha, m.scale, m.config_rank, m.use_rslora, m.a_key, m.b_key)

@@ -152,7 +152,9 @@ def _arrow_arrays(report: ScanReport, table: Table) -> Iterator[tuple[str, Any]]
             codes = col[1]
             indices = pa.array(codes, mask=_nulls(codes < 0), memory_pool=pool)
             values = pa.array(_utf8(col[2]), pa.string(), memory_pool=pool)
-            yield name, pa.DictionaryArray.from_arrays(indices, values, memory_pool=pool)
+            # Not `safe`: the core's codes index its own names (null where -1), and checking the bounds of
+            # 224,000 of them took 0.12 ms a column.
+            yield name, pa.DictionaryArray.from_arrays(indices, values, safe=False, memory_pool=pool)
         else:
             try:
                 yield name, pa.array(col[1], pa.string(), memory_pool=pool)
