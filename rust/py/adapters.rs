@@ -440,7 +440,7 @@ fn earlier<'s>(
 }
 
 /// One batch's [`ModuleDicts`], held by its adapters until each has built its modules (then freed
-/// with the last). The lock is only ever held by the thread that holds the GIL.
+/// with the last). Whoever finds it locked builds without it (see `modules`).
 #[pyclass(frozen, module = "lorafast._core")]
 pub(super) struct ModuleCache {
     dicts: std::sync::Mutex<ModuleDicts>,
@@ -462,8 +462,9 @@ pub(super) fn modules<'py>(
     cache: Option<&Bound<'py, ModuleCache>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let t = Types::of(types)?;
-    // A module built while another is (a finalizer that reads `modules`, run by the collector
-    // mid-build) finds the lock taken and builds without the cache rather than wait on itself.
+    // Modules built while others are, by another thread (a free-threaded build) or by this one (a
+    // finalizer that reads `modules`, run by the collector mid-build), find the lock taken and are
+    // built without the cache: never a wait, so never a wait on itself.
     let mut guard = cache.and_then(|c| c.get().dicts.try_lock().ok());
     let mut own = None;
     let dicts = match guard.as_deref_mut() {
