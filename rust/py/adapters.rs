@@ -106,32 +106,14 @@ fn set_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, value: &Bound<'_
     }
 }
 
-/// Python strings for the names that repeat from adapter to adapter (dtypes, flags, target leaves,
-/// problem codes): one object each per batch, shared, instead of one per use.
-#[derive(Default)]
-struct Names<'py, 'r> {
-    strings: rustc_hash::FxHashMap<&'r str, Bound<'py, PyString>>,
-}
-
-impl<'py, 'r> Names<'py, 'r> {
-    fn get(&mut self, py: Python<'py>, s: &'r str) -> Bound<'py, PyString> {
-        self.strings.entry(s).or_insert_with(|| PyString::new(py, s)).clone()
-    }
-
-    fn tuple<I: IntoIterator<Item = &'r str>>(&mut self, py: Python<'py>, items: I) -> PyResult<Bound<'py, PyTuple>> {
-        let items: Vec<_> = items.into_iter().map(|s| self.get(py, s)).collect();
-        PyTuple::new(py, items)
-    }
-}
-
 /// The part of an adapter's fields its classification decides, with None for the adapter's own
 /// fields, in dataclass field order (`Adapter`'s `repr` and equality use the fields, not the dict's
 /// order, but `vars()` then reads as from `__init__`).
-fn class_fields<'py, 'r>(
+fn class_fields<'py>(
     py: Python<'py>,
-    c: &'r Classification,
+    c: &Classification,
     t: &Types<'py>,
-    names: &mut Names<'py, 'r>,
+    names: &mut Interned,
 ) -> PyResult<Bound<'py, PyDict>> {
     let none = py.None();
     let d = PyDict::new(py);
@@ -143,13 +125,13 @@ fn class_fields<'py, 'r>(
     d.set_item(intern!(py, "num_tensors"), c.num_tensors)?;
     d.set_item(
         intern!(py, "dtypes"),
-        names.tuple(py, c.dtypes.iter().map(|t| t.name()))?,
+        names.str_tuple(py, c.dtypes.iter().map(|t| t.name()))?,
     )?;
     d.set_item(intern!(py, "layers"), PyTuple::new(py, &c.layers)?)?;
     d.set_item(intern!(py, "base_model_name_or_path"), &c.base_model)?;
     d.set_item(
         intern!(py, "target_modules"),
-        names.tuple(py, c.target_modules.iter().map(String::as_str))?,
+        names.str_tuple(py, c.target_modules.iter().map(String::as_str))?,
     )?;
     d.set_item(intern!(py, "config"), &none)?;
     d.set_item(intern!(py, "r"), &none)?;
@@ -161,11 +143,11 @@ fn class_fields<'py, 'r>(
     d.set_item(intern!(py, "rank"), c.rank)?;
     d.set_item(intern!(py, "moe_layout"), t.layouts.get_item(c.moe_layout as usize)?)?;
     d.set_item(intern!(py, "num_experts"), c.num_experts)?;
-    let flags: Vec<_> = Flag::set_in(c.flags).map(|f| names.get(py, f.code())).collect();
+    let flags: Vec<_> = Flag::set_in(c.flags).map(|f| names.str(py, f.code())).collect();
     d.set_item(intern!(py, "flags"), PyFrozenSet::new(py, flags)?)?;
     d.set_item(
         intern!(py, "variants"),
-        names.tuple(py, c.variants.iter().map(|v| v.name()))?,
+        names.str_tuple(py, c.variants.iter().map(|v| v.name()))?,
     )?;
     d.set_item(
         intern!(py, "full_weight_tensors"),
@@ -176,7 +158,7 @@ fn class_fields<'py, 'r>(
         .iter()
         .map(|p| {
             let f = PyDict::new(py);
-            f.set_item(intern!(py, "code"), names.get(py, p.code.code()))?;
+            f.set_item(intern!(py, "code"), names.str(py, p.code.code()))?;
             f.set_item(intern!(py, "message"), &p.message)?;
             f.set_item(intern!(py, "tensor"), &p.tensor)?;
             t.problem.make(f)
@@ -214,7 +196,9 @@ pub(super) fn build<'py, 'r>(
     };
     let batch = Batch::of(ok().map(|(_, a)| a));
     let mut templates: FxHashMap<usize, Bound<'py, PyDict>> = Default::default();
-    let mut names = Names::default();
+    // The names that repeat from adapter to adapter (dtypes, flags, target leaves, problem codes):
+    // one object each per batch, shared.
+    let mut names = Interned::default();
     let mut out = Vec::new();
     let mut configs = Vec::new();
     let mut cache = None;

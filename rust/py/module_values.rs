@@ -4,7 +4,8 @@
 //! A fleet's adapters name the same modules with the same shapes: 224,000 modules of 1,000 adapters
 //! hold a few hundred distinct strings and numbers. A fresh object for each value was a dozen
 //! allocations per module (and as many frees when it died), most of the time of building one.
-//! The values are immutable, so sharing them is not seen from Python.
+//! The values are immutable, so sharing them is not seen from Python. Report iteration's adapters
+//! share their repeated names (dtypes, flags, target leaves, problem codes) through it too.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -25,7 +26,7 @@ pub(super) struct Interned {
 }
 
 impl Interned {
-    fn str<'py>(&mut self, py: Python<'py>, s: &str) -> Bound<'py, PyString> {
+    pub(super) fn str<'py>(&mut self, py: Python<'py>, s: &str) -> Bound<'py, PyString> {
         match self.strings.get(s) {
             Some(o) => o.bind(py).clone(),
             None => {
@@ -34,6 +35,16 @@ impl Interned {
                 o
             }
         }
+    }
+
+    /// A tuple of the strings.
+    pub(super) fn str_tuple<'py, 'a>(
+        &mut self,
+        py: Python<'py>,
+        items: impl IntoIterator<Item = &'a str>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let items: Vec<_> = items.into_iter().map(|s| self.str(py, s)).collect();
+        PyTuple::new(py, items)
     }
 
     fn opt_str<'py>(&mut self, py: Python<'py>, s: Option<&str>) -> Option<Bound<'py, PyAny>> {
