@@ -213,11 +213,10 @@ fn strings<'m>(m: &ModuleInfo<'m>) -> ModuleStrings<'m> {
 }
 
 /// One distinct classification's rows: string codes (into its group's dictionaries until `remap`,
-/// then the table's), and its values when more than one adapter uses it (else they are read from
-/// the modules where they are written), which become `columns` once the codes are the table's.
+/// then the table's), and when more than one adapter uses it, its rows as columns (else its values
+/// are read from the modules where they are written).
 struct ClassRows {
     codes: Vec<[i32; 7]>,
-    values: Option<Vec<Values>>,
     /// Boxed: a fleet of single-module adapters has a `ClassRows` per adapter, and 25 empty `Vec`s
     /// each (600 bytes) added 13 MB to the table of 20,000 such adapters.
     columns: Option<Box<ClassColumns>>,
@@ -225,7 +224,8 @@ struct ClassRows {
 
 /// A classification more than one adapter uses, as columns: each adapter's rows are a copy of
 /// each, column by column (writing a row at a time into 28 columns was most of the dense fleet's
-/// table build after its page faults).
+/// table build after its page faults). The values are pushed as the modules are interned; the code
+/// columns are filled once the codes are the table's.
 #[derive(Default)]
 struct ClassColumns {
     codes: [Vec<i32>; 7],
@@ -238,22 +238,21 @@ struct ClassColumns {
 }
 
 impl ClassColumns {
-    fn of(codes: &[[i32; 7]], values: &[Values]) -> Self {
-        let mut c = ClassColumns::default();
-        for (row, v) in codes.iter().zip(values) {
-            for (col, &code) in c.codes.iter_mut().zip(row) {
-                col.push(code);
-            }
-            push_opt(&mut c.layer, v.layer);
-            push_opt(&mut c.expert, v.expert);
-            for (col, &n) in c.numbers.iter_mut().zip(&v.numbers) {
-                push_opt(col, n);
-            }
-            push_opt(&mut c.alpha, v.alpha);
-            c.scale.push(v.scale);
-            c.use_rslora.push(v.use_rslora);
+    fn push(&mut self, v: &Values) {
+        push_opt(&mut self.layer, v.layer);
+        push_opt(&mut self.expert, v.expert);
+        for (col, &n) in self.numbers.iter_mut().zip(&v.numbers) {
+            push_opt(col, n);
         }
-        c
+        push_opt(&mut self.alpha, v.alpha);
+        self.scale.push(v.scale);
+        self.use_rslora.push(v.use_rslora);
+    }
+
+    fn set_codes(&mut self, codes: &[[i32; 7]]) {
+        for (k, col) in self.codes.iter_mut().enumerate() {
+            *col = codes.iter().map(|row| row[k]).collect();
+        }
     }
 }
 
@@ -284,7 +283,7 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
         .map(|c| {
             let modules = classes[c];
             let mut codes = Vec::with_capacity(modules.len());
-            let mut values = (uses[c] > 1).then(|| Vec::with_capacity(modules.len()));
+            let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
             for m in modules.iter() {
                 let strings = strings(&m);
                 let known = by_key.entry(m.key).or_default();
@@ -307,15 +306,11 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                     }
                 };
                 codes.push(row);
-                if let Some(v) = values.as_mut() {
-                    v.push(Values::of(&m));
+                if let Some(c) = columns.as_mut() {
+                    c.push(&Values::of(&m));
                 }
             }
-            ClassRows {
-                codes,
-                values,
-                columns: None,
-            }
+            ClassRows { codes, columns }
         })
         .collect();
     Group {
@@ -514,8 +509,8 @@ impl<'r> ModuleTable<'r> {
                         }
                     }
                 }
-                if let Some(values) = class.values.take() {
-                    class.columns = Some(Box::new(ClassColumns::of(&class.codes, &values)));
+                if let Some(columns) = class.columns.as_mut() {
+                    columns.set_codes(&class.codes);
                 }
             }
         });
