@@ -10,7 +10,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::classify::{Format, Modules, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
@@ -22,6 +22,7 @@ use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target}
 use crate::torch;
 
 mod adapters;
+mod instances;
 mod module_values;
 
 /// Paths go to Python as `str` decoded the way `os.fsdecode` does (surrogateescape), so a name
@@ -511,11 +512,11 @@ impl ScanResult {
     fn adapters<'py>(&self, py: Python<'py>, start: usize, stop: usize) -> PyResult<Bound<'py, PyList>> {
         let stop = stop.min(self.rows.len());
         let ok = || self.rows[start.min(stop)..stop].iter().filter_map(|r| r.as_ref().ok());
-        let mut modules = adapters::ModuleDicts::new(adapters::Batch::of(ok()));
+        let mut modules = adapters::BatchModules::new(adapters::Batch::of(ok()));
         let items = ok()
             .map(|a| {
                 let d = adapter_dict(py, a, false)?;
-                d.set_item(intern!(py, "modules"), modules.of(py, a)?)?;
+                d.set_item(intern!(py, "modules"), modules.dicts(py, a)?)?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -1427,6 +1428,12 @@ fn codes<'py, T: Copy>(py: Python<'py>, all: &[T], code: fn(T) -> &'static str) 
     PyTuple::new(py, all.iter().map(|&c| code(c)))
 }
 
+/// The `LoraModule`s (`cls`) of module dicts, as `inspect` and a merged distributed result give them.
+#[pyfunction]
+fn make_modules<'py>(cls: Bound<'py, PyType>, dicts: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyTuple>> {
+    instances::ModuleClass::of(cls)?.make_from_dicts(dicts)
+}
+
 /// Test hook, not public API: loading or reading `path` panics (None disarms it), so tests can
 /// show a panic becoming an `internal` row or an `InternalError`.
 #[pyfunction]
@@ -1441,8 +1448,9 @@ mod _core {
     use super::adapters::ModuleCache;
     #[pymodule_export]
     use super::{
-        _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many, map_file,
-        read_header, read_torch_header, read_url_range, scan, scan_targets, MappedFile, ScanResult,
+        _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many,
+        make_modules, map_file, read_header, read_torch_header, read_url_range, scan, scan_targets, MappedFile,
+        ScanResult,
     };
 
     #[pymodule_init]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -224,8 +226,40 @@ def test_modules_built_from_core_dicts_equal_dataclass_construction(fleet):
     adapter = lorafast.inspect(fleet / "team-a" / "dora")
     assert adapter.modules
     for m in adapter.modules:
-        assert list(vars(m)) == names
-        rebuilt = LoraModule(**vars(m))
+        # The core fills the slots directly: every field set, nothing else held.
+        assert type(m) is LoraModule and not hasattr(m, "__dict__")
+        fields = {name: getattr(m, name) for name in names}
+        rebuilt = LoraModule(**fields)
         assert rebuilt == m and hash(rebuilt) == hash(m) and repr(rebuilt) == repr(m)
+        assert pickle.loads(pickle.dumps(m)) == m and copy.copy(m) == m and dataclasses.replace(m) == m
         with pytest.raises(dataclasses.FrozenInstanceError):
             m.rank = 1
+
+
+def test_make_modules_refuses_a_class_whose_slots_are_not_the_fields():
+    import dataclasses
+
+    from lorafast import _core
+    from lorafast.adapter import LoraModule
+
+    module = {f.name: None for f in dataclasses.fields(LoraModule)}
+    (m,) = _core.make_modules(LoraModule, [module])
+    assert m == LoraModule(**module)
+    with pytest.raises(KeyError, match="weight_file"):
+        _core.make_modules(LoraModule, [{k: v for k, v in module.items() if k != "weight_file"}])
+
+    @dataclasses.dataclass(frozen=True)
+    class NoSlots:
+        name: str
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class TooFew:
+        name: str
+        key: str
+
+    class Sub(LoraModule):  # a subclass's own slots do not hold the fields
+        __slots__ = ("more",)
+
+    for cls in (NoSlots, TooFew, Sub):
+        with pytest.raises(TypeError, match="cannot hold LoraModule fields"):
+            _core.make_modules(cls, [module])

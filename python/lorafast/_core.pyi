@@ -28,6 +28,7 @@ __all__ = [
     "discover_targets",
     "inspect",
     "inspect_many",
+    "make_modules",
     "map_file",
     "read_header",
     "read_torch_header",
@@ -150,6 +151,8 @@ def inspect_many(
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> list[RawAdapter | Exception]: ...
+# `cls` is `lorafast.adapter.LoraModule` (its slots are the fields of a RawModule).
+def make_modules(cls: type[Any], dicts: list[RawModule]) -> tuple[Any, ...]: ...
 def scan(
     paths: list[str],
     recursive: bool = True,

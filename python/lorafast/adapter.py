@@ -71,7 +71,7 @@ class Problem:
     tensor: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LoraModule:
     """One adapted module: a lora_A/lora_B pair (or the factors of a LyCORIS variant).
 

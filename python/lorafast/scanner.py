@@ -42,15 +42,6 @@ def _object(value: Any) -> dict[str, Any]:
     return dict(value) if isinstance(value, dict) else {}
 
 
-def _module(fields: _core.RawModule) -> LoraModule:
-    """The `LoraModule` of a module dict from the core, whose keys are exactly its fields. The dict
-    becomes the instance's `__dict__`: the frozen dataclass `__init__` sets 23 fields one
-    `object.__setattr__` at a time, which made iterating a report cost milliseconds per adapter."""
-    module = object.__new__(LoraModule)
-    object.__setattr__(module, "__dict__", fields)
-    return module
-
-
 def _config_fields(config_json: str | None, config_path: str | None) -> dict[str, Any]:
     """The `Adapter` fields read from the config text: `config`, `r`, `lora_alpha`, `use_rslora`, `rank_pattern`
     and `alpha_pattern`. Shared by `inspect` and report iteration, so both give the same adapter."""
@@ -73,7 +64,7 @@ def _config_fields(config_json: str | None, config_path: str | None) -> dict[str
 
 
 def _adapter(raw: _core.RawAdapter) -> Adapter:
-    modules = tuple(map(_module, raw["modules"]))
+    modules: tuple[LoraModule, ...] = _core.make_modules(LoraModule, raw["modules"])
     return Adapter(
         path=raw["path"],
         weight_files=tuple(raw["weight_files"]),

@@ -15,16 +15,15 @@
 //! with its values' Python objects shared (`module_values.rs`). 224,000 modules of 1,000 adapters
 //! whose headers all differ: 245 -> 145 ms.
 
-use pyo3::exceptions::PyTypeError;
-use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 
 use rustc_hash::FxHashMap;
 
+use super::instances::{Maker, ModuleClass};
 use super::metadata_dict;
-use super::module_values::{module_dict, module_fields, Interned};
+use super::module_values::{fields_dict, hold, module_fields, with_weight_file, Fields, HeldFields, Interned};
 use crate::classify::{Classification, ModuleInfo, Modules};
 use crate::codes::Flag;
 use crate::error::Error;
@@ -35,7 +34,7 @@ use crate::scan::AdapterResult;
 /// column-code order.
 struct Types<'py> {
     adapter: Maker<'py>,
-    module: Maker<'py>,
+    module: ModuleClass<'py>,
     problem: Maker<'py>,
     formats: Bound<'py, PyTuple>,
     layouts: Bound<'py, PyTuple>,
@@ -46,63 +45,11 @@ impl<'py> Types<'py> {
         let (adapter, module, problem, formats, layouts) = types.extract()?;
         Ok(Types {
             adapter: Maker::of(adapter)?,
-            module: Maker::of(module)?,
+            module: ModuleClass::of(module)?,
             problem: Maker::of(problem)?,
             formats,
             layouts,
         })
-    }
-}
-
-/// Makes instances of one class whose `__dict__` is given, bypassing the frozen dataclass
-/// `__init__`: `object.__new__(cls)` then `object.__setattr__(obj, "__dict__", fields)`, done
-/// through the C functions those two call (the class's `tp_new` slot, `PyObject_GenericSetAttr`).
-/// As two Python-level calls they were a third of the time of building a module.
-struct Maker<'py> {
-    cls: Bound<'py, PyType>,
-    new: ffi::newfunc,
-    no_args: Bound<'py, PyTuple>,
-}
-
-impl<'py> Maker<'py> {
-    fn of(cls: Bound<'py, PyType>) -> PyResult<Self> {
-        // SAFETY: `cls` is a live type object; its `tp_new` slot is a `newfunc` or null.
-        let slot = unsafe { ffi::PyType_GetSlot(cls.as_type_ptr(), ffi::Py_tp_new) };
-        if slot.is_null() {
-            return Err(PyTypeError::new_err(format!("{cls} cannot be instantiated")));
-        }
-        // SAFETY: the slot's type is `newfunc` (CPython's `PyTypeObject.tp_new`).
-        let new = unsafe { std::mem::transmute::<*mut std::ffi::c_void, ffi::newfunc>(slot) };
-        Ok(Maker {
-            no_args: PyTuple::empty(cls.py()),
-            cls,
-            new,
-        })
-    }
-
-    /// An instance whose `__dict__` is `fields`.
-    fn make(&self, fields: Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
-        let obj = self.instance()?;
-        set_attr(&obj, intern!(self.cls.py(), "__dict__"), fields.as_any())?;
-        Ok(obj)
-    }
-
-    /// `object.__new__(cls)`: the class's own `tp_new` with no arguments.
-    fn instance(&self) -> PyResult<Bound<'py, PyAny>> {
-        // SAFETY: a new reference, or null with an exception set.
-        unsafe {
-            let raw = (self.new)(self.cls.as_type_ptr(), self.no_args.as_ptr(), std::ptr::null_mut());
-            Bound::from_owned_ptr_or_err(self.cls.py(), raw)
-        }
-    }
-}
-
-/// `object.__setattr__(obj, name, value)`, which a frozen dataclass `__init__` sets its fields with.
-fn set_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, value: &Bound<'_, PyAny>) -> PyResult<()> {
-    // SAFETY: all three are live objects; 0, or -1 with an exception set.
-    match unsafe { ffi::PyObject_GenericSetAttr(obj.as_ptr(), name.as_ptr(), value.as_ptr()) } {
-        0 => Ok(()),
-        _ => Err(PyErr::fetch(obj.py())),
     }
 }
 
@@ -277,16 +224,16 @@ impl Batch {
     }
 }
 
-/// What building one batch's modules shares: the values' Python objects, the module dicts of each
-/// shared classification (copied for every adapter that has it, with its own `weight_file`), and
-/// the modules seen so far of the others.
+/// What building one batch's modules shares: the values' Python objects, the module fields of
+/// each shared classification (given to every adapter that has it, with its own `weight_file`),
+/// and the modules seen so far of the others.
 #[derive(Default)]
-pub(super) struct ModuleDicts {
+pub(super) struct BatchModules {
     batch: Batch,
     values: Interned,
-    templates: FxHashMap<usize, Vec<Py<PyDict>>>,
+    templates: FxHashMap<usize, Vec<HeldFields>>,
     /// The modules of classifications no other adapter shares, by key: where each distinct one was
-    /// first seen, and its dict once a second one equal to it was (adapters whose headers differ
+    /// first seen, and its fields once a second one equal to it was (adapters whose headers differ
     /// mostly still name the same modules, with one of a few ranks).
     seen: FxHashMap<Box<str>, Vec<SeenModule>>,
 }
@@ -301,7 +248,7 @@ struct SeenModule {
     index: usize,
     /// Its rank: what tells a key's variants apart, compared before the whole module.
     rank: Option<u64>,
-    template: Option<Py<PyDict>>,
+    template: Option<HeldFields>,
 }
 
 impl SeenModule {
@@ -310,78 +257,88 @@ impl SeenModule {
     }
 }
 
-impl ModuleDicts {
+impl BatchModules {
     pub(super) fn new(batch: Batch) -> Self {
-        ModuleDicts {
+        BatchModules {
             batch,
             ..Default::default()
         }
     }
 
-    /// The module dicts of one adapter.
-    pub(super) fn of<'py>(&mut self, py: Python<'py>, a: &AdapterResult) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    /// Hands `put` the fields of each of one adapter's modules, in order: a shared classification's
+    /// from its template; another's from an equal module of the batch seen twice before; else made
+    /// from the module's values.
+    fn each<'py>(
+        &mut self,
+        py: Python<'py>,
+        a: &AdapterResult,
+        mut put: impl FnMut(Made<'_, 'py>) -> PyResult<()>,
+    ) -> PyResult<()> {
         let weight_file = weight_file(py, a)?;
         let key = class_key(a);
         if let Some(template) = self.templates.get(&key) {
-            let weight_file_key = intern!(py, "weight_file");
-            return template
-                .iter()
-                .map(|m| {
-                    let m = m.bind(py).copy()?;
-                    m.set_item(weight_file_key, &weight_file)?;
-                    Ok(m)
-                })
-                .collect();
+            return template.iter().try_for_each(|t| put(Made::Like(t, &weight_file)));
         }
-        let dicts = a
-            .class
-            .modules
-            .iter()
-            .map(|m| module_dict(py, &m, &weight_file, &mut self.values))
-            .collect::<PyResult<Vec<_>>>()?;
         if self.batch.is_shared(a) {
-            let copies = dicts
-                .iter()
-                .map(|d| Ok(d.copy()?.unbind()))
-                .collect::<PyResult<Vec<_>>>()?;
-            self.templates.insert(key, copies);
+            let mut template = Vec::with_capacity(a.class.modules.len());
+            for m in a.class.modules.iter() {
+                let fields = module_fields(py, &m, &weight_file, &mut self.values)?;
+                template.push(hold(&fields));
+                put(Made::New(fields))?;
+            }
+            self.templates.insert(key, template);
+            return Ok(());
         }
-        Ok(dicts)
+        for (index, m) in a.class.modules.iter().enumerate() {
+            let Some(earlier) = earlier(&mut self.seen, a, index, &m) else {
+                put(Made::New(module_fields(py, &m, &weight_file, &mut self.values)?))?;
+                continue;
+            };
+            match &earlier.template {
+                Some(template) => put(Made::Like(template, &weight_file))?,
+                None => {
+                    let fields = module_fields(py, &m, &weight_file, &mut self.values)?;
+                    earlier.template = Some(hold(&fields));
+                    put(Made::New(fields))?;
+                }
+            }
+        }
+        Ok(())
     }
 
-    /// The `LoraModule`s of one adapter: a shared classification's from its dicts; another's copied
-    /// from an equal module of the batch seen twice before, else made as the dataclass `__init__`
-    /// makes them, a field at a time (the instance keeps its fields in the class's shared-key
-    /// storage, with no dict of its own to build or free).
-    fn objects<'py>(&mut self, py: Python<'py>, a: &AdapterResult, t: &Types<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        if self.templates.contains_key(&class_key(a)) || self.batch.is_shared(a) {
-            return self.of(py, a)?.into_iter().map(|d| t.module.make(d)).collect();
-        }
-        let weight_file = weight_file(py, a)?;
-        let weight_file_key = intern!(py, "weight_file");
-        a.class
-            .modules
-            .iter()
-            .enumerate()
-            .map(|(index, m)| {
-                let Some(earlier) = earlier(&mut self.seen, a, index, &m) else {
-                    let obj = t.module.instance()?;
-                    module_fields(py, &m, &weight_file, &mut self.values, |k, v| set_attr(&obj, k, &v))?;
-                    return Ok(obj);
-                };
-                let d = match &earlier.template {
-                    Some(template) => template.bind(py).copy()?,
-                    None => {
-                        let d = module_dict(py, &m, &weight_file, &mut self.values)?;
-                        earlier.template = Some(d.copy()?.unbind());
-                        d
-                    }
-                };
-                d.set_item(weight_file_key, &weight_file)?;
-                t.module.make(d)
-            })
-            .collect()
+    /// The module dicts of one adapter (the fields of `inspect`'s raw result).
+    pub(super) fn dicts<'py>(&mut self, py: Python<'py>, a: &AdapterResult) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let mut out = Vec::with_capacity(a.class.modules.len());
+        self.each(py, a, |made| {
+            let fields = match made {
+                Made::New(fields) => fields,
+                Made::Like(held, weight_file) => with_weight_file(held, weight_file),
+            };
+            out.push(fields_dict(py, fields)?);
+            Ok(())
+        })?;
+        Ok(out)
     }
+
+    /// The `LoraModule`s of one adapter.
+    fn objects<'py>(&mut self, py: Python<'py>, a: &AdapterResult, t: &Types<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut out = Vec::with_capacity(a.class.modules.len());
+        self.each(py, a, |made| {
+            out.push(match made {
+                Made::New(fields) => t.module.make(fields)?,
+                Made::Like(held, weight_file) => t.module.make_like(held, weight_file)?,
+            });
+            Ok(())
+        })?;
+        Ok(out)
+    }
+}
+
+/// A module's fields: made for it, or those held of an equal module of the batch with its own
+/// weights file (copied straight into a new object, with no array of them made in between).
+enum Made<'a, 'py> {
+    New(Fields<'py>),
+    Like(&'a HeldFields, &'a Bound<'py, PyString>),
 }
 
 /// The adapter's weights file as the `str` its modules' `weight_file` share.
@@ -423,17 +380,17 @@ fn earlier<'s>(
     }
 }
 
-/// One batch's [`ModuleDicts`], held by its adapters until each has built its modules (then freed
+/// One batch's [`BatchModules`], held by its adapters until each has built its modules (then freed
 /// with the last). Whoever finds it locked builds without it (see `modules`).
 #[pyclass(frozen, module = "lorafast._core")]
 pub(super) struct ModuleCache {
-    dicts: std::sync::Mutex<ModuleDicts>,
+    modules: std::sync::Mutex<BatchModules>,
 }
 
 impl ModuleCache {
     fn new(batch: Batch) -> Self {
         ModuleCache {
-            dicts: std::sync::Mutex::new(ModuleDicts::new(batch)),
+            modules: std::sync::Mutex::new(BatchModules::new(batch)),
         }
     }
 }
@@ -449,11 +406,11 @@ pub(super) fn modules<'py>(
     // Modules built while others are, by another thread (a free-threaded build) or by this one (a
     // finalizer that reads `modules`, run by the collector mid-build), find the lock taken and are
     // built without the cache: never a wait, so never a wait on itself.
-    let mut guard = cache.and_then(|c| c.get().dicts.try_lock().ok());
+    let mut guard = cache.and_then(|c| c.get().modules.try_lock().ok());
     let mut own = None;
-    let dicts = match guard.as_deref_mut() {
-        Some(d) => d,
-        None => own.insert(ModuleDicts::default()),
+    let modules = match guard.as_deref_mut() {
+        Some(m) => m,
+        None => own.insert(BatchModules::default()),
     };
-    PyTuple::new(py, dicts.objects(py, a, &t)?)
+    PyTuple::new(py, modules.objects(py, a, &t)?)
 }

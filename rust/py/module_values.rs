@@ -1,5 +1,6 @@
-//! `LoraModule` fields as a dict of Python objects, with the values that repeat from module to
-//! module (names, tensor names, dtypes, sizes, shapes, alphas) made once per batch and shared.
+//! `LoraModule`s (and module dicts) from the core's modules, with the values that repeat from
+//! module to module (names, tensor names, dtypes, sizes, shapes, alphas) made once per batch and
+//! shared.
 //!
 //! A fleet's adapters name the same modules with the same shapes: 224,000 modules of 1,000 adapters
 //! hold a few hundred distinct strings and numbers. A fresh object for each value was a dozen
@@ -7,8 +8,8 @@
 //! The values are immutable, so sharing them is not seen from Python. Report iteration's adapters
 //! share their repeated names (dtypes, flags, target leaves, problem codes) through it too.
 
-use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
 use rustc_hash::FxHashMap;
 
@@ -84,44 +85,99 @@ impl Interned {
     }
 }
 
-/// One module's `LoraModule` fields, in field order, each handed to `put` as (name, value). The
-/// names are interned: a fresh key string each time was once most of the cost of a module dict.
+/// `LoraModule`'s fields, in order (`lorafast.adapter.LoraModule`).
+pub(super) const MODULE_FIELDS: [&str; 23] = [
+    "name",
+    "key",
+    "kind",
+    "leaf",
+    "layer",
+    "expert",
+    "num_experts",
+    "rank",
+    "in_features",
+    "out_features",
+    "dtype",
+    "a_key",
+    "b_key",
+    "a_shape",
+    "b_shape",
+    "alpha",
+    "alpha_key",
+    "bias_key",
+    "magnitude_key",
+    "extra_keys",
+    "config_rank",
+    "use_rslora",
+    "weight_file",
+];
+pub(super) const WEIGHT_FILE: usize = MODULE_FIELDS.len() - 1;
+
+/// One module's field values, in [`MODULE_FIELDS`] order.
+pub(super) type Fields<'py> = [Bound<'py, PyAny>; MODULE_FIELDS.len()];
+/// The same, held (a module equal to others of the batch, which are made from it).
+pub(super) type HeldFields = [Py<PyAny>; MODULE_FIELDS.len()];
+
+/// One module's field values, with its values' Python objects shared through `v`.
 pub(super) fn module_fields<'py>(
     py: Python<'py>,
     m: &ModuleInfo<'_>,
     weight_file: &Bound<'py, PyString>,
     v: &mut Interned,
-    mut put: impl FnMut(&Bound<'py, PyString>, Bound<'py, PyAny>) -> PyResult<()>,
-) -> PyResult<()> {
+) -> PyResult<Fields<'py>> {
     let none = || py.None().into_bound(py);
     let opt = |o: Option<Bound<'py, PyAny>>| o.unwrap_or_else(none);
-    put(intern!(py, "name"), v.str(py, m.name).into_any())?;
-    put(intern!(py, "key"), v.str(py, m.key).into_any())?;
-    put(intern!(py, "kind"), v.str(py, m.kind.name()).into_any())?;
-    put(intern!(py, "leaf"), v.str(py, m.leaf).into_any())?;
-    put(intern!(py, "layer"), opt(v.int(py, m.layer.map(u64::from))))?;
-    put(intern!(py, "expert"), opt(v.int(py, m.expert.map(u64::from))))?;
-    put(intern!(py, "num_experts"), opt(v.int(py, m.num_experts)))?;
-    put(intern!(py, "rank"), opt(v.int(py, m.rank)))?;
-    put(intern!(py, "in_features"), opt(v.int(py, m.in_features)))?;
-    put(intern!(py, "out_features"), opt(v.int(py, m.out_features)))?;
-    put(intern!(py, "dtype"), opt(v.opt_str(py, m.dtype.map(Dtype::name))))?;
-    put(intern!(py, "a_key"), opt(v.opt_str(py, m.a_key)))?;
-    put(intern!(py, "b_key"), opt(v.opt_str(py, m.b_key)))?;
-    put(intern!(py, "a_shape"), opt(v.shape(py, m.a_shape)?))?;
-    put(intern!(py, "b_shape"), opt(v.shape(py, m.b_shape)?))?;
-    put(intern!(py, "alpha"), opt(v.float(py, m.alpha)))?;
-    put(intern!(py, "alpha_key"), opt(v.opt_str(py, m.alpha_key)))?;
-    put(intern!(py, "bias_key"), opt(v.opt_str(py, m.bias_key)))?;
-    put(intern!(py, "magnitude_key"), opt(v.opt_str(py, m.magnitude_key)))?;
     let extra: Vec<_> = m.extra_keys.iter().map(|k| v.str(py, k)).collect();
-    put(intern!(py, "extra_keys"), PyTuple::new(py, extra)?.into_any())?;
-    put(intern!(py, "config_rank"), opt(v.int(py, m.config_rank)))?;
-    put(
-        intern!(py, "use_rslora"),
+    Ok([
+        v.str(py, m.name).into_any(),
+        v.str(py, m.key).into_any(),
+        v.str(py, m.kind.name()).into_any(),
+        v.str(py, m.leaf).into_any(),
+        opt(v.int(py, m.layer.map(u64::from))),
+        opt(v.int(py, m.expert.map(u64::from))),
+        opt(v.int(py, m.num_experts)),
+        opt(v.int(py, m.rank)),
+        opt(v.int(py, m.in_features)),
+        opt(v.int(py, m.out_features)),
+        opt(v.opt_str(py, m.dtype.map(Dtype::name))),
+        opt(v.opt_str(py, m.a_key)),
+        opt(v.opt_str(py, m.b_key)),
+        opt(v.shape(py, m.a_shape)?),
+        opt(v.shape(py, m.b_shape)?),
+        opt(v.float(py, m.alpha)),
+        opt(v.opt_str(py, m.alpha_key)),
+        opt(v.opt_str(py, m.bias_key)),
+        opt(v.opt_str(py, m.magnitude_key)),
+        PyTuple::new(py, extra)?.into_any(),
+        opt(v.int(py, m.config_rank)),
         PyBool::new(py, m.use_rslora).to_owned().into_any(),
-    )?;
-    put(intern!(py, "weight_file"), weight_file.clone().into_any())
+        weight_file.clone().into_any(),
+    ])
+}
+
+/// Held fields, to make other modules from.
+pub(super) fn hold(fields: &Fields<'_>) -> HeldFields {
+    fields.each_ref().map(|v| v.clone().unbind())
+}
+
+/// The fields of a module equal to `held`'s but for its weights file.
+pub(super) fn with_weight_file<'py>(held: &HeldFields, weight_file: &Bound<'py, PyString>) -> Fields<'py> {
+    let py = weight_file.py();
+    let mut fields = held.each_ref().map(|v| v.bind(py).clone());
+    fields[WEIGHT_FILE] = weight_file.clone().into_any();
+    fields
+}
+
+/// A module's fields as a dict, in field order. The keys are interned once: a fresh key string
+/// each time was once most of the cost of a module dict.
+pub(super) fn fields_dict<'py>(py: Python<'py>, fields: Fields<'py>) -> PyResult<Bound<'py, PyDict>> {
+    static KEYS: PyOnceLock<[Py<PyString>; MODULE_FIELDS.len()]> = PyOnceLock::new();
+    let keys = KEYS.get_or_init(py, || MODULE_FIELDS.map(|k| PyString::intern(py, k).unbind()));
+    let d = PyDict::new(py);
+    for (k, value) in keys.iter().zip(fields) {
+        d.set_item(k.bind(py), value)?;
+    }
+    Ok(d)
 }
 
 /// The dict of one module's `LoraModule` fields, in field order.
@@ -131,7 +187,5 @@ pub(super) fn module_dict<'py>(
     weight_file: &Bound<'py, PyString>,
     v: &mut Interned,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    module_fields(py, m, weight_file, v, |k, value| d.set_item(k, value))?;
-    Ok(d)
+    fields_dict(py, module_fields(py, m, weight_file, v)?)
 }
