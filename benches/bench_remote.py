@@ -3,8 +3,8 @@
 Writes N small-header adapters (one .safetensors of 16 tensors each: a ~2 KB header, 128 KiB of data, so what
 a first read asks past the header is tensor data), and serves them on loopback from
   s3:       moto's S3 app (as tests/servers.py MotoS3 runs it, but behind an HTTP/1.1 keep-alive server),
-  s3-light: tests/servers.py LocalS3 (ListObjectsV2, ranged GET, HEAD over a folder; keep-alive), a lighter
-            S3-compatible server than moto, whose request rate caps the 20 ms case, and
+  s3-light: tests/servers.py LocalS3's answers (ListObjectsV2, ranged GET, HEAD over a folder; `S3Store`) from
+            one asyncio event loop with keep-alive: a lighter S3-compatible server than moto, and
   http:     the range server of tests/servers.py, with keep-alive, laid out as the Hub's resolve URLs,
 each in a subprocess, behind benches/netproxy.py (an asyncio TCP proxy on 127.0.0.1 that adds the round trip
 time, a handshake round trip per new connection, and a bandwidth limit per direction). For each store and
@@ -137,14 +137,46 @@ def serve_http(root: str) -> None:
 
 
 def serve_s3_light(root: str) -> None:
-    """Child mode: tests/servers.py LocalS3 over `root` (bucket = its top-level folders), keep-alive, until stdin
-    closes."""
-    from servers import LocalS3
+    """Child mode: LocalS3's answers (tests/servers.py `S3Store`; bucket = a top-level folder of `root`) from one
+    asyncio event loop, HTTP/1.1 keep-alive, until stdin closes.
 
-    server = LocalS3(root, keep_alive=True)
-    print(server.httpd.server_address[1], flush=True)
-    sys.stdin.read()
-    server.stop()
+    Not LocalS3's own threaded server: with a thread per connection, 16 connections' requests handed the GIL
+    from thread to thread, and the kernel's context switches were over half of the server's CPU (0.5 ms a
+    request), so that requests arriving within one round trip queued behind each other.
+    """
+    from http import HTTPStatus
+
+    from servers import S3Store
+
+    store = S3Store(root)
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, target, _ = head[0].split(" ", 2)
+                fields = dict((k.strip().lower(), v.strip()) for k, _, v in (h.partition(":") for h in head[1:] if h))
+                if method in ("GET", "HEAD"):
+                    status, headers, body = store.answer(target, fields.get("range"))
+                else:
+                    status, headers, body = 501, {}, b""
+                lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"]
+                lines += [f"{k}: {v}" for k, v in headers.items()] + [f"Content-Length: {len(body)}", "", ""]
+                writer.write("\r\n".join(lines).encode() + (body if method != "HEAD" else b""))
+                await writer.drain()
+                if fields.get("connection", "").lower() == "close":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(connection, HOST, 0, backlog=1024)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(main())
 
 
 def serve_s3() -> None:

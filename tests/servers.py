@@ -192,6 +192,16 @@ class MotoS3:
             self.proc.kill()
 
 
+def parse_range(spec: str | None, size: int) -> tuple[int, int] | None:
+    """A `Range: bytes=a-b` (or `a-`, or `-n`) header as [start, end) of an object of `size` bytes; None for none."""
+    if not spec or not spec.startswith("bytes="):
+        return None
+    a, _, b = spec[len("bytes=") :].partition("-")
+    if a == "":
+        return max(size - int(b), 0), size
+    return int(a), min(int(b) + 1 if b else size, size)
+
+
 class _Handler(BaseHTTPRequestHandler):
     # One response per connection: under load, keep-alive reuse against this small threaded server
     # was seen to hand the client a stale byte stream ("invalid HTTP version parsed") in 1 of ~5 full runs.
@@ -229,13 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _range(self, size: int) -> tuple[int, int] | None:
-        spec = self.headers.get("Range")
-        if not spec or not spec.startswith("bytes="):
-            return None
-        a, _, b = spec[len("bytes=") :].partition("-")
-        if a == "":
-            return max(size - int(b), 0), size
-        return int(a), min(int(b) + 1 if b else size, size)
+        return parse_range(self.headers.get("Range"), size)
 
     def do_HEAD(self) -> None:
         self._log()
@@ -409,49 +413,71 @@ class RangeServer(_LoopbackServer):
         self.httpd.peak = self.httpd.in_flight
 
 
-class _S3Handler(_Handler):
-    """`LocalS3`'s requests: path-style `/{bucket}/{key}`, ListObjectsV2 on `/{bucket}?list-type=2`."""
+class S3Store:
+    """What `LocalS3` answers, apart from HTTP: path-style `/{bucket}/{key}` GET and HEAD (with `Range`), and
+    ListObjectsV2 on `/{bucket}?list-type=2`, over the folders of `root`. Shared by `LocalS3` (a threaded server,
+    for tests) and the benchmark's event-loop server (`benches/bench_remote.py`)."""
 
-    server: _S3Server
+    def __init__(self, root: str, page_delay: float = 0.0, page_keys: int = 1000) -> None:
+        self.root = root
+        self.page_delay = page_delay
+        self.page_keys = page_keys
+        self.etags: dict[tuple[str, int, int, int], str] = {}
+        self.lock = threading.Lock()
 
-    def _serve(self, head: bool) -> None:
-        try:
-            path, _, query = self.path.partition("?")
-            bucket, _, key = unquote(path).lstrip("/").partition("/")
-            root = os.path.join(self.server.root, bucket)
-            if not bucket or not os.path.isdir(root):
-                return self._error(404, "NoSuchBucket", head)
-            if not key:
-                return self._list(root, parse_qs(query), head)
-            full = os.path.join(root, *key.split("/"))
-            if ".." in key.split("/") or not os.path.isfile(full):
-                return self._error(404, "NoSuchKey", head)
-            with open(full, "rb") as f:
-                data = f.read()
-            st = os.stat(full)
-            headers = {"ETag": self.server.etag(full, st, data), "Last-Modified": http_date(st.st_mtime)}
-            rng = self._range(len(data))
+    def answer(self, target: str, range_spec: str | None) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, body) of a GET of `target` (a HEAD sends the same without the body)."""
+        path, _, query = target.partition("?")
+        bucket, _, key = unquote(path).lstrip("/").partition("/")
+        root = os.path.join(self.root, bucket)
+        if not bucket or not os.path.isdir(root):
+            return self._error(404, "NoSuchBucket")
+        if not key:
+            return self._list(root, parse_qs(query))
+        full = os.path.join(root, *key.split("/"))
+        if ".." in key.split("/") or not os.path.isfile(full):
+            return self._error(404, "NoSuchKey")
+        with open(full, "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            headers = {"ETag": self.etag(full, st, f), "Last-Modified": http_date(st.st_mtime)}
+            rng = parse_range(range_spec, size)
+            # Only the range is read, as a store serves it (the benchmark's objects are 130 KB).
             if rng is None:
-                return self._send(200, data, headers, head=head)
+                f.seek(0)
+                return 200, headers, f.read()
             a, b = rng
-            if a >= len(data):
-                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"}, head=head)
-            headers["Content-Range"] = f"bytes {a}-{b - 1}/{len(data)}"
-            self._send(206, data[a:b], headers, head=head)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+            if a >= size:
+                return 416, {"Content-Range": f"bytes */{size}"}, b""
+            f.seek(a)
+            body = f.read(b - a)
+        headers["Content-Range"] = f"bytes {a}-{b - 1}/{size}"
+        return 206, headers, body
 
-    def _error(self, status: int, code: str, head: bool) -> None:
+    def etag(self, path: str, st: os.stat_result, f: Any) -> str:
+        """The md5 of the content in quotes, as S3 gives for an object put in one piece (cached until the file
+        changes: ctime moves on every write, whatever a writer sets the mtime to)."""
+        key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self.lock:
+            found = self.etags.get(key)
+        if found is None:
+            found = f'"{hashlib.md5(f.read()).hexdigest()}"'
+            with self.lock:
+                self.etags[key] = found
+        return found
+
+    @staticmethod
+    def _error(status: int, code: str) -> tuple[int, dict[str, str], bytes]:
         body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code></Error>'.encode()
-        self._send(status, body, {"Content-Type": "application/xml"}, head=head)
+        return status, {"Content-Type": "application/xml"}, body
 
-    def _list(self, root: str, q: dict[str, list[str]], head: bool) -> None:
+    def _list(self, root: str, q: dict[str, list[str]]) -> tuple[int, dict[str, str], bytes]:
         arg = lambda name, default="": q.get(name, [default])[0]  # noqa: E731
         prefix, delimiter = arg("prefix"), arg("delimiter")
         after = max(arg("continuation-token"), arg("start-after"))
         if arg("continuation-token"):
-            time.sleep(self.server.page_delay)
-        limit = min(int(arg("max-keys", "1000")), self.server.page_keys)
+            time.sleep(self.page_delay)
+        limit = min(int(arg("max-keys", "1000")), self.page_keys)
         keys = sorted(k for _, k in files_under(root) if k.startswith(prefix) and k > after)
         contents: list[str] = []
         prefixes: list[str] = []
@@ -467,9 +493,9 @@ class _S3Handler(_Handler):
                 last = k
                 continue
             full = os.path.join(root, *k.split("/"))
-            st = os.stat(full)
             with open(full, "rb") as f:
-                etag = self.server.etag(full, st, None, f)
+                st = os.fstat(f.fileno())
+                etag = self.etag(full, st, f)
             modified = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(st.st_mtime))
             contents.append(
                 f"<Contents><Key>{escape(k)}</Key><LastModified>{modified}</LastModified>"
@@ -491,7 +517,20 @@ class _S3Handler(_Handler):
             + (f"<NextContinuationToken>{escape(last)}</NextContinuationToken>" if truncated else "")
             + "</ListBucketResult>"
         ).encode()
-        self._send(200, body, {"Content-Type": "application/xml"}, head=head)
+        return 200, {"Content-Type": "application/xml"}, body
+
+
+class _S3Handler(_Handler):
+    """`LocalS3`'s requests, answered by its `S3Store`."""
+
+    server: _S3Server
+
+    def _serve(self, head: bool) -> None:
+        try:
+            status, headers, body = self.server.store.answer(self.path, self.headers.get("Range"))
+            self._send(status, body, headers, head=head)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
 
 
 class _KeepAliveS3Handler(_S3Handler):
@@ -501,21 +540,7 @@ class _KeepAliveS3Handler(_S3Handler):
 
 class _S3Server(_Server):
     request_queue_size = 1024  # the listen backlog (5 by default drops bursts of connects)
-    etags: dict[tuple[str, int, int, int], str]
-    page_delay: float
-    page_keys: int
-
-    def etag(self, path: str, st: os.stat_result, data: bytes | None, f: Any = None) -> str:
-        """The md5 of the content in quotes, as S3 gives for an object put in one piece (cached until the file
-        changes: ctime moves on every write, whatever a writer sets the mtime to)."""
-        key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        with self.lock:
-            found = self.etags.get(key)
-        if found is None:
-            found = f'"{hashlib.md5(data if data is not None else f.read()).hexdigest()}"'
-            with self.lock:
-                self.etags[key] = found
-        return found
+    store: S3Store
 
 
 class LocalS3(_LoopbackServer):
@@ -531,9 +556,7 @@ class LocalS3(_LoopbackServer):
 
     def __init__(self, root: str, keep_alive: bool = False, page_delay: float = 0.0, page_keys: int = 1000) -> None:
         httpd = _S3Server(("127.0.0.1", 0), _KeepAliveS3Handler if keep_alive else _S3Handler)
-        httpd.etags = {}
-        httpd.page_delay = page_delay
-        httpd.page_keys = page_keys
+        httpd.store = S3Store(root, page_delay, page_keys)
         super().__init__(httpd, root)
         self.endpoint = self.url
 
