@@ -130,8 +130,8 @@ class MergedResult:
         rec = self._records[i]  # IndexError past the end, as the Rust result
         return None if rec is None else dict(rec)
 
-    def target_modules(self) -> tuple[list[str], list[list[int]]]:
-        return list(self._names), [list(r) for r in self._rows]
+    def target_modules(self, per_row: bool = True) -> tuple[list[str], list[list[int]]]:
+        return list(self._names), [list(r) for r in self._rows] if per_row else []
 
     def _successful(self, start: int, stop: int) -> list[int]:
         import bisect

@@ -63,6 +63,13 @@ def _config_fields(config_json: str | None, config_path: str | None) -> dict[str
     }
 
 
+def _counts(codes: Any, names: Sequence[str]) -> dict[str, int]:
+    """How many of `codes` (a numpy array of indices into `names`) are each name, for the names that occur."""
+    import numpy as np
+
+    return {names[i]: n for i, n in enumerate(np.bincount(codes, minlength=len(names)).tolist()) if n}
+
+
 def _adapter(raw: _core.RawAdapter) -> Adapter:
     modules: tuple[LoraModule, ...] = _core.make_modules(LoraModule, raw["modules"])
     return Adapter(
@@ -236,14 +243,18 @@ class ScanReport:
 
     def summary(self) -> dict[str, Any]:
         """Counts per format and layout, a rank histogram, problems and the union of target modules."""
+        import numpy as np
+
         cols = self.columns()
         ok = cols["status"] != STATUS_ERROR
-        fmt = Counter(FORMATS[c] for c in cols["format"][ok].tolist())
-        moe = Counter(MOE_LAYOUTS[c] for c in cols["moe_layout"][ok].tolist())
-        ranks = Counter(int(r) for r in cols["rank"][ok].tolist())
+        # Counted by numpy: lists of every row's values were most of the summary's memory, held on by the
+        # allocator while `to_json` then wrote its text.
+        fmt = _counts(cols["format"][ok], FORMATS)
+        moe = _counts(cols["moe_layout"][ok], MOE_LAYOUTS)
+        values, counts = np.unique(cols["rank"][ok], return_counts=True)
+        ranks = dict(zip(values.tolist(), counts.tolist(), strict=True))
         flag_counts = {name: int(((cols["flags"][ok] >> bit) & 1).sum()) for bit, name in enumerate(FLAGS)}
-        names, per_row = self._result.target_modules()
-        used = sorted({names[i] for row in per_row for i in row})
+        used = sorted(self._result.target_modules(per_row=False)[0])  # every name is some adapter's
         return {
             "adapters": len(self),
             "ok": int((cols["status"] == STATUS_OK).sum()),
