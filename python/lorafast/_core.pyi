@@ -151,6 +151,7 @@ def inspect_many(
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> list[RawAdapter | Exception]: ...
+
 # `cls` is `lorafast.adapter.LoraModule` (its slots are the fields of a RawModule).
 def make_modules(cls: type[Any], dicts: list[RawModule]) -> tuple[Any, ...]: ...
 def scan(
