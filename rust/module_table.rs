@@ -212,16 +212,6 @@ fn strings<'m>(m: &ModuleInfo<'m>) -> ModuleStrings<'m> {
     ]
 }
 
-/// One distinct classification's rows: string codes (into its group's dictionaries until `remap`,
-/// then the table's), and when more than one adapter uses it, its rows as columns (else its values
-/// are read from the modules where they are written).
-struct ClassRows {
-    codes: Vec<[i32; 7]>,
-    /// Boxed: a fleet of single-module adapters has a `ClassRows` per adapter, and 25 empty `Vec`s
-    /// each (600 bytes) added 13 MB to the table of 20,000 such adapters.
-    columns: Option<Box<ClassColumns>>,
-}
-
 /// A classification more than one adapter uses, as columns: each adapter's rows are a copy of
 /// each, column by column (writing a row at a time into 28 columns was most of the dense fleet's
 /// table build after its page faults). The values are pushed as the modules are interned; the code
@@ -261,11 +251,33 @@ fn push_opt<T: Default>(col: &mut (Vec<T>, Vec<bool>), v: Option<T>) {
     col.0.push(v.unwrap_or_default());
 }
 
-/// A group of distinct classifications interned together, with its own dictionaries.
+/// A group of distinct classifications interned together, with its own dictionaries, and their
+/// rows: string codes (into the group's dictionaries until the remap, then the table's), and for
+/// each classification more than one adapter uses, its rows as columns (the others' values are read
+/// from the modules where they are written).
+///
+/// Flat, not a record per classification: a fleet of single-module adapters whose headers do not
+/// repeat has a classification per adapter, and a `Vec` of codes each (a header and a heap block)
+/// was a third of the table's peak for 20,000 of them.
 struct Group<'r> {
     classes: Range<usize>,
-    rows: Vec<ClassRows>,
+    /// The codes of each classification's modules, one classification after another.
+    codes: Vec<[i32; 7]>,
+    /// Where each classification's codes start.
+    starts: Vec<u32>,
+    /// Boxed: 25 empty `Vec`s inline per classification (600 bytes) added 13 MB to the table of
+    /// 20,000 single-module adapters.
+    columns: Vec<Option<Box<ClassColumns>>>,
     names: [Vec<&'r str>; 7],
+}
+
+impl Group<'_> {
+    /// The codes of classification `c` (of `modules` modules) and its columns, if it has them.
+    fn class(&self, c: usize, modules: usize) -> (&[[i32; 7]], Option<&ClassColumns>) {
+        let local = c - self.classes.start;
+        let start = self.starts[local] as usize;
+        (&self.codes[start..start + modules], self.columns[local].as_deref())
+    }
 }
 
 /// The string codes rows of a group have had, by the module key they went with: distinct
@@ -278,11 +290,13 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
     let mut index: [FxHashMap<&'r str, i32>; 7] = Default::default();
     let mut names: [Vec<&'r str>; 7] = Default::default();
     let mut by_key: FxHashMap<&'r str, Vec<(ModuleStrings<'r>, [i32; 7])>> = FxHashMap::default();
-    let rows = range
+    let mut codes = Vec::with_capacity(range.clone().map(|c| classes[c].len()).sum());
+    let mut starts = Vec::with_capacity(range.len());
+    let columns = range
         .clone()
         .map(|c| {
             let modules = classes[c];
-            let mut codes = Vec::with_capacity(modules.len());
+            starts.push(codes.len() as u32);
             let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
             for m in modules.iter() {
                 let strings = strings(&m);
@@ -310,12 +324,14 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                     c.push(&Values::of(&m));
                 }
             }
-            ClassRows { codes, columns }
+            columns
         })
         .collect();
     Group {
         classes: range,
-        rows,
+        codes,
+        starts,
+        columns,
         names,
     }
 }
@@ -456,23 +472,28 @@ impl<'r> ModuleTable<'r> {
     /// the memory for the columns cannot be mapped.
     pub fn build(rows: &'r [Result<AdapterResult, Error>]) -> std::io::Result<Self> {
         // Which distinct classification each row has, in first-appearance order, and how many use it.
-        let mut seen: FxHashMap<*const Modules, usize> = FxHashMap::default();
+        let mut seen: FxHashMap<*const Modules, u32> = FxHashMap::default();
         let mut classes: Vec<&'r Modules> = Vec::new();
         let mut uses: Vec<u32> = Vec::new();
-        let row_class: Vec<Option<usize>> = rows
+        // NONE for a row without modules (a u32, not an Option<usize>: a quarter of the memory).
+        const NONE: u32 = u32::MAX;
+        let row_class: Vec<u32> = rows
             .iter()
-            .map(|r| {
-                r.as_ref().ok().filter(|a| !a.class.modules.is_empty()).map(|a| {
+            .map(|r| match r.as_ref().ok().filter(|a| !a.class.modules.is_empty()) {
+                Some(a) => {
                     let c = *seen.entry(Arc::as_ptr(&a.class.modules)).or_insert_with(|| {
                         classes.push(&a.class.modules);
                         uses.push(0);
-                        classes.len() - 1
+                        (classes.len() - 1) as u32
                     });
-                    uses[c] += 1;
+                    uses[c as usize] += 1;
                     c
-                })
+                }
+                None => NONE,
             })
             .collect();
+        drop(seen);
+        let class_of = |row: usize| (row_class[row] != NONE).then(|| row_class[row] as usize);
         let threads = rayon::current_num_threads();
 
         // Each distinct classification's rows, interned by groups in parallel; then the groups'
@@ -501,28 +522,25 @@ impl<'r> ModuleTable<'r> {
             })
             .collect();
         groups.par_iter_mut().zip(&remaps).for_each(|(g, remap)| {
-            for class in &mut g.rows {
-                for row in &mut class.codes {
-                    for (code, map) in row.iter_mut().zip(remap) {
-                        if *code >= 0 {
-                            *code = map[*code as usize];
-                        }
+            for row in &mut g.codes {
+                for (code, map) in row.iter_mut().zip(remap) {
+                    if *code >= 0 {
+                        *code = map[*code as usize];
                     }
                 }
-                if let Some(columns) = class.columns.as_mut() {
-                    columns.set_codes(&class.codes);
+            }
+            for (local, columns) in g.columns.iter_mut().enumerate() {
+                if let Some(columns) = columns.as_mut() {
+                    let start = g.starts[local] as usize;
+                    columns.set_codes(&g.codes[start..start + columns.scale.len()]);
                 }
             }
         });
-        let mut class_rows: Vec<Option<&ClassRows>> = vec![None; classes.len()];
-        for g in &groups {
-            for (c, rows) in g.classes.clone().zip(&g.rows) {
-                class_rows[c] = Some(rows);
-            }
-        }
+        // The group of classification `c`: groups hold consecutive ranges of classifications.
+        let group_of = |c: usize| &groups[groups.partition_point(|g| g.classes.end <= c)];
 
         // Every adapter's rows, in parallel over ranges of adapters of about equal module counts.
-        let counts = || row_class.iter().map(|c| c.map_or(0, |c| classes[c].len()));
+        let counts = || (0..rows.len()).map(|row| class_of(row).map_or(0, |c| classes[c].len()));
         let n: usize = counts().sum();
         let mut layout = Layout::default();
         let row = layout.column::<u32>(n);
@@ -551,10 +569,7 @@ impl<'r> ModuleTable<'r> {
         };
         let mut parts = Vec::new();
         for r in balanced(counts(), threads * 4) {
-            let len: usize = row_class[r.clone()]
-                .iter()
-                .map(|c| c.map_or(0, |c| classes[c].len()))
-                .sum();
+            let len: usize = r.clone().map(|row| class_of(row).map_or(0, |c| classes[c].len())).sum();
             let (part, tail) = rest.split_at(len);
             parts.push((r, part));
             rest = tail;
@@ -562,12 +577,12 @@ impl<'r> ModuleTable<'r> {
         parts.into_par_iter().for_each(|(range, mut out)| {
             let mut i = 0;
             for row in range {
-                let Some(c) = row_class[row] else { continue };
-                let Some(class) = class_rows[c] else { continue };
-                match &class.columns {
+                let Some(c) = class_of(row) else { continue };
+                let (codes, columns) = group_of(c).class(c, classes[c].len());
+                match columns {
                     Some(columns) => i += out.put_class(i, row as u32, columns),
                     None => {
-                        for (codes, m) in class.codes.iter().zip(classes[c].iter()) {
+                        for (codes, m) in codes.iter().zip(classes[c].iter()) {
                             out.put(i, row as u32, codes, &Values::of(&m));
                             i += 1;
                         }
