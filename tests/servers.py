@@ -109,6 +109,34 @@ def files_under(root: str) -> Iterator[tuple[str, str]]:
             yield full, os.path.relpath(full, root).replace(os.sep, "/")
 
 
+def keys_after(root: str, prefix: str, after: str) -> Iterator[str]:
+    """The keys (paths relative to `root`, "/"-separated) that start with `prefix` and sort after `after`, in
+    sorted order, walking only the folders that can hold them, as a store lists a page without reading the
+    whole bucket. (Walking every folder for each page took 35-170 ms for buckets of 800-3,000 objects, which
+    delayed a listing client's first reads by as much.)"""
+
+    def walk(folder: str, base: str) -> Iterator[str]:
+        # A folder's keys sort as its entries' names do with "/" after a folder's name: "a-b/x" < "a/x".
+        # As `files_under` (os.walk): a link to a folder is neither walked nor a key.
+        with os.scandir(folder) as it:
+            found = [(e, e.is_dir()) for e in it]
+        entries = sorted(
+            (e.name + "/" if is_dir else e.name, e, is_dir) for e, is_dir in found if not (is_dir and e.is_symlink())
+        )
+        for name, entry, is_dir in entries:
+            key = base + name
+            if not (key.startswith(prefix) or prefix.startswith(key)):
+                continue  # neither under the prefix nor above it
+            if is_dir:
+                # Every key below starts with `key`: all of them sort before `after` unless `after` is below too.
+                if key > after or after.startswith(key):
+                    yield from walk(entry.path, key)
+            elif key > after and key.startswith(prefix):
+                yield key
+
+    return walk(root, "")
+
+
 def http_date(timestamp: float) -> str:
     return formatdate(timestamp, usegmt=True)
 
@@ -478,12 +506,13 @@ class S3Store:
         if arg("continuation-token"):
             time.sleep(self.page_delay)
         limit = min(int(arg("max-keys", "1000")), self.page_keys)
-        keys = sorted(k for _, k in files_under(root) if k.startswith(prefix) and k > after)
         contents: list[str] = []
         prefixes: list[str] = []
         last = ""
-        for k in keys:
+        truncated = False
+        for k in keys_after(root, prefix, after):
             if len(contents) + len(prefixes) == limit:
+                truncated = True  # a key follows the page's last
                 break
             rest = k[len(prefix) :]
             if delimiter and delimiter in rest:
@@ -502,7 +531,6 @@ class S3Store:
                 f"<ETag>{escape(etag)}</ETag><Size>{st.st_size}</Size><StorageClass>STANDARD</StorageClass></Contents>"
             )
             last = k
-        truncated = last != "" and last != keys[-1]
         if delimiter and truncated and prefixes and last.startswith(prefixes[-1]):
             # The next page starts after every key under the last common prefix.
             last = prefixes[-1] + "\U0010ffff"

@@ -5,10 +5,11 @@ is still coming; the results are the local scan's whatever the sizes, page bound
 from __future__ import annotations
 
 import os
+import random
 
 import lorafast
 from lorafast.testing import write_attention_adapter, write_safetensors
-from servers import FIRST_GUESS_BYTES, LocalS3, normalized
+from servers import FIRST_GUESS_BYTES, LocalS3, files_under, keys_after, normalized
 
 
 def _header_size(path: str) -> int:
@@ -118,3 +119,26 @@ def test_streamed_listing_keeps_the_local_rules(tmp_path):
             assert len(report) == {"s3://b": 82, "s3://b/peft": 1, "s3://b/nested": 40}[prefix]
     finally:
         server.stop()
+
+
+def test_local_s3_lists_a_page_as_a_sorted_walk_of_the_whole_bucket_would(tmp_path):
+    """LocalS3 walks only the folders a page can come from (`keys_after`); on random trees of names that sort
+    around "/" ("a-b/x" < "a/x"), it gives what the sorted list of every key, filtered, gives."""
+    rng = random.Random(7)
+    names = ["a", "a-b", "a.b", "a0", "ab", "b", ".h", "z", "a b", "\u00e9"]
+    for trial in range(60):
+        root = tmp_path / str(trial)
+        root.mkdir()
+        for _ in range(rng.randint(0, 25)):
+            parts = [rng.choice(names) for _ in range(rng.randint(1, 4))]
+            try:
+                (root.joinpath(*parts[:-1])).mkdir(parents=True, exist_ok=True)
+                if not root.joinpath(*parts).is_dir():
+                    root.joinpath(*parts).touch()
+            except (FileExistsError, NotADirectoryError):
+                pass  # a file where a folder was drawn, or the other way round
+        every = sorted(k for _, k in files_under(str(root)))
+        for prefix in ["", "a", "a/", "a-", "b/a", "z"]:
+            for after in ["", "a", "a/", "a-b/", "a/b", "ab", "zz", *every[:3]]:
+                want = [k for k in every if k.startswith(prefix) and k > after]
+                assert list(keys_after(str(root), prefix, after)) == want, (trial, prefix, after)
