@@ -537,18 +537,20 @@ impl ScanResult {
         adapters::build(slf.py(), slf.as_any(), &rows[start.min(stop)..stop], start, types)
     }
 
-    /// The `LoraModule` objects of row `row`, an adapter `adapter_objects` gave without them, with
-    /// the cache of its batch.
-    #[pyo3(signature = (row, types, cache = None))]
-    fn module_objects<'py>(
+    /// The `LoraModule` objects of row `row` for `adapter`, which `adapter_objects` gave without
+    /// them, with the cache of its batch; `adapter`'s instance dict becomes its fields, in field
+    /// order, `modules` among them.
+    #[pyo3(signature = (adapter, row, types, cache = None))]
+    fn adapter_modules<'py>(
         &self,
         py: Python<'py>,
+        adapter: &Bound<'py, PyAny>,
         row: usize,
         types: &Bound<'py, PyTuple>,
         cache: Option<&Bound<'py, adapters::ModuleCache>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         match self.rows.get(row) {
-            Some(Ok(a)) => adapters::modules(py, a, types, cache),
+            Some(Ok(a)) => adapters::modules(py, a, adapter, types, cache),
             _ => Err(pyo3::exceptions::PyIndexError::new_err(row)),
         }
     }

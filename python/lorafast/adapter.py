@@ -159,11 +159,9 @@ class Adapter:
             from .scanner import _ADAPTER_TYPES
 
             report, row, cache = pending
-            fields = self.__dict__
-            fields["modules"] = modules = report.module_objects(row, _ADAPTER_TYPES, cache)
-            # The instance dict as `__init__` leaves it: every field, in field order, and nothing else.
-            object.__setattr__(self, "__dict__", {f: fields[f] for f in _ADAPTER_FIELDS})
-            return modules
+            # Also gives the adapter its instance dict as `__init__` leaves it: every field, in field order
+            # (`modules` among them), and nothing else.
+            return report.adapter_modules(self, row, _ADAPTER_TYPES, cache)
 
         def __getstate__(self) -> dict[str, Any]:
             # Copies and pickles hold the modules, not a reference to the report they would be built from.

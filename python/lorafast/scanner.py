@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Literal, overload
 
 from . import _core
-from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
+from .adapter import _ADAPTER_FIELDS, Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
 
 if TYPE_CHECKING:
     import numpy as np
@@ -97,14 +97,15 @@ def _adapter(raw: _core.RawAdapter) -> Adapter:
     )
 
 
-#: What the core builds report iteration's objects from (`ScanResult.adapter_objects`): the classes, and the enum
-#: members in column-code order.
+#: What the core builds report iteration's objects from (`ScanResult.adapter_objects`): the classes, the enum
+#: members in column-code order, and `Adapter`'s field names in order.
 _ADAPTER_TYPES = (
     Adapter,
     LoraModule,
     Problem,
     tuple(AdapterFormat(name) for name in FORMATS),
     tuple(MoeLayout(name) for name in MOE_LAYOUTS),
+    _ADAPTER_FIELDS,
 )
 
 

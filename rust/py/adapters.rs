@@ -39,17 +39,20 @@ struct Types<'py> {
     problem: Maker<'py>,
     formats: Bound<'py, PyTuple>,
     layouts: Bound<'py, PyTuple>,
+    /// `Adapter`'s field names, in order.
+    fields: Bound<'py, PyTuple>,
 }
 
 impl<'py> Types<'py> {
     fn of(types: &Bound<'py, PyTuple>) -> PyResult<Self> {
-        let (adapter, module, problem, formats, layouts) = types.extract()?;
+        let (adapter, module, problem, formats, layouts, fields) = types.extract()?;
         Ok(Types {
             adapter: Maker::of(adapter)?,
             module: ModuleClass::of(module)?,
             problem: Maker::of(problem)?,
             formats,
             layouts,
+            fields,
         })
     }
 }
@@ -126,7 +129,7 @@ fn class_fields<'py>(
 ///
 /// Modules are built on first access (`Adapter.__getattr__`): a dense adapter has hundreds, and
 /// building them all cost several times a memo-assisted scan. An adapter with modules gets, in
-/// place of its `modules` field, `_modules_pending`: `(report, row, cache)` for `module_objects`,
+/// place of its `modules` field, `_modules_pending`: `(report, row, cache)` for `adapter_modules`,
 /// where `cache` is the batch's [`ModuleCache`].
 #[allow(clippy::type_complexity)]
 pub(super) fn build<'py, 'r>(
@@ -396,10 +399,14 @@ impl ModuleCache {
     }
 }
 
-/// The `LoraModule`s of one adapter, as `inspect` gives them, with its batch's `cache` (see `build`).
+/// The `LoraModule`s of one adapter, as `inspect` gives them, with its batch's `cache` (see
+/// `build`); `adapter`, its `Adapter`, gets its instance dict as `__init__` leaves it: every field
+/// in field order, `modules` among them, and not `_modules_pending` (rebuilt in Python, a dict
+/// comprehension per adapter was a tenth of reading a dense fleet's modules).
 pub(super) fn modules<'py>(
     py: Python<'py>,
     a: &AdapterResult,
+    adapter: &Bound<'py, PyAny>,
     types: &Bound<'py, PyTuple>,
     cache: Option<&Bound<'py, ModuleCache>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
@@ -409,9 +416,25 @@ pub(super) fn modules<'py>(
     // built without the cache: never a wait, so never a wait on itself.
     let mut guard = cache.and_then(|c| c.get().modules.try_lock().ok());
     let mut own = None;
-    let modules = match guard.as_deref_mut() {
+    let batch = match guard.as_deref_mut() {
         Some(m) => m,
         None => own.insert(BatchModules::default()),
     };
-    PyTuple::new(py, modules.objects(py, a, &t)?)
+    let modules = PyTuple::new(py, batch.objects(py, a, &t)?)?;
+    drop(guard);
+    let old = adapter.getattr(intern!(py, "__dict__"))?.cast_into::<PyDict>()?;
+    let fields = PyDict::new(py);
+    let modules_key = intern!(py, "modules");
+    for name in t.fields.iter() {
+        if name.eq(modules_key)? {
+            fields.set_item(&name, &modules)?;
+        } else {
+            let value = old
+                .get_item(&name)?
+                .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.clone().unbind()))?;
+            fields.set_item(&name, value)?;
+        }
+    }
+    t.adapter.set_dict(adapter, fields)?;
+    Ok(modules)
 }

@@ -41,8 +41,13 @@ impl<'py> Maker<'py> {
     /// An instance whose `__dict__` is `fields`.
     pub(super) fn make(&self, fields: Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
         let obj = self.instance()?;
-        set_attr(&obj, intern!(self.cls.py(), "__dict__"), fields.as_any())?;
+        self.set_dict(&obj, fields)?;
         Ok(obj)
+    }
+
+    /// `object.__setattr__(obj, "__dict__", fields)`.
+    pub(super) fn set_dict(&self, obj: &Bound<'py, PyAny>, fields: Bound<'py, PyDict>) -> PyResult<()> {
+        set_attr(obj, intern!(self.cls.py(), "__dict__"), fields.as_any())
     }
 
     /// `object.__new__(cls)`: the class's own `tp_new` with no arguments.
