@@ -19,7 +19,7 @@ use memmap2::{Advice, MmapMut};
 use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 
-use crate::classify::{ModuleInfo, Modules};
+use crate::classify::{ModuleInfo, ModuleNumbers, Modules};
 use crate::error::Error;
 use crate::header::Dtype;
 use crate::scan::AdapterResult;
@@ -178,7 +178,7 @@ struct Values {
 }
 
 impl Values {
-    fn of(m: &ModuleInfo<'_>) -> Self {
+    fn of(m: ModuleNumbers) -> Self {
         let scale = match (m.alpha, m.rank) {
             (Some(alpha), Some(rank)) if rank > 0 => {
                 let rank = rank as f64;
@@ -298,7 +298,7 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
             let modules = classes[c];
             starts.push(codes.len() as u32);
             let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
-            for m in modules.iter() {
+            for (m, numbers) in modules.iter().zip(modules.numbers()) {
                 let strings = strings(&m);
                 let known = by_key.entry(m.key).or_default();
                 let row = match known.iter().find(|(s, _)| *s == strings) {
@@ -321,7 +321,7 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                 };
                 codes.push(row);
                 if let Some(c) = columns.as_mut() {
-                    c.push(&Values::of(&m));
+                    c.push(&Values::of(numbers));
                 }
             }
             columns
@@ -582,8 +582,8 @@ impl<'r> ModuleTable<'r> {
                 match columns {
                     Some(columns) => i += out.put_class(i, row as u32, columns),
                     None => {
-                        for (codes, m) in codes.iter().zip(classes[c].iter()) {
-                            out.put(i, row as u32, codes, &Values::of(&m));
+                        for (codes, m) in codes.iter().zip(classes[c].numbers()) {
+                            out.put(i, row as u32, codes, &Values::of(m));
                             i += 1;
                         }
                     }
