@@ -298,7 +298,7 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
             let modules = classes[c];
             starts.push(codes.len() as u32);
             let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
-            for (m, numbers) in modules.iter().zip(modules.numbers()) {
+            for m in modules.iter() {
                 let strings = strings(&m);
                 let known = by_key.entry(m.key).or_default();
                 let row = match known.iter().find(|(s, _)| *s == strings) {
@@ -321,7 +321,7 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                 };
                 codes.push(row);
                 if let Some(c) = columns.as_mut() {
-                    c.push(&Values::of(numbers));
+                    c.push(&Values::of(m.numbers()));
                 }
             }
             columns

@@ -92,6 +92,21 @@ impl Record {
     fn get<T>(&self, bit: u16, value: T) -> Option<T> {
         (self.present & bit != 0).then_some(value)
     }
+
+    #[inline]
+    fn numbers(&self) -> ModuleNumbers {
+        ModuleNumbers {
+            layer: self.get(HAS_LAYER, self.layer),
+            expert: self.get(HAS_EXPERT, self.expert),
+            num_experts: self.get(HAS_NUM_EXPERTS, self.num_experts),
+            rank: self.get(HAS_RANK, self.rank),
+            in_features: self.get(HAS_IN_FEATURES, self.in_features),
+            out_features: self.get(HAS_OUT_FEATURES, self.out_features),
+            config_rank: self.get(HAS_CONFIG_RANK, self.config_rank),
+            alpha: self.get(HAS_ALPHA, self.alpha),
+            use_rslora: self.use_rslora,
+        }
+    }
 }
 
 /// A module's numbers, without its names and shapes: what a table of numbers needs, read without
@@ -182,6 +197,21 @@ impl<'m> ModuleInfo<'m> {
             magnitude_key: self.magnitude_key,
         }
     }
+
+    /// The module's numbers.
+    pub fn numbers(&self) -> ModuleNumbers {
+        ModuleNumbers {
+            layer: self.layer,
+            expert: self.expert,
+            num_experts: self.num_experts,
+            rank: self.rank,
+            in_features: self.in_features,
+            out_features: self.out_features,
+            config_rank: self.config_rank,
+            alpha: self.alpha,
+            use_rslora: self.use_rslora,
+        }
+    }
 }
 
 /// A module's key, name, leaf and tensor names (see [`ModuleInfo`]).
@@ -260,17 +290,7 @@ impl Modules {
 
     /// Every module's numbers, in order.
     pub fn numbers(&self) -> impl ExactSizeIterator<Item = ModuleNumbers> + '_ {
-        self.records.iter().map(|r| ModuleNumbers {
-            layer: r.get(HAS_LAYER, r.layer),
-            expert: r.get(HAS_EXPERT, r.expert),
-            num_experts: r.get(HAS_NUM_EXPERTS, r.num_experts),
-            rank: r.get(HAS_RANK, r.rank),
-            in_features: r.get(HAS_IN_FEATURES, r.in_features),
-            out_features: r.get(HAS_OUT_FEATURES, r.out_features),
-            config_rank: r.get(HAS_CONFIG_RANK, r.config_rank),
-            alpha: r.get(HAS_ALPHA, r.alpha),
-            use_rslora: r.use_rslora,
-        })
+        self.records.iter().map(Record::numbers)
     }
 
     /// Adds a module, copying its names and shapes in.
@@ -378,29 +398,30 @@ impl Modules {
     fn view(&self, r: &Record) -> ModuleInfo<'_> {
         let text = |s: Span| &self.text[s.range()];
         let dims = |s: Span| &self.dims[s.range()];
+        let n = r.numbers();
         ModuleInfo {
             key: text(r.key),
             name: text(r.name),
             leaf: text(r.leaf),
             kind: r.kind,
-            layer: r.get(HAS_LAYER, r.layer),
-            expert: r.get(HAS_EXPERT, r.expert),
-            num_experts: r.get(HAS_NUM_EXPERTS, r.num_experts),
-            rank: r.get(HAS_RANK, r.rank),
-            in_features: r.get(HAS_IN_FEATURES, r.in_features),
-            out_features: r.get(HAS_OUT_FEATURES, r.out_features),
+            layer: n.layer,
+            expert: n.expert,
+            num_experts: n.num_experts,
+            rank: n.rank,
+            in_features: n.in_features,
+            out_features: n.out_features,
             dtype: r.dtype,
             a_key: r.get(HAS_A_KEY, r.a_key).map(text),
             b_key: r.get(HAS_B_KEY, r.b_key).map(text),
             a_shape: r.get(HAS_A_SHAPE, r.a_shape).map(dims),
             b_shape: r.get(HAS_B_SHAPE, r.b_shape).map(dims),
-            alpha: r.get(HAS_ALPHA, r.alpha),
+            alpha: n.alpha,
             alpha_key: r.get(HAS_ALPHA_KEY, r.alpha_key).map(text),
             bias_key: r.get(HAS_BIAS_KEY, r.bias_key).map(text),
             magnitude_key: r.get(HAS_MAGNITUDE_KEY, r.magnitude_key).map(text),
             extra_keys: self.extra[r.extra_keys.range()].iter().map(|&s| text(s)).collect(),
-            config_rank: r.get(HAS_CONFIG_RANK, r.config_rank),
-            use_rslora: r.use_rslora,
+            config_rank: n.config_rank,
+            use_rslora: n.use_rslora,
         }
     }
 
@@ -541,20 +562,7 @@ mod tests {
             store.push(m);
         }
         let numbers: Vec<ModuleNumbers> = store.numbers().collect();
-        let want: Vec<ModuleNumbers> = pushed
-            .iter()
-            .map(|m| ModuleNumbers {
-                layer: m.layer,
-                expert: m.expert,
-                num_experts: m.num_experts,
-                rank: m.rank,
-                in_features: m.in_features,
-                out_features: m.out_features,
-                config_rank: m.config_rank,
-                alpha: m.alpha,
-                use_rslora: m.use_rslora,
-            })
-            .collect();
+        let want: Vec<ModuleNumbers> = pushed.iter().map(ModuleInfo::numbers).collect();
         assert_eq!(numbers, want);
     }
 

@@ -10,7 +10,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
-use super::module_values::{Fields, HeldFields, MODULE_FIELDS, WEIGHT_FILE};
+use super::module_values::{field_keys, Fields, HeldFields, MODULE_FIELDS, WEIGHT_FILE};
 
 /// Makes instances of one class whose `__dict__` is given, bypassing the frozen dataclass
 /// `__init__`: `object.__new__(cls)` then `object.__setattr__(obj, "__dict__", fields)`, done
@@ -189,21 +189,23 @@ impl<'py> ModuleClass<'py> {
 
     /// Instances of the fields of `dicts` (module dicts of the core, keyed by field name).
     pub(super) fn make_from_dicts(&self, dicts: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = self.maker.cls.py();
+        let keys = field_keys(py);
         let modules = dicts
             .iter()
             .map(|d| {
                 let d = d.cast_into::<PyDict>()?;
                 let mut fields = Vec::with_capacity(MODULE_FIELDS.len());
-                for name in MODULE_FIELDS {
-                    match d.get_item(name)? {
+                for key in keys {
+                    match d.get_item(key.bind(py))? {
                         Some(v) => fields.push(v),
-                        None => return Err(PyKeyError::new_err(name)),
+                        None => return Err(PyKeyError::new_err(key.clone_ref(py))),
                     }
                 }
                 self.make(fields.try_into().expect("one value per field"))
             })
             .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(self.maker.cls.py(), modules)
+        PyTuple::new(py, modules)
     }
 }
 

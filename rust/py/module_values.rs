@@ -171,13 +171,17 @@ pub(super) fn with_weight_file<'py>(held: &HeldFields, weight_file: &Bound<'py, 
 /// A module's fields as a dict, in field order. The keys are interned once: a fresh key string
 /// each time was once most of the cost of a module dict.
 pub(super) fn fields_dict<'py>(py: Python<'py>, fields: Fields<'py>) -> PyResult<Bound<'py, PyDict>> {
-    static KEYS: PyOnceLock<[Py<PyString>; MODULE_FIELDS.len()]> = PyOnceLock::new();
-    let keys = KEYS.get_or_init(py, || MODULE_FIELDS.map(|k| PyString::intern(py, k).unbind()));
     let d = PyDict::new(py);
-    for (k, value) in keys.iter().zip(fields) {
+    for (k, value) in field_keys(py).iter().zip(fields) {
         d.set_item(k.bind(py), value)?;
     }
     Ok(d)
+}
+
+/// [`MODULE_FIELDS`] as interned `str`s, made once.
+pub(super) fn field_keys(py: Python<'_>) -> &[Py<PyString>; MODULE_FIELDS.len()] {
+    static KEYS: PyOnceLock<[Py<PyString>; MODULE_FIELDS.len()]> = PyOnceLock::new();
+    KEYS.get_or_init(py, || MODULE_FIELDS.map(|k| PyString::intern(py, k).unbind()))
 }
 
 /// The dict of one module's `LoraModule` fields, in field order.
