@@ -14,6 +14,7 @@ pub mod memo;
 pub mod module_table;
 pub mod names;
 pub mod open;
+pub mod parquet;
 pub mod remote;
 pub mod scan;
 pub mod store;

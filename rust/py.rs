@@ -24,6 +24,7 @@ use crate::torch;
 mod adapters;
 mod instances;
 mod module_values;
+mod parquet_columns;
 
 /// Paths go to Python as `str` decoded the way `os.fsdecode` does (surrogateescape), so a name
 /// that is not UTF-8 round-trips to the same bytes.
@@ -1451,6 +1452,8 @@ fn _debug_panic_on(path: Option<PathBuf>) {
 mod _core {
     #[pymodule_export]
     use super::adapters::ModuleCache;
+    #[pymodule_export]
+    use super::parquet_columns::write_parquet;
     #[pymodule_export]
     use super::{
         _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many,

@@ -515,3 +515,23 @@ def test_arrow_columns_without_nulls_carry_no_validity_bitmap(fleet):
             if pa.types.is_dictionary(chunk.type):
                 chunk = chunk.indices
             assert (chunk.buffers()[0] is None) == (chunk.null_count == 0), (table, name)
+
+
+class _WithoutStringBuffers(_WithoutObjects):
+    """A scan result whose string columns come as lists of str, as a merged distributed result's do."""
+
+    def __getattr__(self, name):
+        if name == "string_buffers":
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+def test_parquet_from_lists_of_str_equals_parquet_from_buffers(fleet, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    report = lorafast.scan([fleet], threads=2)
+    plain = lorafast.ScanReport(_WithoutStringBuffers(report._result))
+    report.to_parquet(tmp_path / "a.parquet")
+    plain.to_parquet(tmp_path / "b.parquet")
+    a, b = pq.read_table(tmp_path / "a.parquet"), pq.read_table(tmp_path / "b.parquet")
+    assert a.equals(report.to_arrow()) and b.equals(a)
+    assert a.column("path").null_count == 0 and b.column("error_message").null_count < len(report)

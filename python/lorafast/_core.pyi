@@ -35,6 +35,7 @@ __all__ = [
     "read_url_range",
     "scan",
     "scan_targets",
+    "write_parquet",
 ]
 
 # The code lists, each in documentation order, from the enums of rust/codes.rs (`ALL`) and rust/classify.rs.
@@ -154,6 +155,12 @@ def inspect_many(
 
 # `cls` is `lorafast.adapter.LoraModule` (its slots are the fields of a RawModule).
 def make_modules(cls: type[Any], dicts: list[RawModule]) -> tuple[Any, ...]: ...
+def write_parquet(
+    path: str,
+    columns: list[tuple[Any, ...]],
+    metadata: list[tuple[str, bytes]],
+    statistics: list[str],
+) -> None: ...
 def scan(
     paths: list[str],
     recursive: bool = True,

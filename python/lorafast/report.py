@@ -9,6 +9,7 @@ imports its library when called (`pip install lorafast[arrow]`, `[pandas]`, `[po
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -265,37 +266,58 @@ def polars_from_columns(report: ScanReport, table: Table = "adapters") -> Any:
     return pl.DataFrame(series)
 
 
-#: Columns whose Parquet statistics are written: the key a reader filters and joins on. Statistics of every
-#: column took half the writer's time on a dense module table (224,000 rows, with the dictionaries below:
-#: 22.4 -> 11.6 ms).
+#: Columns whose Parquet statistics (null count, min, max) are written: the key a reader filters and joins on.
 PARQUET_STATISTICS = ["row"]
-#: Bytes of a data page. The writer buffers a page per column: with the default 1 MiB, writing the small fleet's
-#: 5.3 MB of tables added 17 MB (3.2x); with 32 KiB, 8.7 MB, at the same speed on a 224,000-row table.
-PARQUET_PAGE_BYTES = 32 << 10
 
 
-def _write_parquet(table: Any, path: str) -> None:
+def _parquet_column(name: str, col: Column) -> tuple[tuple[Any, ...], Any]:
+    """The column as `_core.write_parquet` takes it, and its Arrow type (as `to_arrow` makes it)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    # Parquet's dictionary encoding for the dictionary columns only (their codes are written as they are); for
-    # the others it built a dictionary per column that paths and numbers seldom fill (small fleet: the writer's
-    # peak fell by about 8 MB).
-    dictionary = [f.name for f in table.schema if pa.types.is_dictionary(f.type)]
-    pq.write_table(
-        table,
-        path,
-        use_dictionary=dictionary,
-        write_statistics=PARQUET_STATISTICS,
-        data_page_size=PARQUET_PAGE_BYTES,
-        memory_pool=pa.system_memory_pool(),  # as in `to_arrow`
-    )
+    kind = col[0]
+    if kind == "num":
+        return (name, "num", np.ascontiguousarray(col[1])), pa.from_numpy_dtype(col[1].dtype)
+    if kind == "nullable":
+        values, valid = np.ascontiguousarray(col[1]), np.ascontiguousarray(col[2])
+        return (name, "nullable", values, valid), pa.from_numpy_dtype(values.dtype)
+    if kind == "dict":
+        codes = np.ascontiguousarray(col[1], dtype=np.int32)
+        return (name, "dict", codes, _utf8(list(col[2]))), pa.dictionary(pa.int32(), pa.string())
+    if kind == "utf8":
+        return (name, "utf8", col[1], col[2], col[3]), pa.string()
+    # A list of str (a merged distributed result, or past 2 GiB of text): Arrow's buffers of it.
+    array = pa.array(_utf8(col[1]), pa.large_string(), memory_pool=pa.system_memory_pool())
+    _, offsets, data = array.buffers()
+    return (
+        name,
+        "utf8",
+        np.frombuffer(offsets, np.int64, len(array) + 1),
+        np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8),
+        array.is_valid().to_numpy(zero_copy_only=False),
+    ), pa.string()
+
+
+def _write_parquet(report: ScanReport, table: Table, path: str) -> None:
+    """Written by the core (`rust/parquet.rs`) from the columns, with the Arrow schema `to_arrow` gives in the
+    footer, as pyarrow stores it, so that Arrow readers get the same table back. pyarrow's own writer, one thread,
+    took longer than the scan on module-heavy fleets (224,000 modules: 16-22 ms against a 12.5 ms scan)."""
+    import pyarrow as pa
+
+    from . import _core
+
+    columns, fields = [], []
+    for name, col in _columns(report, table, "arrow").items():
+        column, arrow_type = _parquet_column(name, col)
+        columns.append(column)
+        fields.append(pa.field(name, arrow_type))
+    schema = base64.b64encode(pa.schema(fields).serialize().to_pybytes())
+    _core.write_parquet(path, columns, [("ARROW:schema", schema)], PARQUET_STATISTICS)
 
 
 def to_parquet(report: ScanReport, path: str, modules_path: str | None = None) -> None:
-    _write_parquet(to_arrow(report, "adapters"), path)
+    _write_parquet(report, "adapters", path)
     if modules_path is not None:
-        _write_parquet(to_arrow(report, "modules"), modules_path)
+        _write_parquet(report, "modules", modules_path)
 
 
 #: Records per batch that cross from Rust and are written at once, streaming to a file. Each batch's text is

@@ -311,7 +311,8 @@ class ScanReport:
         return to_polars(self, table)
 
     def to_parquet(self, path: PathLike, modules_path: PathLike | None = None) -> None:
-        """Writes the adapter table to `path` and, when given, the module table to `modules_path` (pyarrow)."""
+        """Writes the adapter table to `path` and, when given, the module table to `modules_path`, as Parquet (written
+        by the core; pyarrow gives the Arrow schema stored with it, so read back they equal `to_arrow`'s)."""
         from .report import to_parquet
 
         to_parquet(self, os.fspath(path), None if modules_path is None else os.fspath(modules_path))
