@@ -112,7 +112,7 @@ def test_statistics_order_unsigned_values_as_unsigned(tmp_path):
 
 
 def test_long_strings_are_split_into_pages_and_read_back(tmp_path):
-    values = [f"s{i}-" + "y" * 50_000 for i in range(100)]  # 5 MB: several 1 MiB pages
+    values = [f"s{i}-" + "y" * 50_000 for i in range(100)]  # 5 MB: pages of about 256 KiB
     path = os.path.join(tmp_path, "s.parquet")
     _write(path, {"s": ("str", values)})
     assert pq.read_table(path).column("s").to_pylist() == values

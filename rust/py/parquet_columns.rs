@@ -152,7 +152,7 @@ pub(super) fn write_parquet(
         .collect::<PyResult<_>>()?;
     let metadata: Vec<(&str, &[u8])> = metadata.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
     let written = py.detach(|| -> io::Result<()> {
-        let mut out = BufWriter::with_capacity(1 << 20, File::create(&path)?);
+        let mut out = BufWriter::new(File::create(&path)?);
         parquet::write(&mut out, &cols, &metadata)
     });
     match written {
