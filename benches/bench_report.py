@@ -3,8 +3,8 @@
 For each fleet, in a fresh process, times against `lorafast.scan` of the same fleet (best of --repeat):
   to_json (returned, and streamed to a file), to_arrow (adapter + module tables), to_pandas, to_polars,
   to_parquet, iterating the report (modules are built when first read), iterating it reading every module, and
-  as baselines the re-read iteration of before (`inspect_many` in batches of 512) and `json.dumps` of every
-  `record()`;
+  as baselines the re-read iteration of before (`inspect_many` in batches of 512), `json.dumps` of every
+  `record()` and pyarrow's own Parquet writer over `to_arrow()`'s tables;
 and the peak memory each step adds (VmHWM, reset through /proc/self/clear_refs) against the size of the
 report's columns (the Arrow tables' bytes, adapter + module table), each step in a fresh process that has
 only scanned: "cold" as it is, "warm" after the step ran once on a one-adapter report, so that what does not grow
@@ -99,6 +99,11 @@ def make_steps(report):
         "iterate, reading every module": lambda: sum(len(a.modules) for a in report),
         "baseline: json.dumps of record()s": old_json,
         "baseline: iterate by re-reading": old_iter,
+        # What a user of pyarrow writes: the same tables through pyarrow's own writer (its defaults).
+        "baseline: pyarrow write_table of to_arrow()": lambda: (
+            pyarrow.parquet.write_table(report.to_arrow(), os.path.join(tmp, "pa.pq")),
+            pyarrow.parquet.write_table(report.to_arrow("modules"), os.path.join(tmp, "pm.pq")),
+        ),
     }
 
 steps = make_steps(report)
