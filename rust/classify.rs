@@ -13,7 +13,7 @@ use crate::header::{Dtype, Header, TensorEntry};
 use crate::names::{self, Role, Spelling, Variant};
 
 mod modules;
-pub use modules::{ModuleInfo, ModuleNumbers, Modules};
+pub use modules::{ModuleInfo, ModuleNumbers, ModuleStrings, Modules};
 use modules::{Names, Repeated};
 
 /// The tensor naming scheme an adapter is written in (docs/scan.md describes each).

@@ -19,9 +19,8 @@ use memmap2::{Advice, MmapMut};
 use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 
-use crate::classify::{ModuleInfo, ModuleNumbers, Modules};
+use crate::classify::{ModuleNumbers, ModuleStrings, Modules};
 use crate::error::Error;
-use crate::header::Dtype;
 use crate::scan::AdapterResult;
 
 /// A string column: a code per row (-1: null) into its distinct values.
@@ -212,20 +211,6 @@ impl Values {
 }
 
 /// A module's name, key, leaf, kind, dtype, a_key and b_key.
-type ModuleStrings<'m> = [Option<&'m str>; 7];
-
-fn strings<'m>(m: &ModuleInfo<'m>) -> ModuleStrings<'m> {
-    [
-        Some(m.name),
-        Some(m.key),
-        Some(m.leaf),
-        Some(m.kind.name()),
-        m.dtype.map(Dtype::name),
-        m.a_key,
-        m.b_key,
-    ]
-}
-
 /// A classification more than one adapter uses, as columns: each adapter's rows are a copy of
 /// each, column by column (writing a row at a time into 28 columns was most of the dense fleet's
 /// table build after its page faults). The values are pushed as the modules are interned; the code
@@ -312,9 +297,8 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
             let modules = classes[c];
             starts.push(codes.len() as u32);
             let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
-            for m in modules.iter() {
-                let strings = strings(&m);
-                let known = by_key.entry(m.key).or_default();
+            for (strings, numbers) in modules.strings().zip(modules.numbers()) {
+                let known = by_key.entry(strings[1].unwrap_or_default()).or_default();
                 let row = match known.iter().find(|(s, _)| *s == strings) {
                     Some((_, row)) => *row,
                     None => {
@@ -335,7 +319,7 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                 };
                 codes.push(row);
                 if let Some(c) = columns.as_mut() {
-                    c.push(&Values::of(m.numbers()));
+                    c.push(&Values::of(numbers));
                 }
             }
             columns
@@ -536,10 +520,14 @@ impl<'r> ModuleTable<'r> {
             })
             .collect();
         groups.par_iter_mut().zip(&remaps).for_each(|(g, remap)| {
-            for row in &mut g.codes {
-                for (code, map) in row.iter_mut().zip(remap) {
-                    if *code >= 0 {
-                        *code = map[*code as usize];
+            // The first group's dictionaries are the table's first entries: nothing to rewrite.
+            let identity = remap.iter().all(|m| m.iter().enumerate().all(|(i, &c)| c == i as i32));
+            if !identity {
+                for row in &mut g.codes {
+                    for (code, map) in row.iter_mut().zip(remap) {
+                        if *code >= 0 {
+                            *code = map[*code as usize];
+                        }
                     }
                 }
             }
