@@ -210,7 +210,6 @@ impl Values {
     }
 }
 
-/// A module's name, key, leaf, kind, dtype, a_key and b_key.
 /// A classification more than one adapter uses, as columns: each adapter's rows are a copy of
 /// each, column by column (writing a row at a time into 28 columns was most of the dense fleet's
 /// table build after its page faults). The values are pushed as the modules are interned; the code
@@ -298,7 +297,8 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
             starts.push(codes.len() as u32);
             let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
             for (strings, numbers) in modules.strings().zip(modules.numbers()) {
-                let known = by_key.entry(strings[1].unwrap_or_default()).or_default();
+                let key = strings[1].unwrap_or_default(); // the key, which every module has
+                let known = by_key.entry(key).or_default();
                 let row = match known.iter().find(|(s, _)| *s == strings) {
                     Some((_, row)) => *row,
                     None => {

@@ -195,14 +195,31 @@ enum Logical {
     Integer(i8, bool),
 }
 
-/// Writes `columns` (all of one length) as a Parquet file to `out`, with `metadata` as the footer's
-/// key-value metadata. Column chunks are encoded in parallel (rayon), a row group at a time.
-pub fn write(out: &mut impl Write, columns: &[Column<'_>], metadata: &[(&str, &[u8])]) -> io::Result<()> {
-    let rows = columns.first().map_or(0, Column::rows);
-    for c in columns {
-        c.check(rows)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+/// Columns checked to make one table that the encoders can write without indexing out of bounds,
+/// before anything is written (a refused table leaves the file it would have gone to untouched).
+pub struct Table<'c, 'a> {
+    columns: &'c [Column<'a>],
+    rows: usize,
+}
+
+impl<'c, 'a> Table<'c, 'a> {
+    /// `columns`, all of one length; the error names the column and what is wrong with it.
+    pub fn new(columns: &'c [Column<'a>]) -> Result<Self, String> {
+        let rows = columns.first().map_or(0, Column::rows);
+        for c in columns {
+            c.check(rows)?;
+        }
+        Ok(Table { columns, rows })
     }
+
+    /// Writes the table as a Parquet file to `out`, with `metadata` as the footer's key-value
+    /// metadata. Column chunks are encoded in parallel (rayon), a row group at a time.
+    pub fn write(&self, out: &mut impl Write, metadata: &[(&str, &[u8])]) -> io::Result<()> {
+        write(out, self.columns, self.rows, metadata)
+    }
+}
+
+fn write(out: &mut impl Write, columns: &[Column<'_>], rows: usize, metadata: &[(&str, &[u8])]) -> io::Result<()> {
     out.write_all(b"PAR1")?;
     let mut offset = 4u64;
     let mut row_groups = Vec::new();
@@ -854,8 +871,8 @@ mod tests {
             valid: None,
             statistics: false,
         };
-        let err = write(&mut Vec::new(), &[c], &[]).unwrap_err();
-        assert!(err.to_string().contains("past its dictionary"), "{err}");
+        let err = Table::new(&[c]).err().unwrap();
+        assert!(err.contains("past its dictionary"), "{err}");
         let offsets = [0, 5, 2];
         let c = Column {
             name: "s",
@@ -866,7 +883,7 @@ mod tests {
             valid: None,
             statistics: false,
         };
-        assert!(write(&mut Vec::new(), &[c], &[]).is_err());
+        assert!(Table::new(&[c]).is_err());
         let (a, b) = ([1u32, 2], [1u64]);
         let cols = [
             Column {
@@ -882,7 +899,7 @@ mod tests {
                 statistics: false,
             },
         ];
-        assert!(write(&mut Vec::new(), &cols, &[]).is_err());
+        assert!(Table::new(&cols).is_err());
         let valid = [true];
         let c = Column {
             name: "a",
@@ -890,7 +907,7 @@ mod tests {
             valid: Some(&valid),
             statistics: false,
         };
-        assert!(write(&mut Vec::new(), &[c], &[]).is_err());
+        assert!(Table::new(&[c]).is_err());
     }
 
     #[test]

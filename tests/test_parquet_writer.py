@@ -127,8 +127,13 @@ def test_long_strings_are_split_into_pages_and_read_back(tmp_path):
     ],
 )
 def test_inconsistent_columns_are_a_value_error_and_write_nothing_bad(tmp_path, columns, message):
+    path = os.path.join(tmp_path, "bad.parquet")
+    with open(path, "wb") as f:
+        f.write(b"kept")
     with pytest.raises(ValueError, match=message):
-        _write(os.path.join(tmp_path, "bad.parquet"), columns)
+        _write(path, columns)
+    with open(path, "rb") as f:
+        assert f.read() == b"kept"  # refused before the file was opened
 
 
 def test_bad_offsets_and_dtypes_are_refused(tmp_path):

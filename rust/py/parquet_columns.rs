@@ -150,14 +150,12 @@ pub(super) fn write_parquet(
         .iter()
         .map(|c| c.column(statistics.contains(&c.name)))
         .collect::<PyResult<_>>()?;
+    // Checked before the file is created, so that refused columns leave what is at `path` as it was.
+    let table = parquet::Table::new(&cols).map_err(PyValueError::new_err)?;
     let metadata: Vec<(&str, &[u8])> = metadata.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-    let written = py.detach(|| -> io::Result<()> {
+    py.detach(|| -> io::Result<()> {
         let mut out = BufWriter::new(File::create(&path)?);
-        parquet::write(&mut out, &cols, &metadata)
-    });
-    match written {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::InvalidInput => Err(PyValueError::new_err(e.to_string())),
-        Err(e) => Err(super::to_pyerr(py, &Error::io(path, e))),
-    }
+        table.write(&mut out, &metadata)
+    })
+    .map_err(|e| super::to_pyerr(py, &Error::io(path, e)))
 }
