@@ -1,6 +1,7 @@
 """Reports at column speed (issue 16, part 2) and incremental rescans (part 4), measured in one run.
 
-For each fleet, in a fresh process, times against `lorafast.scan` of the same fleet (best of --repeat):
+For each fleet, in a fresh process, times against `lorafast.scan` of the same fleet, in --repeat interleaved rounds
+(the scan, every step, the scan again; each figure the best of its rounds):
   to_json (returned, and streamed to a file), to_arrow (adapter + module tables), to_pandas, to_polars,
   to_parquet, iterating the report (modules are built when first read), iterating it reading every module, and
   as baselines the re-read iteration of before (`inspect_many` in batches of 512), `json.dumps` of every
@@ -126,17 +127,22 @@ if what.startswith("warm:"):  # the same, after the step ran once on a one-adapt
     print(json.dumps({"peak": peak(steps[what[5:]])}))
     sys.exit(0)
 
-t_scan = best(lambda: lorafast.scan([root], progress=False))
-out = {"adapters": len(report), "scan": t_scan, "steps": list(steps)}
+out = {"adapters": len(report), "steps": list(steps)}
 adapters_t, modules_t = report.to_arrow(), report.to_arrow("modules")
 out["modules"] = modules_t.num_rows
 out["columns_bytes"] = adapters_t.nbytes + modules_t.nbytes
 out["numpy_columns_bytes"] = sum(a.nbytes for a in report.columns().values())
 del adapters_t, modules_t
-for name, fn in steps.items():
-    out[name] = best(fn)
-# The scan again, after the steps, so a change of load during the run shows as two different scan times.
-out["scan_after"] = best(lambda: lorafast.scan([root], progress=False))
+# Rounds: the scan, every step, the scan again; each figure is the best of its rounds. Interleaved, so a slow
+# spell of this VM (the same call here runs 2 ms or 9 ms for a few hundred milliseconds at a time) falls on the
+# scan and the steps alike, rather than on all five tries of one step.
+scan = lambda: lorafast.scan([root], progress=False)
+timed = [("scan", scan), *steps.items(), ("scan_after", scan)]
+times = {name: [] for name, _ in timed}
+for _ in range(repeat):
+    for name, fn in timed:
+        t = time.perf_counter(); fn(); times[name].append(time.perf_counter() - t)
+out.update({name: min(ts) for name, ts in times.items()})
 print(json.dumps(out))
 """
 
@@ -195,8 +201,8 @@ def run_fleet(label: str, root: str, repeat: int) -> list[str]:
     # Ratios are against the faster of the scans before and after the steps: a scan slowed by other load would
     # flatter them.
     scan, cols = min(r["scan"], r["scan_after"]), r["columns_bytes"]
-    print(f"\n{label}: {r['adapters']:,} adapters, {r['modules']:,} modules; scan {r['scan'] * 1e3:.0f} ms before "
-          f"the steps, {r['scan_after'] * 1e3:.0f} ms after; {before} at the start")  # fmt: skip
+    print(f"\n{label}: {r['adapters']:,} adapters, {r['modules']:,} modules; scan {r['scan'] * 1e3:.0f} ms at the "
+          f"start of each round, {r['scan_after'] * 1e3:.0f} ms at the end; {before} at the start")  # fmt: skip
     print(f"  columns (Arrow tables, adapters + modules): {fmt_bytes(cols)}; numpy columns(): "
           f"{fmt_bytes(r['numpy_columns_bytes'])}")  # fmt: skip
     print(f"  a scan's peak RSS: {fmt_bytes(mem['scan_peak'])}, held by its report: {fmt_bytes(mem['scan_held'])}")
@@ -234,7 +240,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", type=int, default=20000)
     ap.add_argument("--dense", type=int, default=1000)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--fleets", default="small,dense,unique", help="comma-separated: small, dense, unique")
     args = ap.parse_args()
     fleets = args.fleets.split(",")

@@ -535,3 +535,23 @@ def test_parquet_from_lists_of_str_equals_parquet_from_buffers(fleet, tmp_path):
     a, b = pq.read_table(tmp_path / "a.parquet"), pq.read_table(tmp_path / "b.parquet")
     assert a.equals(report.to_arrow()) and b.equals(a)
     assert a.column("path").null_count == 0 and b.column("error_message").null_count < len(report)
+
+
+def test_module_table_past_a_huge_page(tmp_path):
+    """A table of more than 2 MiB is laid out from a huge-page boundary (`rust/module_table.rs` `Arena`): every
+    column still holds each adapter's modules in order."""
+    mods = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for i in range(110):
+        peft(tmp_path / f"a{i:03d}", r=(4, 8, 16)[i % 3], layers=32, modules=mods)
+    report = lorafast.scan([tmp_path], threads=2)
+    raw = report._result.module_table()
+    assert sum(v.nbytes for c in raw.values() for v in (c if isinstance(c, tuple) else (c,))
+               if isinstance(v, np.ndarray)) > 2 << 20  # fmt: skip
+    want = [(report.paths.index(a.path), m.name, m.rank, m.layer, m.in_features, m.scale)
+            for a in report for m in a.modules]  # fmt: skip
+    names = raw["name"][1]
+    got = list(zip(raw["row"].tolist(), [names[c] for c in raw["name"][0].tolist()], raw["rank"][0].tolist(),
+                   raw["layer"][0].tolist(), raw["in_features"][0].tolist(), raw["scale"].tolist(), strict=True))  # fmt: skip
+    assert len(got) == 110 * 224
+    assert got == want
+    assert raw["layer"][1].all() and raw["rank"][1].all()
