@@ -819,7 +819,7 @@ fn hash_data(mut file: &fs::File, path: &Path, data_start: u64) -> Result<String
     Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Set in a forked child: rayon's threads did not survive the fork, so run serially there.
+/// Set in a forked child: the pools' threads did not survive the fork (see `with_pool`).
 static FORKED: AtomicBool = AtomicBool::new(false);
 static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
 
@@ -852,10 +852,19 @@ fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
         .ok()
 }
 
-/// Runs `f` on a pool of `threads` (None: the shared default pool), or inline after a fork.
+/// Runs `f` on a pool of `threads` (None: the shared default pool). Every parallel loop of the
+/// core runs inside this, never on rayon's global pool.
+///
+/// In a forked child the inherited pools have no threads, and waiting on one hangs: there `f`
+/// runs on a pool made for the call (inline if none can be made). Not inline on the caller's
+/// thread: a parallel loop outside any pool goes to rayon's global one, which hangs the same way
+/// once the parent has used it.
 pub fn with_pool<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> R {
     if FORKED.load(Ordering::SeqCst) {
-        return f();
+        return match build_pool(threads.unwrap_or_else(default_threads)) {
+            Some(pool) => pool.install(f),
+            None => f(),
+        };
     }
     match threads {
         Some(n) if n != default_threads() => match build_pool(n) {

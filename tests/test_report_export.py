@@ -12,6 +12,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import lorafast
 import numpy as np
@@ -555,3 +557,28 @@ def test_module_table_past_a_huge_page(tmp_path):
     assert len(got) == 110 * 224
     assert got == want
     assert raw["layer"][1].all() and raw["rank"][1].all()
+
+
+def test_exports_after_fork_do_not_hang(fleet, tmp_path):
+    """The module table and the Parquet writer run parallel loops; in a forked child the parent's pools have no
+    threads, and a loop on one of them (rayon's global pool, once the parent's `to_parquet` had started it) hung
+    the child for good."""
+    pytest.importorskip("pyarrow")
+    code = (
+        "import os, signal, sys, lorafast\n"
+        "report = lorafast.scan([sys.argv[1]])\n"
+        "report.to_parquet(sys.argv[2] + '/a.pq', sys.argv[2] + '/m.pq')\n"  # the pools start in the parent
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.alarm(50)\n"  # a hung child ends itself, after the parent's wait has failed the test
+        "    report.to_parquet(sys.argv[2] + '/ca.pq', sys.argv[2] + '/cm.pq')\n"
+        "    n = report.to_arrow('modules').num_rows\n"
+        "    os._exit(0 if n == report.to_arrow('modules').num_rows > 0 else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(fleet), str(tmp_path)], capture_output=True, text=True,
+                         timeout=40, check=True)  # fmt: skip
+    assert out.stdout.strip() == "0"
+    pq = pytest.importorskip("pyarrow.parquet")
+    assert pq.read_table(tmp_path / "cm.pq").equals(pq.read_table(tmp_path / "m.pq"))

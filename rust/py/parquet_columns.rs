@@ -153,9 +153,11 @@ pub(super) fn write_parquet(
     // Checked before the file is created, so that refused columns leave what is at `path` as it was.
     let table = parquet::Table::new(&cols).map_err(PyValueError::new_err)?;
     let metadata: Vec<(&str, &[u8])> = metadata.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-    py.detach(|| -> io::Result<()> {
-        let mut out = BufWriter::new(File::create(&path)?);
-        table.write(&mut out, &metadata)
+    py.detach(|| {
+        crate::scan::with_pool(None, || -> io::Result<()> {
+            let mut out = BufWriter::new(File::create(&path)?);
+            table.write(&mut out, &metadata)
+        })
     })
     .map_err(|e| super::to_pyerr(py, &Error::io(path, e)))
 }
