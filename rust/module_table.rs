@@ -39,6 +39,7 @@ impl Plain for i32 {}
 impl Plain for u64 {}
 impl Plain for f64 {}
 impl Plain for bool {}
+impl Plain for [i32; 7] {}
 
 /// The memory of a table's columns: one anonymous mapping, zeroed by the kernel.
 pub struct Arena {
@@ -278,10 +279,11 @@ fn push_opt<T: Default>(col: &mut (Vec<T>, Vec<bool>), v: Option<T>) {
 /// Flat, not a record per classification: a fleet of single-module adapters whose headers do not
 /// repeat has a classification per adapter, and a `Vec` of codes each (a header and a heap block)
 /// was a third of the table's peak for 20,000 of them.
-struct Group<'r> {
+struct Group<'r, 'c> {
     classes: Range<usize>,
-    /// The codes of each classification's modules, one classification after another.
-    codes: Vec<[i32; 7]>,
+    /// The codes of each classification's modules, one classification after another: the group's
+    /// stretch of one mapping for every group (`ModuleTable::build`).
+    codes: &'c mut [[i32; 7]],
     /// Where each classification's codes start.
     starts: Vec<u32>,
     /// Boxed: 25 empty `Vec`s inline per classification (600 bytes) added 13 MB to the table of
@@ -290,7 +292,7 @@ struct Group<'r> {
     names: [Vec<&'r str>; 7],
 }
 
-impl Group<'_> {
+impl Group<'_, '_> {
     /// The codes of classification `c` (of `modules` modules) and its columns, if it has them.
     fn class(&self, c: usize, modules: usize) -> (&[[i32; 7]], Option<&ClassColumns>) {
         let local = c - self.classes.start;
@@ -305,17 +307,24 @@ impl Group<'_> {
 /// adapter's module of that key may have another dtype, or lack a factor); the rest are interned.
 const CODES_PER_KEY: usize = 4;
 
-fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) -> Group<'r> {
+/// Interns the classifications of `range`, writing their modules' codes to `codes` (as long as
+/// their modules together).
+fn intern_group<'r, 'c>(
+    classes: &[&'r Modules],
+    uses: &[u32],
+    range: Range<usize>,
+    codes: &'c mut [[i32; 7]],
+) -> Group<'r, 'c> {
     let mut index: [FxHashMap<&'r str, i32>; 7] = Default::default();
     let mut names: [Vec<&'r str>; 7] = Default::default();
     let mut by_key: FxHashMap<&'r str, Vec<(ModuleStrings<'r>, [i32; 7])>> = FxHashMap::default();
-    let mut codes = Vec::with_capacity(range.clone().map(|c| classes[c].len()).sum());
+    let mut at = 0;
     let mut starts = Vec::with_capacity(range.len());
     let columns = range
         .clone()
         .map(|c| {
             let modules = classes[c];
-            starts.push(codes.len() as u32);
+            starts.push(at as u32);
             let mut columns = (uses[c] > 1).then(Box::<ClassColumns>::default);
             for (strings, numbers) in modules.strings().zip(modules.numbers()) {
                 let key = strings[1].unwrap_or_default(); // the key, which every module has
@@ -338,7 +347,8 @@ fn intern_group<'r>(classes: &[&'r Modules], uses: &[u32], range: Range<usize>) 
                         row
                     }
                 };
-                codes.push(row);
+                codes[at] = row;
+                at += 1;
                 if let Some(c) = columns.as_mut() {
                     c.push(&Values::of(numbers));
                 }
@@ -518,9 +528,27 @@ impl<'r> ModuleTable<'r> {
         // Each distinct classification's rows, interned by groups in parallel; then the groups'
         // dictionaries merged in order into the table's, and their codes rewritten to it.
         let ranges = balanced(classes.iter().map(|m| m.len()), threads * 4);
-        let mut groups: Vec<Group<'r>> = ranges
+        // The groups' codes in one mapping, each group a stretch of it: the unique fleet's 224,000
+        // modules have 6 MB of codes, and a buffer per group (under 2 MiB each) took 1,540 faults of
+        // 4 KiB pages a table, where one mapping takes huge pages (`Arena`).
+        let mut layout = Layout::default();
+        let all_codes = layout.column::<[i32; 7]>(classes.iter().map(|m| m.len()).sum());
+        let mut code_arena = Arena::new(layout.size)?;
+        let mut rest = Carver {
+            rest: code_arena.bytes_mut(),
+            at: 0,
+        }
+        .take(&all_codes);
+        let mut stretches = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            let (stretch, tail) = std::mem::take(&mut rest).split_at_mut(r.clone().map(|c| classes[c].len()).sum());
+            stretches.push(stretch);
+            rest = tail;
+        }
+        let mut groups: Vec<Group<'r, '_>> = ranges
             .into_par_iter()
-            .map(|r| intern_group(&classes, &uses, r))
+            .zip(stretches)
+            .map(|(r, codes)| intern_group(&classes, &uses, r, codes))
             .collect();
         let mut index: [FxHashMap<&'r str, i32>; 7] = Default::default();
         let mut names: [Vec<&'r str>; 7] = Default::default();
@@ -544,7 +572,7 @@ impl<'r> ModuleTable<'r> {
             // The first group's dictionaries are the table's first entries: nothing to rewrite.
             let identity = remap.iter().all(|m| m.iter().enumerate().all(|(i, &c)| c == i as i32));
             if !identity {
-                for row in &mut g.codes {
+                for row in g.codes.iter_mut() {
                     for (code, map) in row.iter_mut().zip(remap) {
                         if *code >= 0 {
                             *code = map[*code as usize];
