@@ -37,10 +37,12 @@ STATUS_NAMES = ("ok", "problems", "error")
 STRING_COLUMNS = ("path", "weight_file", "config_path", "content_hash", "error_message")
 
 
-def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> dict[str, Column]:
-    """`utf8`: the string columns as Arrow's buffers where the core makes them, rather than lists of str (20,000
-    small adapters: a list of paths is 2.6 MB of str objects for 1.4 MB of text); with "exact", only a column that
-    needed no escape (a path that is not UTF-8 stays a str of `os.fsdecode`, in a list)."""
+def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> Iterator[tuple[str, Column]]:
+    """The adapter table's columns, in order. `utf8`: the string columns as Arrow's buffers where the core makes
+    them, rather than lists of str (20,000 small adapters: a list of paths is 2.6 MB of str objects for 1.4 MB of
+    text); with "exact", only a column that needed no escape (a path that is not UTF-8 stays a str of
+    `os.fsdecode`, in a list). Each string column is made when it is reached, so that an export which copies it
+    (polars) lets it go before the next one is made."""
     from .scanner import FLAGS, FORMATS, MOE_LAYOUTS
 
     cols = report.columns()
@@ -55,51 +57,42 @@ def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> dict[str, Column]:
             extra.update(report._result.table())
         return ("str", report.paths if name == "path" else extra[name])
 
-    out: dict[str, Column] = {
-        "row": ("num", cols["path_index"]),
-        "path": strings("path"),
-        "status": ("dict", cols["status"].astype(np.int32), list(STATUS_NAMES)),
-        "format": ("dict", cols["format"].astype(np.int32), list(FORMATS)),
-        "peft_type": ("dict", *extra["peft_type"]),
-        "base_model_name_or_path": ("dict", *extra["base_model_name_or_path"]),
-        "rank": ("num", cols["rank"]),
-        "num_tensors": ("num", cols["num_tensors"]),
-        "moe_layout": ("dict", cols["moe_layout"].astype(np.int32), list(MOE_LAYOUTS)),
-        "num_experts": ("num", cols["num_experts"]),
-        "num_layers": ("num", cols["num_layers"]),
-        "flags": ("num", cols["flags"]),
-    }
+    yield "row", ("num", cols["path_index"])
+    yield "path", strings("path")
+    yield "status", ("dict", cols["status"].astype(np.int32), list(STATUS_NAMES))
+    yield "format", ("dict", cols["format"].astype(np.int32), list(FORMATS))
+    yield "peft_type", ("dict", *extra["peft_type"])
+    yield "base_model_name_or_path", ("dict", *extra["base_model_name_or_path"])
+    yield "rank", ("num", cols["rank"])
+    yield "num_tensors", ("num", cols["num_tensors"])
+    yield "moe_layout", ("dict", cols["moe_layout"].astype(np.int32), list(MOE_LAYOUTS))
+    yield "num_experts", ("num", cols["num_experts"])
+    yield "num_layers", ("num", cols["num_layers"])
+    yield "flags", ("num", cols["flags"])
     for bit, name in enumerate(FLAGS):
-        out[f"flag_{name}"] = ("num", ((cols["flags"] >> bit) & 1).astype(bool))
-    out.update(
-        {
-            "num_problems": ("num", cols["num_problems"]),
-            "weight_file": strings("weight_file"),
-            "config_path": strings("config_path"),
-            "header_size": ("nullable", *extra["header_size"]),
-            "file_size": ("nullable", *extra["file_size"]),
-            "content_hash": strings("content_hash"),
-            "error_code": ("dict", *extra["error_code"]),
-            "error_message": strings("error_message"),
-        }
-    )
-    return out
+        yield f"flag_{name}", ("num", ((cols["flags"] >> bit) & 1).astype(bool))
+    yield "num_problems", ("num", cols["num_problems"])
+    yield "weight_file", strings("weight_file")
+    yield "config_path", strings("config_path")
+    yield "header_size", ("nullable", *extra["header_size"])
+    yield "file_size", ("nullable", *extra["file_size"])
+    yield "content_hash", strings("content_hash")
+    yield "error_code", ("dict", *extra["error_code"])
+    yield "error_message", strings("error_message")
 
 
-def module_columns(report: ScanReport) -> dict[str, Column]:
-    raw = report._result.module_table()
-    out: dict[str, Column] = {}
-    for name, value in raw.items():
+def module_columns(report: ScanReport) -> Iterator[tuple[str, Column]]:
+    for name, value in report._result.module_table().items():
         if not isinstance(value, tuple):  # row, scale (`LoraModule.scale`, computed by the core), use_rslora
-            out[name] = ("num", value)
+            yield name, ("num", value)
         elif isinstance(value[1], list):
-            out[name] = ("dict", *value)
+            yield name, ("dict", *value)
         else:
-            out[name] = ("nullable", *value)
-    return out
+            yield name, ("nullable", *value)
 
 
-def _columns(report: ScanReport, table: Table, utf8: Utf8 = None) -> dict[str, Column]:
+def _columns(report: ScanReport, table: Table, utf8: Utf8 = None) -> Iterator[tuple[str, Column]]:
+    """The table's columns, one at a time (the table is checked at the call, not at the first column)."""
     if table == "adapters":
         return adapter_columns(report, utf8)
     if table == "modules":
@@ -141,7 +134,7 @@ def _arrow_arrays(report: ScanReport, table: Table) -> Iterator[tuple[str, Any]]
     # reserved segments doubled the peak memory of an export (20,000 small adapters: 11.2 MB -> 5.7 MB for
     # 5.4 MB of tables). Number columns without nulls are numpy's buffers, not copies.
     pool = pa.system_memory_pool()
-    for name, col in _columns(report, table, "arrow").items():
+    for name, col in _columns(report, table, "arrow"):
         kind = col[0]
         if kind == "num":
             yield name, pa.array(col[1], memory_pool=pool)
@@ -179,7 +172,7 @@ def to_pandas(report: ScanReport, table: Table = "adapters") -> Any:
     str_dtype = pd.Series(["a"]).dtype  # what pandas makes of a column of str
     arrow_backed = getattr(str_dtype, "storage", None) == "pyarrow"
     data: dict[str, Any] = {}
-    for name, col in _columns(report, table, "exact" if arrow_backed else None).items():
+    for name, col in _columns(report, table, "exact" if arrow_backed else None):
         kind = col[0]
         if kind == "num":
             data[name] = col[1]
@@ -244,7 +237,7 @@ def polars_from_columns(report: ScanReport, table: Table = "adapters") -> Any:
     import polars as pl
 
     series = []
-    for name, col in _columns(report, table).items():
+    for name, col in _columns(report, table):
         kind = col[0]
         if kind == "num":
             series.append(pl.Series(name, col[1]))
@@ -306,7 +299,7 @@ def _write_parquet(report: ScanReport, table: Table, path: str) -> None:
     from . import _core
 
     columns, fields = [], []
-    for name, col in _columns(report, table, "arrow").items():
+    for name, col in _columns(report, table, "arrow"):
         column, arrow_type = _parquet_column(name, col)
         columns.append(column)
         fields.append(pa.field(name, arrow_type))
