@@ -198,8 +198,8 @@ def run_fleet(label: str, root: str, repeat: int) -> list[str]:
     before = load()
     r = child(root, repeat, "time")
     mem = child(root, repeat, "scan-memory")
-    # Ratios are against the faster of the scans before and after the steps: a scan slowed by other load would
-    # flatter them.
+    # Ratios are against the faster of the scans at the start and the end of the rounds: a scan slowed by other
+    # load would flatter them.
     scan, cols = min(r["scan"], r["scan_after"]), r["columns_bytes"]
     print(f"\n{label}: {r['adapters']:,} adapters, {r['modules']:,} modules; scan {r['scan'] * 1e3:.0f} ms at the "
           f"start of each round, {r['scan_after'] * 1e3:.0f} ms at the end; {before} at the start")  # fmt: skip

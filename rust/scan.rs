@@ -860,21 +860,17 @@ fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
 /// thread: a parallel loop outside any pool goes to rayon's global one, which hangs the same way
 /// once the parent has used it.
 pub fn with_pool<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> R {
-    if FORKED.load(Ordering::SeqCst) {
-        return match build_pool(threads.unwrap_or_else(default_threads)) {
-            Some(pool) => pool.install(f),
-            None => f(),
-        };
-    }
-    match threads {
-        Some(n) if n != default_threads() => match build_pool(n) {
-            Some(pool) => pool.install(f),
-            None => f(),
-        },
-        _ => match POOL.get_or_init(|| build_pool(default_threads())) {
-            Some(pool) => pool.install(f),
-            None => f(),
-        },
+    let own = FORKED.load(Ordering::SeqCst) || threads.is_some_and(|n| n != default_threads());
+    let made;
+    let pool = if own {
+        made = build_pool(threads.unwrap_or_else(default_threads));
+        made.as_ref()
+    } else {
+        POOL.get_or_init(|| build_pool(default_threads())).as_ref()
+    };
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(),
     }
 }
 

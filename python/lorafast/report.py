@@ -275,7 +275,7 @@ def _parquet_column(name: str, col: Column) -> tuple[tuple[Any, ...], Any]:
         return (name, "nullable", values, valid), pa.from_numpy_dtype(values.dtype)
     if kind == "dict":
         codes = np.ascontiguousarray(col[1], dtype=np.int32)
-        return (name, "dict", codes, _utf8(list(col[2]))), pa.dictionary(pa.int32(), pa.string())
+        return (name, "dict", codes, _utf8(col[2])), pa.dictionary(pa.int32(), pa.string())
     if kind == "utf8":
         return (name, "utf8", col[1], col[2], col[3]), pa.string()
     # A list of str (a merged distributed result, or past 2 GiB of text): Arrow's buffers of it.
