@@ -13,7 +13,12 @@ one it has seen (same names, shapes, offsets, data size and config; see rust/mem
 set has four distinct headers, as a fleet trained from a few recipes does; in "unique" every
 adapter is parsed and classified anew.
 Prints adapters/s and the ratio to lorafast. Usage: python benches/bench_scan.py [--dense N] [--moe N]
-[--sets dense,unique,MoE] [--dir DIR] (DIR keeps the generated sets for later runs).
+[--sets dense,unique,MoE] [--dir DIR] [--before DIR] [--passes N] (DIR keeps the generated sets for later runs).
+
+`--before DIR` times another build of lorafast in the same run: DIR is a folder that build was installed into
+(`pip install --no-deps --target DIR old.whl`). Each set is scanned by both builds in turn, each in a fresh
+process, for --passes passes: with the report freed inside the timed call, as the table above times it, and
+with the report kept until after the clock stops (the scan alone).
 """
 
 from __future__ import annotations
@@ -161,6 +166,45 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     return min(times)
 
 
+# One build's lorafast.scan of one set in a fresh process, timed both ways (see the docstring's `--before`).
+BUILD_CODE = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[2])
+import lorafast
+from bench_scan import best_of
+root, n = sys.argv[1], len(os.listdir(sys.argv[1]))
+def kept(threads):
+    times = []
+    for _ in range(6):
+        t = time.perf_counter(); report = lorafast.scan([root], threads=threads, progress=False)
+        times.append(time.perf_counter() - t); del report
+    return min(times[1:])
+out = {"file": lorafast.__file__}
+for threads in (1, None):
+    key = "1 thread" if threads == 1 else "all cores"
+    out[key] = n / best_of(lambda: lorafast.scan([root], threads=threads, progress=False), 5)
+    out[key + ", report kept"] = n / kept(threads)
+print(json.dumps(out))
+"""
+
+
+def time_builds(sroot: str, before: str, passes: int) -> None:
+    """Prints, per pass, each way of timing for the build in `before` and this one, and their ratio."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    builds = {"before": before, "this build": os.path.dirname(os.path.dirname(lorafast.__file__))}
+    for p in range(passes):
+        r = {}
+        for name, path in builds.items():
+            env = {**os.environ, "PYTHONPATH": path}
+            cmd = [sys.executable, "-c", BUILD_CODE, sroot, here]
+            r[name] = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
+        if p == 0:
+            print("  builds: " + ", ".join(f"{k} {v['file']}" for k, v in r.items()))
+        for way in ("1 thread", "1 thread, report kept", "all cores", "all cores, report kept"):
+            b, a = r["before"][way], r["this build"][way]
+            print(f"  pass {p + 1} {way:<24} {b:>10,.0f}/s -> {a:>10,.0f}/s = {a / b:.2f}x", flush=True)
+
+
 def make_set(root: str, label: str, args: argparse.Namespace) -> list[str]:
     """The adapters of one set under `root/label`: written there, or the ones a previous run with the
     same counts left (`--dir`)."""
@@ -201,6 +245,8 @@ def main() -> int:
     ap.add_argument("--b1-subset", type=int, default=200, help="B1 reads all data; time it on this many")
     ap.add_argument("--sets", default="dense,unique,MoE", help="the sets to time, comma-separated")
     ap.add_argument("--dir", help="write the sets here and reuse them in later runs (default: a temporary folder)")
+    ap.add_argument("--before", help="a folder another lorafast build is installed in, to time in the same run")
+    ap.add_argument("--passes", type=int, default=4, help="passes of the --before comparison")
     args = ap.parse_args()
     labels = [s for s in ("dense", "unique", "MoE") if s in args.sets.split(",")]
     with tempfile.TemporaryDirectory(prefix="lorafast-bench-") as tmp:
@@ -224,6 +270,10 @@ def main() -> int:
         print(f"\n{'set':<6} {'method':<28} {'adapters/s':>12} {'lorafast is x faster':>22}")
         for label, name, rate, ratio in rows:
             print(f"{label:<6} {name:<28} {rate:>12,.0f} {ratio:>22.1f}")
+        if args.before:
+            for label in sets:
+                print(f"\n{label}: lorafast.scan, the build in {args.before} (before) and this one, alternated")
+                time_builds(os.path.join(root, label), args.before, args.passes)
         if "dense" not in sets:
             print(f"\ncores: {os.cpu_count()}")
             return 0
