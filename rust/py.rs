@@ -1419,7 +1419,7 @@ fn map_file(py: Python<'_>, path: PathBuf) -> PyResult<MappedFile> {
 #[pyo3(signature = (paths, recursive = true))]
 fn discover(py: Python<'_>, paths: Vec<PathBuf>, recursive: bool) -> PyResult<Vec<(OsString, Option<&'static str>)>> {
     detach_contained(py, Path::new(""), || {
-        Ok(core_scan::discover(&paths, recursive)
+        Ok(core_scan::with_pool(None, || core_scan::discover(&paths, recursive))
             .into_iter()
             .map(|r| match r {
                 Ok(t) => (t.path.into_os_string(), None),

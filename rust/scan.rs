@@ -411,24 +411,6 @@ where
         }
     }
 
-    /// The same walk on this thread alone (after a fork, rayon's threads are gone), with a stack
-    /// of its own.
-    fn serial(self, found: Vec<Result<Found, Error>>) -> Vec<R> {
-        let mut out = Vec::new();
-        let mut stack: Vec<Result<Found, Error>> = found.into_iter().rev().collect();
-        while let Some(f) = stack.pop() {
-            match f {
-                Err(e) => out.push((self.failed)(e)),
-                Ok(Found::Target(t)) => out.push((self.visit)(t, None)),
-                Ok(Found::Folder(dir)) => match self.enter(&dir) {
-                    Ok(row) => out.push(row),
-                    Err(found) => stack.extend(found.into_iter().rev().map(Ok)),
-                },
-            }
-        }
-        out
-    }
-
     /// The rows in order: a folder's rows in its place, as a depth-first walk gives them.
     fn into_rows(self) -> Vec<R> {
         let mut rows = self.rows.into_inner().unwrap_or_else(PoisonError::into_inner);
@@ -438,7 +420,8 @@ where
 }
 
 /// Walks `found` in parallel and in order, resolving sub-folders on the way: `visit` gets each
-/// adapter (with its config's bytes when already read), `failed` each error.
+/// adapter (with its config's bytes when already read), `failed` each error. Runs on the pool of
+/// the caller's `with_pool` (never rayon's global pool, which hangs in a forked child).
 fn walk<R: Send>(
     found: Vec<Result<Found, Error>>,
     recursive: bool,
@@ -451,9 +434,6 @@ fn walk<R: Send>(
         failed,
         rows: Mutex::new(Vec::with_capacity(found.len())),
     };
-    if is_forked() {
-        return walk.serial(found);
-    }
     rayon::scope(|s| walk.entries(s, &[], found));
     walk.into_rows()
 }
@@ -886,11 +866,6 @@ pub fn is_url(s: &str) -> bool {
     })
 }
 
-/// Whether this process is a fork of the one that loaded the module (rayon's threads are gone).
-pub fn is_forked() -> bool {
-    FORKED.load(Ordering::SeqCst)
-}
-
 /// Loads every target in parallel, in order. With `progress`, a bar on stderr is refreshed by a
 /// side thread (the caller decides whether stderr is a terminal).
 pub fn scan(
@@ -907,11 +882,7 @@ pub fn scan(
             r
         };
         with_pool(threads, || {
-            if is_forked() {
-                targets.into_iter().map(load_one).collect()
-            } else {
-                targets.into_par_iter().with_min_len(16).map(load_one).collect()
-            }
+            targets.into_par_iter().with_min_len(16).map(load_one).collect()
         })
     })
 }

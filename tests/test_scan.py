@@ -146,10 +146,12 @@ def test_threads_option_and_env_give_same_result(fleet):
 def test_scan_after_fork_does_not_deadlock(fleet):
     code = (
         "import os, sys, lorafast\n"
+        "found = len(lorafast._core.discover([sys.argv[1]]))\n"
         "lorafast.scan([sys.argv[1]])\n"  # start the pool in the parent
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(0 if len(lorafast.scan([sys.argv[1]])) == 6 else 3)\n"
+        "    ok = len(lorafast.scan([sys.argv[1]])) == 6 and len(lorafast._core.discover([sys.argv[1]])) == found\n"
+        "    os._exit(0 if ok else 3)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "print(os.waitstatus_to_exitcode(status))\n"
     )
