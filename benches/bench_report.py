@@ -38,7 +38,7 @@ import tempfile
 import time
 
 FLEET_CODE = r"""
-import io, json, os, sys, time, tempfile
+import atexit, io, json, os, shutil, sys, time, tempfile
 import lorafast
 from lorafast.scanner import inspect_many
 import pyarrow, pyarrow.parquet, pandas, polars  # imported before any measurement
@@ -71,6 +71,7 @@ if what == "scan-memory":
 
 report = lorafast.scan([root], progress=False)
 tmp = tempfile.mkdtemp()
+atexit.register(shutil.rmtree, tmp, True)  # the files the steps write (and the index)
 
 def make_steps(report):
     def old_json():
