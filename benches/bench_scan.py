@@ -156,34 +156,36 @@ def floor_read(dirs: list[str]) -> None:
         _read_header(os.path.join(d, "adapter_model.safetensors"))
 
 
-def best_of(fn: Callable[[], object], repeat: int) -> float:
+def best_of(fn: Callable[[], object], repeat: int, keep: bool = False) -> float:
+    """The best of `repeat` timed calls after a warm-up. What `fn` returns is freed inside the timed window (as
+    a caller that drops it pays), or with `keep` only after the clock stops (the call alone)."""
     fn()  # warm-up pass (page cache, imports)
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        if keep:
+            result = fn()
+            times.append(time.perf_counter() - t)
+            del result  # after the clock stops, not when the next call's result replaces it
+        else:
+            fn()  # its result is freed before the clock stops
+            times.append(time.perf_counter() - t)
     return min(times)
 
 
 # One build's lorafast.scan of one set in a fresh process, timed both ways (see the docstring's `--before`).
 BUILD_CODE = r"""
-import json, os, sys, time
+import json, os, sys
 sys.path.insert(0, sys.argv[2])
 import lorafast
 from bench_scan import best_of
 root, n = sys.argv[1], len(os.listdir(sys.argv[1]))
-def kept(threads):
-    times = []
-    for _ in range(6):
-        t = time.perf_counter(); report = lorafast.scan([root], threads=threads, progress=False)
-        times.append(time.perf_counter() - t); del report
-    return min(times[1:])
 out = {"file": lorafast.__file__}
 for threads in (1, None):
     key = "1 thread" if threads == 1 else "all cores"
-    out[key] = n / best_of(lambda: lorafast.scan([root], threads=threads, progress=False), 5)
-    out[key + ", report kept"] = n / kept(threads)
+    scan = lambda: lorafast.scan([root], threads=threads, progress=False)
+    out[key] = n / best_of(scan, 5)
+    out[key + ", report kept"] = n / best_of(scan, 5, keep=True)
 print(json.dumps(out))
 """
 
