@@ -14,9 +14,9 @@ from lorafast.adapter import Adapter
 from lorafast.converting import kohya, moe
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.peftconfig import Want, build
-from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, SourceBytes, write_file
+from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, SourceBytes, write_file, writing
 from lorafast.errors import LorafastError
-from lorafast.tensors import TensorFile, TensorReadError, TruncatedFileError
+from lorafast.tensors import TensorFile, TruncatedFileError
 
 #: layouts `to` accepts: the MoE layouts, `transformers5` (numbered expert names to transformers 5's fused
 #: experts, as PEFT loads them) and `peft` (a PEFT folder from kohya or old diffusers files)
@@ -78,24 +78,24 @@ def _inspect(adapter: Adapter | str | os.PathLike[str]) -> Adapter:
         raise ConvertError(f"cannot read adapter {path}: {exc}", "bad_source", path) from exc
 
 
-def _content_hash(path: str, start: int, box: list[str | BaseException]) -> None:
+def _content_hash(fd: int, start: int, box: list[str | BaseException]) -> None:
     """sha256 of the data section (bytes after the header), as `inspect(content_hash=True)` and kohya compute it.
-    Read with `pread` (a file truncated meanwhile gives an error, not SIGBUS); hashlib releases the GIL."""
+    `fd` (closed here) is a duplicate of the descriptor the data is copied from, so the hash is of the file that
+    was read even if the path names another one by now. Read with `pread` (a file truncated meanwhile gives an
+    error, not SIGBUS); hashlib releases the GIL."""
     try:
         h = hashlib.sha256()
         buf = bytearray(8 << 20)
         view = memoryview(buf)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            pos = start
-            while n := os.preadv(fd, [buf], pos):
-                h.update(view[:n])
-                pos += n
-        finally:
-            os.close(fd)
+        pos = start
+        while n := os.preadv(fd, [buf], pos):
+            h.update(view[:n])
+            pos += n
         box.append(h.hexdigest())
     except BaseException as exc:  # reported by the writer, which is waiting for it
         box.append(exc)
+    finally:
+        os.close(fd)
 
 
 def convert(
@@ -141,7 +141,8 @@ def convert(
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
             tensors, config, notes = _plan(ad, tf, found, to, moe.gate_up_order(ad, gate_up))
             box: list[str | BaseException] = []
-            hasher = threading.Thread(target=_content_hash, args=(src, tf.data_start, box), daemon=True)
+            hash_fd = os.dup(tf.fileno())
+            hasher = threading.Thread(target=_content_hash, args=(hash_fd, tf.data_start, box), daemon=True)
             hasher.start()
 
             def sha() -> str:
@@ -164,18 +165,18 @@ def convert(
                 },
                 separators=(",", ":"),
             )
-            written = write_file(folder.join(WEIGHTS_NAME), tensors, meta, sha)
+            written = write_file(folder.join(WEIGHTS_NAME), tensors, meta, sha, folder.shown(WEIGHTS_NAME))
             digest = sha()
         files = [WEIGHTS_NAME]
         if config is not None:
-            with open(folder.join(CONFIG_NAME), "w") as f:
+            with writing(folder.shown(CONFIG_NAME)), open(folder.join(CONFIG_NAME), "w") as f:
                 json.dump(config, f, indent=2)
                 f.write("\n")
             files.append(CONFIG_NAME)
         folder.commit()
     except TruncatedFileError as exc:
         raise ConvertError(f"{src} is truncated: {exc}", "truncated", path) from exc
-    except TensorReadError as exc:
+    except OSError as exc:  # output errors are ConvertErrors by now (`writing`): this is the source
         raise ConvertError(f"cannot read {src}: {exc}", "bad_source", path) from exc
     finally:
         folder.discard()

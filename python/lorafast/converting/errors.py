@@ -13,11 +13,13 @@ CONVERT_ERROR_CODES = (
     "exists",  # the output exists and overwrite was not asked for
     "truncated",  # the source file is shorter than its header says
     "bad_source",  # the source cannot be read or is inconsistent (missing experts, shape mismatch)
+    "write_error",  # the output cannot be written (read-only folder, full disk, file-size limit)
 )
 
 
 class ConvertError(LorafastError, ValueError):
-    """A conversion refused: `.code` (one of `CONVERT_ERROR_CODES`) and `.path` (the source adapter)."""
+    """A conversion refused: `.code` (one of `CONVERT_ERROR_CODES`) and `.path` (the source adapter; the output
+    for `exists` and `write_error`)."""
 
     def __init__(self, message: str, code: str, path: str | None = None) -> None:
         super().__init__(message)

@@ -21,13 +21,14 @@ import shutil
 import struct
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from lorafast.converting.errors import ConvertError
-from lorafast.tensors import _ST_DTYPES, TensorFile, TruncatedFileError
+from lorafast.tensors import _ST_DTYPES, TensorFile, TensorReadError, TruncatedFileError
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +39,18 @@ SHA_PLACEHOLDER = "0" * 64
 _IOV_MAX = 1024
 #: start writeback once this much data is dirty
 _WRITEBACK_EVERY = 32 << 20
+
+
+@contextmanager
+def writing(path: str) -> Iterator[None]:
+    """OS errors of writing `path` (a read-only folder, a full disk, a file-size limit) as a `ConvertError` that
+    names it. Only output calls run inside, so a source's read errors are never blamed on the output."""
+    try:
+        yield
+    except TensorReadError:
+        raise
+    except OSError as exc:
+        raise ConvertError(f"cannot write {path}: {exc.strerror or exc}", "write_error", path) from exc
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,9 @@ _WRITEBACK = _start_writeback()
 class _Sink:
     """The output file's descriptor and what is queued for the next `writev`."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, path: str) -> None:
         self.fd = fd
+        self.path = path
         self.pos = 0  # bytes written so far
         self.flushed = 0  # writeback started up to here
         self.iov: list[memoryview] = []
@@ -116,7 +130,8 @@ class _Sink:
         iov, left = self.iov, self.queued
         self.iov, self.queued = [], 0
         while left:
-            n = os.writev(self.fd, iov)
+            with writing(self.path):
+                n = os.writev(self.fd, iov)
             self.pos += n
             left -= n
             if left:  # a short write: drop what went out, keep the rest
@@ -140,8 +155,11 @@ class _Sink:
             try:
                 n = os.sendfile(self.fd, src, begin + done, count - done)
                 self.pos += n
-            except OSError:  # no sendfile between these files: through user space
-                data = os.pread(src, min(count - done, 8 << 20), begin + done)
+            except OSError:  # no sendfile between these files (or it failed): through user space, which tells
+                try:  # a read error from a write error
+                    data = os.pread(src, min(count - done, 8 << 20), begin + done)
+                except OSError as exc:
+                    raise TensorReadError(f"{tf.path}: {exc.strerror or exc}", tf.path) from exc
                 n = len(data)
                 self.add(memoryview(data))
                 self.flush()
@@ -197,16 +215,21 @@ def _write_parts(sink: _Sink, t: OutTensor, parts: list[Part]) -> int:
     return written
 
 
-def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sha: Callable[[], str]) -> int:
+def write_file(
+    path: str, tensors: list[OutTensor], metadata: dict[str, str], sha: Callable[[], str], shown: str | None = None
+) -> int:
     """Write `path` (a new file inside the temporary folder); `sha()` gives the source hash after the data.
+    `shown`: the name errors give the file (where it was to end up, not the temporary folder).
 
     Two stages: this thread produces tensor i+1 (reads, transposes) while a writer thread writes tensor i, so
     the copies into the page cache overlap the computing. A producer may reuse a buffer every other tensor
     (`moe.transposed`): tensor i's write has finished before tensor i+2 is produced."""
     head = header_bytes(tensors, metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    shown = shown or path
+    with writing(shown):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        sink = _Sink(fd)
+        sink = _Sink(fd, shown)
         sink.add(memoryview(struct.pack("<Q", len(head)) + head))
         total = 0
         with ThreadPoolExecutor(1, thread_name_prefix="lorafast-convert-writer") as pool:
@@ -224,9 +247,11 @@ def write_file(path: str, tensors: list[OutTensor], metadata: dict[str, str], sh
                     pending.cancel()
                     wait([pending])  # never leave the writer running on a descriptor about to be closed
         at = head.find(SHA_PLACEHOLDER.encode())
-        if at >= 0:
-            os.pwrite(fd, sha().encode(), 8 + at)
-        os.fsync(fd)
+        digest = sha().encode() if at >= 0 else b""
+        with writing(shown):
+            if digest:
+                os.pwrite(fd, digest, 8 + at)
+            os.fsync(fd)
         return total
     finally:
         os.close(fd)
@@ -240,22 +265,49 @@ class OutputFolder:
         if os.path.lexists(self.out) and not overwrite:
             raise ConvertError(f"{out} exists; pass overwrite=True (--overwrite) to replace it", "exists", out)
         parent = os.path.dirname(self.out)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = tempfile.mkdtemp(prefix=".lorafast-convert-", dir=parent)
+        #: the folders above `out` this call makes, removed again when it fails
+        self.made: list[str] = []
+        up = parent
+        while not os.path.lexists(up):
+            self.made.append(up)
+            up = os.path.dirname(up)
+        self.tmp = ""
         self.overwrite = overwrite
+        try:
+            with writing(self.out):
+                os.makedirs(parent, exist_ok=True)
+                self.tmp = tempfile.mkdtemp(prefix=".lorafast-convert-", dir=parent)
+        except BaseException:
+            self.discard()
+            raise
 
     def join(self, name: str) -> str:
         return os.path.join(self.tmp, name)
 
+    def shown(self, name: str) -> str:
+        """Where file `name` ends up: the name errors give it."""
+        return os.path.join(self.out, name)
+
     def commit(self) -> None:
-        old = None
-        if os.path.lexists(self.out):
-            if not self.overwrite:  # created meanwhile by someone else
-                raise ConvertError(f"{self.out} exists; pass overwrite=True to replace it", "exists", self.out)
-            old = tempfile.mkdtemp(prefix=".lorafast-old-", dir=os.path.dirname(self.out))
-            os.rename(self.out, os.path.join(old, "x"))
-        os.rename(self.tmp, self.out)
-        self.tmp = ""
+        with writing(self.out):
+            old = None
+            if os.path.lexists(self.out):
+                if not self.overwrite:  # created meanwhile by someone else
+                    raise ConvertError(f"{self.out} exists; pass overwrite=True to replace it", "exists", self.out)
+                old = tempfile.mkdtemp(prefix=".lorafast-old-", dir=os.path.dirname(self.out))
+                try:
+                    os.rename(self.out, os.path.join(old, "x"))
+                except BaseException:
+                    os.rmdir(old)
+                    raise
+            try:
+                os.rename(self.tmp, self.out)
+            except BaseException:
+                if old is not None:  # the old output goes back where it was
+                    os.rename(os.path.join(old, "x"), self.out)
+                    os.rmdir(old)
+                raise
+        self.tmp, self.made = "", []
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -263,3 +315,9 @@ class OutputFolder:
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = ""
+        for folder in self.made:  # deepest first; one that is no longer empty stays
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+        self.made = []
