@@ -21,7 +21,8 @@ setup: $(BIN)/python engines ## venv + editable debug build with test and dev ex
 	$(BIN)/pip install -q -e ".[test,dev]"
 
 # The engines' released wheels, the oracles of tests/oracle: downloaded, never installed (tests/oracle/engines.py).
-ENGINE_WHEELS := sglang==0.5.23 vllm==0.33.0 vllm==0.30.0
+# The one list of verified versions is python/lorafast/compat/_versions.py (SUPPORTED); it runs without lorafast.
+ENGINE_WHEELS := $(shell $(PY) python/lorafast/compat/_versions.py --wheels)
 ENGINE_CACHE := .cache/engines
 .PHONY: engines
 engines: $(BIN)/python ## fetch the pinned SGLang and vLLM wheels for the oracle tests (pip download --no-deps)

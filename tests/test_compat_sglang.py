@@ -816,9 +816,9 @@ def test_cli_engine_version(peft: Callable[..., str], capsys: pytest.CaptureFixt
     args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json"])
     assert args.func(args) == 0
     capsys.readouterr()
-    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "next", "--json"])
-    with pytest.raises(ValueError, match="^not an engine version: 'next'$"):  # the version reaches sglang.preflight
-        args.func(args)
+    with pytest.raises(SystemExit) as exit_:  # a string that is not a version is a usage error
+        parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "next", "--json"])
+    assert exit_.value.code == 2 and "not an engine version: 'next'" in capsys.readouterr().err
 
 
 def _write(root: Path, obj: Any) -> Path:

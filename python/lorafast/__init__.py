@@ -47,6 +47,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "CheckReport": ("checker", "CheckReport"),
     "identify": ("families", "identify"),
     "fingerprint": ("families", "fingerprint"),
+    "UnverifiedEngineVersion": ("compat._versions", "UnverifiedEngineVersion"),
+    "UnverifiedEngineVersionError": ("compat._versions", "UnverifiedEngineVersionError"),
 }
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
     from .base import BaseModel, read_base
     from .checker import CheckReport, check
+    from .compat._versions import UnverifiedEngineVersion, UnverifiedEngineVersionError
     from .converting import ConvertError, ConvertResult, convert
     from .families import fingerprint, identify
     from .groups import plan_groups
@@ -109,6 +112,8 @@ __all__ = [
     "Problem",
     "ScanReport",
     "TensorInfo",
+    "UnverifiedEngineVersion",
+    "UnverifiedEngineVersionError",
     "check",
     "compat",
     "convert",

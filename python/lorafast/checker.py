@@ -92,13 +92,15 @@ class ModuleCheck:
 
 @dataclass(frozen=True)
 class EngineOutcome:
-    """What the engine does with this adapter on this base: `accepted` or `rejected`, with its exact errors."""
+    """What the engine does with this adapter on this base: `accepted` or `rejected`, with its exact errors, or
+    `unknown` when it passes the rules of a version lorafast has not verified (`version_status` says which)."""
 
     engine: str
     version: str | None
     outcome: str
     errors: tuple[str, ...] = ()
     note: str | None = None
+    version_status: str = "verified"
 
 
 @dataclass(frozen=True)
@@ -673,11 +675,15 @@ def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: Ba
     plan = fn([adapter], **kwargs)
     errors = tuple(str(p.message) for p in plan.problems if getattr(p, "fatal", True))
     outcome = "rejected" if errors else "accepted"
-    if outcome == "accepted" and verdict == NO_MATCH:
+    rules = plan.engine_version
+    if outcome == "accepted" and not rules.verified:
+        outcome = "unknown"
+        note = f"passes the rules of {engine} {rules.rules}, but {rules.requested} is not verified ({rules.status})"
+    elif outcome == "accepted" and verdict == NO_MATCH:
         note = "no module reaches a base weight: it serves the base model unchanged"
     elif outcome == "accepted" and verdict == SHAPE_MISMATCH:
         note = "its header checks pass; loading the weights fails with a size mismatch"
-    return EngineOutcome(engine, version, outcome, errors, note)
+    return EngineOutcome(engine, rules.requested, outcome, errors, note, rules.status)
 
 
 def _text_config(base: BaseModel) -> dict[str, Any] | None:
@@ -697,6 +703,7 @@ def check(
     bases: Iterable[BaseModel | str | os.PathLike[str]] | None = None,
     engine: str | None = None,
     engine_version: str | None = None,
+    strict_version: bool = False,
     threads: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     timeout: float | None = None,
@@ -705,8 +712,16 @@ def check(
     of bases (`BaseModel`s, or paths/URLs read with `read_base`). Reads headers only; each base once.
 
     `engine="sglang"|"vllm"` adds the engine's own outcome and exact error text per pair (`engine_version` picks
-    the engine release whose rules apply; default: the installed one, else the newest supported).
+    the engine release whose rules apply; default: the installed one, else the newest supported). An engine
+    version lorafast has not verified warns `UnverifiedEngineVersion` and makes an accepted outcome `unknown`;
+    `strict_version=True` raises `UnverifiedEngineVersionError` instead.
     """
+    if engine is not None:
+        from .compat import _versions
+
+        if engine not in ("sglang", "vllm"):
+            raise ValueError(f"engine must be 'sglang' or 'vllm', not {engine!r}")
+        _versions.rules_for(engine, engine_version, strict=strict_version)
     given: list[Any] = []
     if base is not None:
         given.extend(base if isinstance(base, (list, tuple)) else [base])
@@ -736,7 +751,7 @@ def check(
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
-    from .cli import add_remote_arguments  # scan's own options: the same parsing and exit-2 errors
+    from .cli import add_remote_arguments, add_version_arguments  # the shared options: same parsing, exit 2
 
     p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
@@ -747,7 +762,7 @@ def register_cli(subparsers: Any) -> None:
         help="base checkpoint, sharded folder, pipeline or URL; without one, name the likely base families",
     )
     p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
-    p.add_argument("--engine-version", default=None, help="engine release whose rules apply (default: installed)")
+    add_version_arguments(p, "--engine")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--threads", type=int, default=None)
     add_remote_arguments(p, "URL bases and adapters")
@@ -765,6 +780,7 @@ def _cmd_check(args: Any) -> int:
         args.base,
         engine=args.engine,
         engine_version=args.engine_version,
+        strict_version=args.strict_version,
         threads=args.threads,
         storage_options=dict(args.storage_option) or None,
         timeout=args.timeout,

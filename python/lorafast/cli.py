@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -131,6 +132,34 @@ def seconds(text: str) -> float:
     if math.isnan(x) or x <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
     return x
+
+
+def engine_version(text: str) -> str:
+    """A release such as 0.5.23 or 0.34.0 (pre-release and local suffixes allowed)."""
+    from .compat import _versions
+
+    try:
+        _versions.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_version_arguments(p: argparse.ArgumentParser, engine: str) -> None:
+    """`--engine-version VERSION` and `--strict-version`, the same on every command that answers for an engine."""
+    p.add_argument(
+        "--engine-version",
+        metavar="VERSION",
+        type=engine_version,
+        default=None,
+        help=f"the {engine} release to answer for, e.g. 0.5.23 or 0.34.0 (default: installed, else newest verified;"
+        " `lorafast engines` lists the verified ones)",
+    )
+    p.add_argument(
+        "--strict-version",
+        action="store_true",
+        help="refuse (exit 2) an engine version lorafast has not verified, instead of answering with the nearest",
+    )
 
 
 def add_remote_arguments(p: argparse.ArgumentParser, urls: str) -> None:
@@ -259,17 +288,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import LorafastError
+    from .compat._versions import UnverifiedEngineVersion
 
     # Paths keep their OS bytes (os.fsdecode's surrogates); print them back as those bytes instead of failing.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape")
     args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():  # restores showwarning for callers of main() in-process
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+            if issubclass(category, UnverifiedEngineVersion):  # one readable line, not a source location
+                print(f"lorafast: warning: {message}", file=sys.stderr)
+            else:
+                shown(message, category, *rest, **kw)
+
+        warnings.showwarning = show
+        warnings.simplefilter("default", UnverifiedEngineVersion)  # shown once per call site, never an error
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .compat._versions import UnverifiedEngineVersionError
+    from .errors import LorafastError
+
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # e.g. `lorafast scan ... | head`; before OSError, of which it is a subclass
         return 0
+    except UnverifiedEngineVersionError as e:  # --strict-version: the input is refused, as a usage error
+        print(f"lorafast {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except (LorafastError, OSError) as e:
         code = getattr(e, "code", None)
         print(f"lorafast: {f'[{code}] ' if code else ''}{e}", file=sys.stderr)

@@ -20,14 +20,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from lorafast.compat import _versions
+
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("LORAFAST_ENGINE_CACHE", ROOT / ".cache" / "engines"))
 
-# Every pinned release the oracle tests run against. The Makefile's `engines` target fetches the same list.
-PINNED: dict[str, tuple[str, ...]] = {
-    "sglang": ("0.5.23",),
-    "vllm": ("0.33.0", "0.30.0"),
-}
+# Every pinned release the oracle tests run against, newest first: lorafast's one list of verified versions
+# (the Makefile's `engines` target fetches the same list).
+PINNED: dict[str, tuple[str, ...]] = {engine: tuple(reversed(v)) for engine, v in _versions.SUPPORTED.items()}
 
 _KEEP_SUFFIXES = (".py", ".json", ".txt", ".jinja", ".yaml", ".yml")
 

@@ -38,9 +38,10 @@ def _cmd(args: argparse.Namespace) -> int:
             strict_loading=args.lora_strict_loading,
             collect=True,
             engine_version=args.engine_version,
+            strict_version=args.strict_version,
         )
         report: dict[str, Any] = plan.to_dict()
-        ok = plan.ok
+        ok, verdict, rules = plan.ok, plan.verdict, plan.engine_version
     else:
         refs = sglang.parse_lora_paths(list(args.adapters))  # NAME=PATH or PATH; NAME is vLLM's lora_name
         expected = args.expected_modules.split(",") if args.expected_modules else None
@@ -50,8 +51,11 @@ def _cmd(args: argparse.Namespace) -> int:
             expected_lora_modules=expected,
             collect=True,
             engine_version=args.engine_version,
+            strict_version=args.strict_version,
         )
         report = {
+            "engine_version": None if vplan.engine_version is None else vplan.engine_version.to_dict(),
+            "verdict": vplan.verdict,
             "max_rank": vplan.max_rank,
             "suggested_max_lora_rank": vplan.suggested_max_lora_rank,
             "skipped": list(vplan.skipped),
@@ -60,10 +64,12 @@ def _cmd(args: argparse.Namespace) -> int:
                 for p in vplan.problems
             ],
         }
-        ok = vplan.ok
+        ok, verdict, rules = vplan.ok, vplan.verdict, vplan.engine_version
+    # Exit 0 only for a verdict lorafast can stand behind: a set that passes on an unverified version is unknown.
+    status = 0 if verdict == "ok" else 1
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
-        return 0 if ok else 1
+        return status
     for key in (
         "target_modules",
         "max_lora_rank",
@@ -80,16 +86,108 @@ def _cmd(args: argparse.Namespace) -> int:
 
     for line in grouped_lines(report["problems"]):  # consequential problems once, with a count
         sys.stdout.write(line + "\n")
-    sys.stdout.write("ok\n" if ok else "the engine would refuse this set\n")
+    if rules is not None:
+        sys.stdout.write(f"engine: {rules.note()}\n")
+    if verdict == "unknown" and rules is not None:
+        sys.stdout.write(
+            f"unknown: the set passes {rules.engine} {rules.rules}'s rules, but {rules.requested} is not verified"
+            " (use a verified --engine-version, or see `lorafast engines`)\n"
+        )
+    else:
+        sys.stdout.write("ok\n" if ok else "the engine would refuse this set\n")
     if not ok and args.engine == "sglang":
         given = [(a.get("name") or a["path"], a["path"]) for a in report.get("adapters", [])]
         for line in way_out(given, report["problems"]):
             sys.stdout.write(line + "\n")
-    return 0 if ok else 1
+    return status
+
+
+def _cmd_engines(args: argparse.Namespace) -> int:
+    from lorafast.compat import _versions
+
+    if args.json:
+        sys.stdout.write(
+            json.dumps(
+                {e: {v: list(_versions.CHANGES[e].get(v, ())) for v in vs} for e, vs in _versions.SUPPORTED.items()},
+                indent=2,
+            )
+            + "\n"
+        )
+        return 0
+    for engine, versions in _versions.SUPPORTED.items():
+        installed = _versions._default(engine)
+        sys.stdout.write(f"{engine}: verified {', '.join(versions)}; answers by default for {installed}\n")
+        for v in versions:
+            sys.stdout.write(f"  {v}\n")
+            for change in _versions.CHANGES[engine].get(v, ()):
+                sys.stdout.write(f"    - {change}\n")
+    return 0
+
+
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    from lorafast.compat._upgrade import diff_versions
+
+    options: dict[str, Any] = {}
+    if args.max_lora_rank is not None:
+        options["max_lora_rank"] = args.max_lora_rank
+    if args.engine == "vllm" and args.expected_modules:
+        options["expected_lora_modules"] = args.expected_modules.split(",")
+    if args.engine == "sglang" and args.base_config:
+        options["base_config"] = _load_json(args.base_config)
+    diff = diff_versions(
+        args.engine,
+        args.from_version,
+        args.to_version,
+        list(args.adapters),
+        strict_version=args.strict_version,
+        **options,
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(diff.to_dict(), indent=2) + "\n")
+        return 1 if diff.changes else 0
+    s = diff.summary()
+    sys.stdout.write(
+        f"{args.engine} {diff.old.requested} ({diff.old.status}) -> {diff.new.requested} ({diff.new.status}): "
+        f"{s['changed']} of {s['adapters']} adapters change"
+        + (" (" + ", ".join(f"{n} {k}" for k, n in s["kinds"].items()) + ")" if s["kinds"] else "")
+        + "\n"
+    )
+    for c in diff.changes[: args.limit]:
+        sys.stdout.write(f"{c.name}  [{', '.join(c.kinds)}]  {c.old.path}\n")
+        for side, o in (("old", c.old), ("new", c.new)):
+            detail = f"{o.exc_type}: {_short(o.message)}" if o.outcome == "fails" else f"{len(o.modules)} modules"
+            sys.stdout.write(f"    {side} {o.outcome:<6} {o.stage + ' ' if o.stage else ''}{detail}\n")
+    if len(diff.changes) > args.limit:
+        sys.stdout.write(f"... and {len(diff.changes) - args.limit} more (--limit, or --json for all)\n")
+    return 1 if diff.changes else 0
+
+
+def _short(text: str, width: int = 200) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def register_cli(subparsers: Any) -> None:
-    """Add `lorafast preflight {sglang,vllm} ADAPTER...`."""
+    """Add `lorafast preflight {sglang,vllm} ADAPTER...`, `lorafast engines` and `lorafast upgrade-check`."""
+    from lorafast.cli import add_version_arguments, engine_version, positive_int
+
+    p = subparsers.add_parser("engines", help="the engine versions lorafast verified, and what changed in each")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=_cmd_engines)
+
+    p = subparsers.add_parser(
+        "upgrade-check", help="which adapters an engine upgrade changes: outcome, error, stage, modules, scale"
+    )
+    p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="NAME=PATH or PATH, as the server's adapter list")
+    p.add_argument("--engine", choices=["sglang", "vllm"], required=True, help="the engine being upgraded")
+    p.add_argument("--from", dest="from_version", type=engine_version, required=True, help="the version served now")
+    p.add_argument("--to", dest="to_version", type=engine_version, required=True, help="the version to upgrade to")
+    p.add_argument("--max-lora-rank", type=positive_int, default=None, help="the server's --max-lora-rank")
+    p.add_argument("--expected-modules", help="vLLM: comma-separated LoRA module names of the model")
+    p.add_argument("--base-config", help="SGLang: the base model's config.json")
+    p.add_argument("--strict-version", action="store_true", help="refuse (exit 2) a version lorafast has not verified")
+    p.add_argument("--limit", type=positive_int, default=20, help="changed adapters listed in text output")
+    p.add_argument("--json", action="store_true", help="every adapter's change, old and new, on stdout")
+    p.set_defaults(func=_cmd_upgrade)
     p = subparsers.add_parser("preflight", help="an engine's start-up checks for a set of adapters, from headers")
     p.add_argument("engine", choices=["sglang", "vllm"])
     p.add_argument("adapters", nargs="+", help="NAME=PATH or PATH, as SGLang's --lora-paths")
@@ -100,10 +198,6 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--lora-strict-loading", action="store_true")
     p.add_argument("--base-config", help="the base model's config.json (plans buffer shapes)")
     p.add_argument("--expected-modules", help="vLLM: comma-separated expected LoRA module names")
-    p.add_argument(
-        "--engine-version",
-        default=None,
-        help="the engine release to answer for, e.g. 0.5.23 or 0.33.0 (default: installed, else newest)",
-    )
+    add_version_arguments(p, "engine")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd)

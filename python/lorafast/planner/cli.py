@@ -79,6 +79,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
             modules=args.modules,
             engine_version=args.engine_version,
+            strict_version=args.strict_version,
             quantized=_sharded_arg(args.quantized),
             base_weights=dict(_parse_base_weights(s) for s in args.base_weights or []),
         )
@@ -102,6 +103,7 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast plan` to the lorafast CLI."""
+    from lorafast.cli import add_version_arguments
     p = subparsers.add_parser(
         "plan",
         help="plan a set_lora call: what is merged, dynamic, skipped or unmerged",
@@ -139,11 +141,7 @@ def register_cli(subparsers: Any) -> None:
         metavar="MODULE=FILE",
         help="a component's base weights (safetensors), for SGLang 0.5.23's auto-merge rounding-loss rule",
     )
-    p.add_argument(
-        "--engine-version",
-        metavar="VERSION",
-        help="the SGLang version whose set_lora rules to follow (default: the installed one, else the newest)",
-    )
+    add_version_arguments(p, "SGLang")
     p.add_argument("--resolve", action="store_true", help="plan targets SGLang would reject as merges")
     p.add_argument("--tolerance", type=float, default=0.0, help="float tolerance for the skip rule (default: exact)")
     p.add_argument("--modules", nargs="+", choices=PIPELINE_MODULES, help="pipeline components (default: transformer)")

@@ -194,6 +194,8 @@ class Plan:
     """Path -> error for adapters that could not be inspected (planned with unknown scales)."""
     engine_version: str = ""
     """The SGLang version whose `set_lora` rules the plan follows."""
+    version_status: str = "verified"
+    """"verified", or how an unverified version was answered ("nearest: 0.5.23", "older than 0.5.23")."""
     quantized: bool | Mapping[str, bool] = False
     _adapter_cache: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -262,6 +264,7 @@ class Plan:
             "tolerance": self.tolerance,
             "unreadable": dict(self.unreadable),
             "engine_version": self.engine_version,
+            "version_status": self.version_status,
             "quantized": self.quantized if isinstance(self.quantized, bool) else dict(self.quantized),
             "undecided": [list(u) for u in self.undecided],
             "current": self.current.to_dict(),
@@ -284,6 +287,7 @@ class Plan:
             f"lorafast plan: {n} adapter{'s' if n != 1 else ''} on {len(self.targets)} "
             f"target{'s' if len(self.targets) != 1 else ''}; merge_mode={self.merge_mode}; {sharded_text}"
             + (f"; SGLang {self.engine_version}" if self.engine_version else "")
+            + (f" (not verified by lorafast: {self.version_status})" if self.version_status != "verified" else "")
             + ("; resolve=True" if self.resolve else "")
         ]
         if self.loads:

@@ -59,6 +59,7 @@ def plan(
     base_weights: Mapping[str, Any] | None = None,
     rounding_loss: Mapping[str, float | None] | None = None,
     cache_merged: bool = False,
+    strict_version: bool = False,
 ) -> Plan:
     """Plan one `set_lora` call.
 
@@ -82,7 +83,9 @@ def plan(
       listed in `TargetPlan.undecided` / `Plan.undecided`, with a warning;
     - `cache_merged=True` (SGLang's start-up adapter) notes the file-backed merge cache; it changes how a
       merge is done, not whether.
-    Versions before 0.5.23 are planned without these three rules.
+    Versions before 0.5.23 are planned without these three rules. `Plan.version_status` says whether lorafast
+    verified the version ("verified", else e.g. "nearest: 0.5.23", with an `UnverifiedEngineVersion` warning);
+    `strict_version=True` raises `UnverifiedEngineVersionError` for one it has not.
 
     Raises SGLang's exact `ValueError`s (invalid mode, list lengths, alpha, targets, unknown adapter, several
     adapters on a dynamic target unless `resolve=True`), and `PlanError` for non-additive adapters on a dynamic
@@ -91,7 +94,8 @@ def plan(
     state = current if current is not None else PipelineState()
     if modules is not None:
         state = replace(state, modules=tuple(modules))
-    version = ".".join(str(p) for p in _versions.resolve("sglang", engine_version))
+    rules = _versions.rules_for("sglang", engine_version, strict=strict_version)
+    version = rules.requested
     params, merge_mode, merge_weights = request_params(requests, merge_mode, merge_weights)
     mode = resolve_merge_mode(merge_weights, merge_mode, state.server_merge_mode, engine_version=version)
     nicknames, paths, strengths, targets, alphas = normalize_lora_params(*params, engine_version=version)
@@ -108,7 +112,7 @@ def plan(
         given_loss=rounding_loss,
         cache_merged=cache_merged,
     )
-    return planner.run(nicknames, paths, strengths, targets, alphas)
+    return replace(planner.run(nicknames, paths, strengths, targets, alphas), version_status=rules.status)
 
 
 def plan_set_lora(

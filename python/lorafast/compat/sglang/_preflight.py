@@ -48,6 +48,15 @@ class SGLangPlan:
     """The pool's first-use checks."""
     loaded_weights: Mapping[str, LoadedWeights] = field(default_factory=dict, repr=False, compare=False)
     """Adapter id -> the weights as SGLang holds them after `initialize_weights()` (shapes only; read-only)."""
+    engine_version: _versions.EngineRules | None = field(default=None, compare=False)
+    """The SGLang version answered for, and whether lorafast verified it (`status`)."""
+
+    @property
+    def verdict(self) -> str:
+        """`"ok"`, `"fails"`, or `"unknown"` when the set would pass but the version is not verified."""
+        if not self.ok:
+            return "fails"
+        return "ok" if self.engine_version is None or self.engine_version.verified else "unknown"
 
     @property
     def ok(self) -> bool:
@@ -119,6 +128,8 @@ class SGLangPlan:
             "target_modules": sorted(self.target_modules),
             "max_lora_rank": self.max_lora_rank,
             "lora_added_tokens_size": self.lora_added_tokens_size,
+            "engine_version": None if self.engine_version is None else self.engine_version.to_dict(),
+            "verdict": self.verdict,
             "experts_shared_outer": self.experts_shared_outer,
             "shared_outer_source": self.shared_outer_source,
             "buffers": None
@@ -187,6 +198,7 @@ def preflight(
     dsa_indexer_fusion: bool = False,
     supported_lora_modules: Iterable[str] | None = None,
     engine_version: str | None = None,
+    strict_version: bool = False,
 ) -> SGLangPlan:
     """Everything an SGLang server would decide, or reject, for `adapters` as its `--lora-paths`.
 
@@ -202,8 +214,12 @@ def preflight(
     exception of SGLang's `load_lora_weight_to_buffer` when it first enters a GPU slot (replayed on shapes;
     needs `base_config`). Problems carry `stage` "startup", "load" or "first_use". With `collect=True`
     nothing is raised: every problem of every adapter is returned in `SGLangPlan.problems`.
+
+    `SGLangPlan.engine_version` says which version answered and whether lorafast verified it; an unverified
+    one warns `UnverifiedEngineVersion` (`verdict` "unknown" for a set that would pass) and `strict_version=True`
+    raises `UnverifiedEngineVersionError` instead.
     """
-    _versions.resolve("sglang", engine_version)
+    rules = _versions.rules_for("sglang", engine_version, strict=strict_version)
     col = Collector(collect)
     cfg = _text_config(base_config)
     stage = "startup"
@@ -318,4 +334,5 @@ def preflight(
         base_config=cfg,
         first_use=use,
         loaded_weights={v.lora_id: w for v, _, w in entries},
+        engine_version=rules,
     )
