@@ -10,9 +10,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import lorafast
+import pytest
 from lorafast.cli import main
 from lorafast.compat import _versions, diff_versions, engine_rules, sglang, vllm
 from lorafast.testing import write_peft_adapter

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lorafast
 import pytest
 import torch
-import lorafast
 from lorafast import planner
 from lorafast.compat import diffusion as df
 from lorafast.planner import PipelineState, plan

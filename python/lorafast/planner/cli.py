@@ -104,6 +104,7 @@ def _run_cli(args: argparse.Namespace) -> int:
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast plan` to the lorafast CLI."""
     from lorafast.cli import add_version_arguments
+
     p = subparsers.add_parser(
         "plan",
         help="plan a set_lora call: what is merged, dynamic, skipped or unmerged",
