@@ -165,3 +165,32 @@ def test_scan_prints_a_name_that_is_not_utf8_as_its_bytes(tmp_path: Path) -> Non
     assert b"Traceback" not in proc.stderr
     assert name in proc.stdout  # the very bytes of the name, so a user can find the file
     assert b"header_too_small" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["check", "{a}", "--threads", "-1"], "--threads: must be at least 1, not -1"),
+        (["check", "{a}", "--base", "{a}", "--threads", "0"], "--threads: must be at least 1, not 0"),
+        (["preflight", "sglang", "{a}", "--max-lora-rank", "-5"], "--max-lora-rank: must be at least 1, not -5"),
+        (["preflight", "vllm", "{a}", "--max-lora-rank", "0"], "--max-lora-rank: must be at least 1, not 0"),
+    ],
+)
+def test_check_and_preflight_count_arguments_are_usage_errors(
+    adapters: Path, argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = str(next(adapters.iterdir()))
+    code, out, err = run_main([x.format(a=a) for x in argv], capsys)
+    assert code == 2 and words in err and "Traceback" not in err and out == ""
+
+
+def test_preflight_refusal_is_on_stderr_with_the_engines_text(
+    adapters: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = str(next(adapters.iterdir()))
+    code, out, err = run_main(["preflight", "sglang", a, "--max-loras-per-batch", "0"], capsys)
+    assert code == 1 and "the engine would refuse this set" in out
+    assert (
+        err
+        == "lorafast preflight: sglang would refuse this set: AssertionError: max_loras_per_batch must be positive\n"
+    )

@@ -751,7 +751,7 @@ def check(
 
 def register_cli(subparsers: Any) -> None:
     """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
-    from .cli import add_remote_arguments, add_version_arguments  # the shared options: same parsing, exit 2
+    from .cli import add_remote_arguments, add_version_arguments, positive_int  # shared options: same parsing
 
     p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
@@ -764,7 +764,7 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
     add_version_arguments(p, "--engine")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None, help="worker threads (default: cores)")
     add_remote_arguments(p, "URL bases and adapters")
     p.set_defaults(func=_cmd_check)
 

@@ -95,6 +95,11 @@ def _cmd(args: argparse.Namespace) -> int:
         )
     else:
         sys.stdout.write("ok\n" if ok else "the engine would refuse this set\n")
+    if not ok:  # the refusal on stderr too, so that a script that keeps only stderr sees why it failed
+        first = next(p for p in report["problems"] if p.get("fatal", True))
+        sys.stderr.write(
+            f"lorafast preflight: {args.engine} would refuse this set: {first['type']}: {first['message']}\n"
+        )
     if not ok and args.engine == "sglang":
         given = [(a.get("name") or a["path"], a["path"]) for a in report.get("adapters", [])]
         for line in way_out(given, report["problems"]):
@@ -189,14 +194,23 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="every adapter's change, old and new, on stdout")
     p.set_defaults(func=_cmd_upgrade)
     p = subparsers.add_parser("preflight", help="an engine's start-up checks for a set of adapters, from headers")
-    p.add_argument("engine", choices=["sglang", "vllm"])
+    p.add_argument("engine", choices=["sglang", "vllm"], help="the engine whose start-up checks to run")
     p.add_argument("adapters", nargs="+", help="NAME=PATH or PATH, as SGLang's --lora-paths")
-    p.add_argument("--max-lora-rank", type=int, default=None)
-    p.add_argument("--lora-target-modules", nargs="+", default=None)
-    p.add_argument("--max-loras-per-batch", type=int, default=8)
-    p.add_argument("--experts-shared-outer-loras", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--lora-strict-loading", action="store_true")
-    p.add_argument("--base-config", help="the base model's config.json (plans buffer shapes)")
+    # A rank below 1 is a usage error: SGLang would only fail later, allocating a buffer of negative size.
+    p.add_argument(
+        "--max-lora-rank", type=positive_int, default=None, help="the server's --max-lora-rank (default: inferred)"
+    )
+    p.add_argument("--lora-target-modules", nargs="+", default=None, help="the server's --lora-target-modules")
+    # Any whole number: SGLang's own start-up assert reports one below 1, and so does preflight.
+    p.add_argument("--max-loras-per-batch", type=int, default=8, help="SGLang's --max-loras-per-batch (default 8)")
+    p.add_argument(
+        "--experts-shared-outer-loras",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="SGLang's --experts-shared-outer-loras / --no-... (auto: detected from the adapters)",
+    )
+    p.add_argument("--lora-strict-loading", action="store_true", help="SGLang's --lora-strict-loading")
+    p.add_argument("--base-config", help="the base model's config.json (plans buffer shapes, first-use checks)")
     p.add_argument("--expected-modules", help="vLLM: comma-separated expected LoRA module names")
     add_version_arguments(p, "engine")
     p.add_argument("--json", action="store_true")
