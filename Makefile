@@ -36,6 +36,18 @@ engines: $(BIN)/python ## fetch the pinned SGLang and vLLM wheels for the oracle
 	@test -d $(ENGINE_CACHE)/sglang-deps/msgspec || $(BIN)/pip install -q --target $(ENGINE_CACHE)/sglang-deps \
 	  msgspec==0.23.0 pybase64==1.5.1
 
+# What changed in an engine's LoRA code between two releases (the first step of adding a version, CONTRIBUTING.md).
+OLD ?= vllm==0.33.0
+NEW ?= vllm==0.34.0
+.PHONY: engine-diff
+engine-diff: $(BIN)/python ## list and diff the LoRA-path files of two engine wheels: make engine-diff OLD=vllm==0.33.0 NEW=vllm==0.34.0
+	@mkdir -p $(ENGINE_CACHE)
+	@for w in $(OLD) $(NEW); do \
+	  n=$${w%%==*}; v=$${w##*==}; \
+	  ls $(ENGINE_CACHE)/$$n-$$v-*.whl >/dev/null 2>&1 || $(BIN)/pip download -q --no-deps "$$w" -d $(ENGINE_CACHE) || exit 1; \
+	done
+	$(BIN)/python tests/oracle/engine_diff.py $(OLD) $(NEW) $(if $(NAMES_ONLY),--names-only)
+
 .PHONY: build-release
 build-release: $(BIN)/python ## optimised build of the extension into the venv (fat LTO: slow to compile)
 	$(BIN)/pip install -q maturin

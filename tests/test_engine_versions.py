@@ -249,3 +249,18 @@ def test_upgrade_check_scale_and_modules(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["upgrade-check", "--engine", "vllm", "--from", "0.30.0", "--to", "0.33.0", path, "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["summary"]["kinds"] == {"scale": 1} and out["changes"][0]["new"]["scales"][q] == 4.0
+
+
+def test_engine_diff_lists_and_diffs_the_lora_files(capsys: pytest.CaptureFixture[str]) -> None:
+    import engine_diff
+
+    assert engine_diff.main(["vllm==0.33.0", "vllm==0.34.0", "--names-only"]) == 0
+    listed = capsys.readouterr().out
+    assert "changed vllm/lora/peft_helper.py" in listed and "@@" not in listed
+    assert engine_diff.main(["vllm==0.33.0", "vllm==0.34.0"]) == 0
+    text = capsys.readouterr().out
+    assert "+    task_type: str | None = field(default=None)" in text  # the 0.34.0 change lorafast implements
+    assert engine_diff.main(["vllm==0.33.0", "vllm==0.33.0", "--names-only"]) == 0
+    assert capsys.readouterr().out.startswith("vllm 0.33.0 -> 0.33.0: 0 changed, 0 added, 0 removed")
+    with pytest.raises(SystemExit):
+        engine_diff.main(["vllm==0.33.0", "sglang==0.5.23"])
