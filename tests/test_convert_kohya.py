@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import lorafast  # noqa: E402
-from lorafast import convert  # noqa: E402
+from lorafast import ConvertError, convert  # noqa: E402
 from lorafast.converting.kohya import FLATTENED_NOTE, unflatten  # noqa: E402
 from oracle import engines  # noqa: E402
 from test_convert import H, write_kohya  # noqa: E402
@@ -144,6 +144,86 @@ def _sgm_dotted(flat: str) -> str:
 def _names(targets: dict | None) -> set[str]:
     assert targets is not None
     return {name for _, parts in targets.values() for name, _ in parts}
+
+
+def peft_deltas(folder: str) -> dict[str, tuple[int, float, torch.Tensor]]:
+    """PEFT's own reading of a converted folder: every module put on a tiny model of plain Linears named as the
+    folder's keys (`inject_adapter_in_model` with the folder's `LoraConfig`, then its tensors), and per module
+    the rank, scaling and delta weight PEFT has for it."""
+    peft = pytest.importorskip("peft")
+    tensors = safetensors_torch.load_file(os.path.join(folder, "adapter_model.safetensors"))
+    root = torch.nn.Module()
+    names = sorted(k.removesuffix(".lora_A.weight") for k in tensors if k.endswith(".lora_A.weight"))
+    for name in names:
+        *path, leaf = name.split(".")
+        parent = root
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+        parent.add_module(leaf, torch.nn.Linear(a.shape[1], b.shape[0], bias=False))
+    model = peft.inject_adapter_in_model(peft.LoraConfig.from_pretrained(folder), root)
+    loaded = peft.set_peft_model_state_dict(model, tensors)
+    assert not loaded.unexpected_keys
+    out = {}
+    for name in names:
+        m = model.get_submodule(name)
+        out[name] = (m.r["default"], m.scaling["default"], m.get_delta_weight("default"))
+    return out
+
+
+def kohya_deltas(path: str) -> dict[str, tuple[int, float, torch.Tensor]]:
+    """sd-scripts' reading of a kohya file: per module, rank, scale alpha / rank (0 or no alpha: 1) and delta."""
+    tensors = safetensors_torch.load_file(path)
+    out = {}
+    for key in (k.removesuffix(".lora_down.weight") for k in tensors if k.endswith(".lora_down.weight")):
+        down, up = tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"]
+        rank = down.shape[0]
+        alpha = float(tensors[f"{key}.alpha"]) if f"{key}.alpha" in tensors else 0.0
+        scale = (alpha or rank) / rank
+        out[key] = (rank, scale, (up @ down) * scale)
+    return out
+
+
+def test_sdxl_text_encoders_with_one_module_path_keep_their_own_rank_and_alpha_in_peft(tmp_path: Path) -> None:
+    """SDXL's two CLIP encoders share module paths: a pattern keyed on the shared prefix-free name gave one of
+    them the other's rank and alpha. PEFT, loading the folder, gives each module the kohya file's rank and scale."""
+    q = "text_model_encoder_layers_0_self_attn_q_proj"
+    modules = {f"lora_te1_{q}": (4, 4.0), f"lora_te2_{q}": (8, 1.0), "lora_te2_text_model_encoder_layers_0_mlp_fc1": (4, 4.0),
+               "lora_unet_mid_block_attentions_0_proj_in": (8, 1.0)}  # fmt: skip
+    src = _kohya(tmp_path / "k", modules)
+    res = convert(src, "peft", tmp_path / "peft")
+    theirs = peft_deltas(res.out)
+    ours = kohya_deltas(src)
+    names = {"lora_te1_": "text_encoder.", "lora_te2_": "text_encoder_2.", "lora_unet_": "unet."}
+    for key, (rank, scale, delta) in ours.items():
+        prefix = next(p for p in names if key.startswith(p))
+        dotted = names[prefix] + str(unflatten(key.removeprefix(prefix)))
+        r, scaling, peft_delta = theirs[dotted]
+        assert (r, scaling) == (rank, scale), dotted
+        assert torch.equal(peft_delta, delta), dotted
+    assert len(theirs) == len(ours)
+    assert theirs[f"text_encoder.{unflatten(q)}"][1] == 1.0 and theirs[f"text_encoder_2.{unflatten(q)}"][1] == 0.125
+
+
+def test_a_config_that_would_change_a_scale_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The written config is checked module by module under PEFT's pattern rule before the folder is kept."""
+    from lorafast.converting import api
+
+    real = api.build
+
+    def forgetful(*args: object, **kw: object) -> dict:
+        return {**real(*args, **kw), "alpha_pattern": {}}  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api, "build", forgetful)
+    src = _kohya(tmp_path / "k", {"lora_unet_mid_block_attentions_0_proj_in": (4, 4.0),
+                                  "lora_unet_mid_block_attentions_0_proj_out": (4, 1.0)})  # fmt: skip
+    with pytest.raises(ConvertError) as info:
+        convert(src, "peft", tmp_path / "peft")
+    assert info.value.code == "lossy"
+    assert "unet.mid_block.attentions.0.proj_out: rank 4 alpha 4, the source has 4 and 1" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]
 
 
 #: a transformer whose names are in no table (Lumina-like `attention`, `feed_forward`)

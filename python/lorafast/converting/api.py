@@ -13,7 +13,7 @@ from typing import Any
 from lorafast.adapter import Adapter
 from lorafast.converting import kohya, moe
 from lorafast.converting.errors import ConvertError
-from lorafast.converting.peftconfig import Want, build
+from lorafast.converting.peftconfig import Want, build, mismatches
 from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, SourceBytes, write_file, writing
 from lorafast.errors import LorafastError
 from lorafast.tensors import TensorFile, TruncatedFileError
@@ -139,7 +139,7 @@ def convert(
     try:
         with TensorFile(src) as tf:
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
-            tensors, config, notes = _plan(ad, tf, found, to, moe.gate_up_order(ad, gate_up))
+            tensors, config, notes, wants = _plan(ad, tf, found, to, moe.gate_up_order(ad, gate_up))
             box: list[str | BaseException] = []
             hash_fd = os.dup(tf.fileno())
             hasher = threading.Thread(target=_content_hash, args=(hash_fd, tf.data_start, box), daemon=True)
@@ -173,6 +173,7 @@ def convert(
                 json.dump(config, f, indent=2)
                 f.write("\n")
             files.append(CONFIG_NAME)
+            _check_scales(folder.join(CONFIG_NAME), wants, path)
         folder.commit()
     except TruncatedFileError as exc:
         raise ConvertError(f"{src} is truncated: {exc}", "truncated", path) from exc
@@ -196,6 +197,18 @@ def convert(
     )
 
 
+def _check_scales(config_path: str, wants: list[Want], path: str) -> None:
+    """Refuse the output unless the config as written gives every module the source's rank and alpha under
+    PEFT's pattern rule: the merged delta is the same only if every scale is."""
+    with open(config_path) as f:
+        bad = mismatches(json.load(f), wants)
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ConvertError(
+            f"{path}: the converted config would change scales: {'; '.join(bad[:3])}{more}", "lossy", path
+        )
+
+
 def _version() -> str:
     from lorafast import __version__
 
@@ -209,10 +222,11 @@ def _copy(tf: TensorFile, name: str, new: str | None = None) -> OutTensor:
 
 def _plan(
     ad: Adapter, tf: TensorFile, found: str, to: str, gate_up: str = "concatenated"
-) -> tuple[list[OutTensor], dict[str, Any] | None, tuple[str, ...]]:
+) -> tuple[list[OutTensor], dict[str, Any] | None, tuple[str, ...], list[Want]]:
+    """The output's tensors, its config (None: none written), notes, and what each module's scale must be."""
     if to == "peft":
         tensors, wants, dotted = kohya.plan_peft(ad, tf)
-        return tensors, build(None, wants, []), () if dotted else (kohya.FLATTENED_NOTE,)
+        return tensors, build(None, wants, []), () if dotted else (kohya.FLATTENED_NOTE,), wants
     groups, covered = moe.read_groups(ad, tf)
     if not groups:
         raise ConvertError(f"{ad.path}: no expert modules found", "layout_mismatch", ad.path)
@@ -236,11 +250,11 @@ def _plan(
     others = [n for n in sorted(tf.tensors, key=lambda n: tf.tensors[n].begin) if n not in covered]
     tensors = [_copy(tf, n, rename(n) if rename else None) for n in others] + new
     if ad.config is None:
-        return tensors, None, notes
+        return tensors, None, notes, []
     wants = [Want(rename(m.name) if rename else m.name, m.leaf, m.rank or 0, m.alpha) for m in kept]
     wants += [Want(m.name, m.leaf, m.rank, m.alpha, m.parameter) for m in mods]
     params = [".".join(m.name.split(".")[-3:]) for m in mods if m.parameter]
-    return tensors, build(ad.config, wants, params, widest=True), notes
+    return tensors, build(ad.config, wants, params, widest=True), notes, wants
 
 
 __all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout"]

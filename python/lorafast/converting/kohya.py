@@ -300,8 +300,7 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
         for key, blocks in parts:  # each part: the whole lora_down, its rows of lora_up, the original's alpha
             tensors.append(_rows(tf, m.a_key, f"{key}.lora_A.weight", 1, ((0, 1),)))
             tensors.append(_rows(tf, m.b_key, f"{key}.lora_B.weight", units, blocks))
-            name = strip_prefixes(key)
-            wants.append(Want(name, name, rank, alpha))
+            wants.append(Want(key, strip_prefixes(key), rank, alpha))
     left = sorted(set(tf.tensors) - used)
     if left:
         raise ConvertError(

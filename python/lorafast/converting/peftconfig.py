@@ -1,9 +1,10 @@
 """The `adapter_config.json` of a converted adapter: same scales, new module names.
 
-Each output module must resolve (PEFT's first-match `rank_pattern`/`alpha_pattern` rule, then `r`/`lora_alpha`)
-to the rank its tensors have and to the alpha that keeps its scale. Where the source config would not give that,
-an entry is put in front of the patterns: the leaf name when every module with that leaf needs the same values,
-else `experts.<leaf>` when every expert module with it does, else the module's own name.
+Each output module must resolve (PEFT's first-match `rank_pattern`/`alpha_pattern` rule on the module's name as
+PEFT sees it, then `r`/`lora_alpha`) to the rank its tensors have and to the alpha that keeps its scale. Where the
+source config would not give that, an entry is put in front of the patterns: the leaf name when every module with
+that leaf needs the same values, else `experts.<leaf>` when every expert module with it does, else the module's
+own name. `mismatches` checks a written config against the same rule, so a config that misses is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from lorafast.merging.sources import peft_pattern_value
 
 @dataclass(frozen=True)
 class Want:
-    """What one output module needs: prefix-free `name`, `leaf`, `rank`, `alpha` (None: alpha = rank)."""
+    """What one output module needs: `name` (as PEFT matches patterns against it: the key without
+    `base_model.model.`, a diffusers component prefix kept, so SDXL's two text encoders differ), `leaf` (the part
+    `target_modules` and shared pattern keys name), `rank`, `alpha` (None: alpha = rank)."""
 
     name: str
     leaf: str
@@ -34,6 +37,28 @@ def _num(x: float) -> float | int:
 
 def _value(w: Want) -> tuple[int, float]:
     return w.rank, w.alpha if w.alpha is not None else float(w.rank)
+
+
+def _resolve(cfg: Mapping[str, Any], name: str) -> tuple[int, float]:
+    """The (rank, alpha) PEFT gives module `name` under `cfg` (`LoraModel._create_and_replace`)."""
+    rk = peft_pattern_value(cfg.get("rank_pattern") or {}, name)
+    al = peft_pattern_value(cfg.get("alpha_pattern") or {}, name)
+    return (
+        int(rk) if rk is not None else int(cfg.get("r", 8)),
+        float(al) if al is not None else float(cfg.get("lora_alpha", 8)),
+    )
+
+
+def mismatches(cfg: Mapping[str, Any], wants: list[Want]) -> list[str]:
+    """One line per module that `cfg` does not give its rank and alpha (so its scale), empty when it gives all."""
+    out = []
+    for w in wants:
+        got = _resolve(cfg, w.name)
+        if got != _value(w):
+            out.append(
+                f"{w.name}: rank {got[0]} alpha {_num(got[1])}, the source has {w.rank} and {_num(_value(w)[1])}"
+            )
+    return out
 
 
 def build(
@@ -64,14 +89,7 @@ def build(
             cfg["r"], cfg["lora_alpha"] = top.rank, _num(_value(top)[1])
     rank_p = dict(cfg.get("rank_pattern") or {})
     alpha_p = dict(cfg.get("alpha_pattern") or {})
-    r0, a0 = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
-
-    def resolved(w: Want) -> tuple[int, float]:
-        rk = peft_pattern_value(rank_p, w.name)
-        al = peft_pattern_value(alpha_p, w.name)
-        return (int(rk) if rk is not None else r0), (float(al) if al is not None else a0)
-
-    needed = [w for w in wants if resolved(w) != _value(w)]
+    needed = [w for w in wants if _resolve(cfg, w.name) != _value(w)]
     new_r: dict[str, int] = {}
     new_a: dict[str, float | int] = {}
     by_leaf: dict[str, list[Want]] = {}
