@@ -55,32 +55,118 @@ def test_first_scan_equals_a_full_scan_and_a_rescan_reads_nothing(tmp_path, flee
     assert (again.added, again.changed, again.removed, again.reads) == ([], [], [], 0)
 
 
-def test_unchanged_rescan_reads_no_header(tmp_path, fleet):
-    """Proof without timing: overwrite every header with garbage, keeping size, mtime and inode. A full scan
-    now fails every file; the index rescan, which must not read them, still gives the indexed rows. And the core's
-    panic hook on one adapter is never reached."""
+def test_unchanged_rescan_reads_no_header(tmp_path, fleet, monkeypatch):
+    """Proof without timing: the core's reader is never given an adapter (only the failed discovery, for its
+    row), and the core's panic hook on one adapter is never reached."""
     db = tmp_path / "fleet.db"
     want = lorafast.Index(db).scan([fleet])
-    touched = 0
-    for dirpath, _, files in os.walk(fleet):
-        for name in files:
-            if not name.endswith(".safetensors") or name == "broken.safetensors":
-                continue
-            p = os.path.join(dirpath, name)
-            st = os.stat(p)
-            with open(p, "r+b") as f:
-                f.write(b"\xff" * 8)  # an impossible header length
-            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
-            touched += 1
-    assert touched > 40
-    assert len(lorafast.scan([fleet]).errors) > touched  # a real read sees the garbage
+    real = _core.scan_targets
+    asked: list[str] = []
+
+    def scan_targets(items, *args):
+        asked.extend(item[0] for item in items if item[1] is not None)  # an adapter with weights to read
+        return real(items, *args)
+
+    monkeypatch.setattr(_core, "scan_targets", scan_targets)
     _core._debug_panic_on(want.ok_paths[0])
     try:
         got = lorafast.Index(db).scan([fleet])
     finally:
         _core._debug_panic_on(None)
-    assert got.reads == 0
+    assert got.reads == 0 and asked == []
     same_report(got, want)
+
+
+def _rewrite_in_place(path, old: bytes, new: bytes) -> None:
+    """Replace the first `old` by `new` (same length) inside the file, then put its mtime back: size, mtime,
+    inode and device are as they were; only the ctime tells."""
+    assert len(old) == len(new)
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(data.index(old))
+        f.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_read_again(tmp_path):
+    root = tmp_path / "f"
+    peft(root / "a", r=4)
+    peft(root / "b", r=4)
+    db = tmp_path / "i.db"
+    assert {a.r for a in lorafast.Index(db).scan([root])} == {4}
+    _rewrite_in_place(root / "a" / "adapter_config.json", b'"r": 4', b'"r": 8')
+    _rewrite_in_place(root / "b" / "adapter_model.safetensors", b"[4,32]", b"[32,4]")  # a lora_A of rank 32
+    report = lorafast.Index(db).scan([root])
+    assert (report.reads, sorted(report.changed)) == (2, [str(root / "a"), str(root / "b")])
+    same_report(report, lorafast.scan([root]))
+    by_path = {a.path: a for a in report}
+    assert by_path[str(root / "a")].r == 8
+    assert lorafast.Index(db).scan([root]).reads == 0
+
+
+def test_rows_stored_without_a_ctime_are_read_again_and_still_move(tmp_path):
+    """An index written before the ctime was in the signature: each of its rows is read again once (it cannot
+    tell a rewrite that kept size and mtime), and a moved adapter's old row still moves, unread."""
+    root = tmp_path / "f"
+    for name in ("a", "b", "c"):
+        peft(root / name, r=4)
+    db = tmp_path / "i.db"
+    lorafast.Index(db).scan([root])
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        for path, sig in con.execute("SELECT path, signature FROM adapters").fetchall():
+            weights, wstat, config, cstat, options = json.loads(sig)
+            old = json.dumps([weights, wstat[:4], config, cstat and cstat[:4], options])
+            con.execute("UPDATE adapters SET signature = ? WHERE path = ?", (old, path))
+        con.commit()
+    _rewrite_in_place(root / "a" / "adapter_config.json", b'"r": 4', b'"r": 8')
+    os.rename(root / "c", root / "moved")
+    report = lorafast.Index(db).scan([root])
+    same_report(report, lorafast.scan([root]))
+    assert {a.path: a.r for a in report}[str(root / "a")] == 8
+    assert sorted(report.changed) == [str(root / "a"), str(root / "b")] and report.added == [str(root / "moved")]
+    assert report.reads == 2
+    assert lorafast.Index(db).scan([root]).reads == 0
+
+
+def _future_index(path, wal: bool) -> None:
+    """An index as a newer lorafast might write it: schema 2, tables of its own, its own journal mode."""
+    with contextlib.closing(sqlite3.connect(path)) as con:
+        con.execute(f"PRAGMA journal_mode={'WAL' if wal else 'DELETE'}")
+        con.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        con.execute("INSERT INTO meta VALUES ('schema', '2')")
+        con.execute("CREATE TABLE rows_v2 (path BLOB PRIMARY KEY, body BLOB)")
+        con.commit()
+
+
+@pytest.mark.parametrize("wal", [False, True])
+def test_an_index_of_a_newer_schema_is_refused_unchanged(tmp_path, wal):
+    db = tmp_path / "new.db"
+    _future_index(db, wal)
+    before = db.read_bytes()
+    with pytest.raises(ValueError, match=r"new\.db: index schema 2, this lorafast writes 1"):
+        lorafast.Index(db)
+    assert db.read_bytes() == before
+    assert os.listdir(tmp_path) == ["new.db"]  # no -wal or -shm made either
+    # while another program has it open (its -wal and -shm are there), the same
+    with contextlib.closing(sqlite3.connect(db)) as other:
+        other.execute("INSERT INTO rows_v2 VALUES (x'00', x'00')")
+        other.commit()
+        files = sorted(os.listdir(tmp_path))
+        before = db.read_bytes()
+        with pytest.raises(ValueError, match="index schema 2"):
+            lorafast.Index(db)
+        assert db.read_bytes() == before and sorted(os.listdir(tmp_path)) == files
+
+
+def test_a_file_that_is_not_an_index_is_refused_unchanged(tmp_path):
+    db = tmp_path / "notes.db"
+    db.write_bytes(b"not a database, " * 64)
+    with pytest.raises(ValueError, match="notes.db: not a lorafast index"):
+        lorafast.Index(db)
+    assert db.read_bytes() == b"not a database, " * 64 and os.listdir(tmp_path) == ["notes.db"]
 
 
 def test_add_change_delete_rename(tmp_path):

@@ -1,10 +1,13 @@
 """`lorafast.Index`: a persistent scan index in SQLite, so a rescan reads only the adapters that changed.
 
-Each adapter row is stored with the signature of its files: `(size, mtime_ns, inode, device)` of the weights
-file and of `adapter_config.json`, the options it was read with and the lorafast build that read it. A rescan walks the paths once (the same
-discovery as `scan`), `stat`s each adapter's files, reads only those whose signature differs or that are new,
-and drops the rows of adapters that are gone. A renamed or moved adapter (its files' inode, device, size and
-mtime under a new path) keeps its row, unread. The report it returns equals a full `scan` of the same paths:
+Each adapter row is stored with the signature of its files: `(size, mtime_ns, inode, device, ctime_ns)` of the
+weights file and of `adapter_config.json`, the options it was read with and the lorafast build that read it. The
+ctime is there because any write sets it and no caller can set it back: a rewrite that keeps the size and puts the
+mtime back (`os.utime`, `touch -d`) still changes it. A row stored without one (an index of an older lorafast)
+is read again once. A rescan walks the paths once (the same discovery as `scan`), `stat`s each adapter's files,
+reads only those whose signature differs or that are new, and drops the rows of adapters that are gone. A renamed
+or moved adapter (its files' inode, device, size and mtime under a new path; a rename sets the ctime, so it is
+not compared there) keeps its row, unread. The report it returns equals a full `scan` of the same paths:
 unchanged rows come back as the scan stored them (`rust/store.rs`).
 
 The database is in WAL mode and each batch of updates is one transaction, so a process killed mid-update
@@ -21,10 +24,12 @@ nor a last-modified time gives no signature: its adapters are read on every scan
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sqlite3
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -67,7 +72,7 @@ def _stat(path: str | None) -> list[int] | None:
     if path is None:
         return None
     st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns]
 
 
 def _remote_stat(stat: tuple[int, str | None, int | None] | None) -> list[Any] | None:
@@ -120,6 +125,7 @@ class Index:
 
     def __init__(self, path: PathLike) -> None:
         self.path = os.fspath(path)
+        self._check_schema()  # before anything is written: a newer lorafast's index is left as it is
         self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -127,10 +133,28 @@ class Index:
         found = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         if found is None:
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        elif found[0] != str(SCHEMA_VERSION):
+        elif found[0] != str(SCHEMA_VERSION):  # written by another lorafast since the check
+            self._db.close()
             raise ValueError(f"{self.path}: index schema {found[0]}, this lorafast writes {SCHEMA_VERSION}")
         #: Test hook: called inside each batch's transaction, after its writes and before its commit.
         self._on_batch: Callable[[int], None] | None = None
+
+    def _check_schema(self) -> None:
+        """Refuse an existing index of another schema, reading it only: no WAL switch, no tables, no file made. An
+        index with no `-wal` file has no open connection, so it is read as `immutable` (a read-only connection to a
+        WAL database would leave a `-wal` and `-shm` behind); with one, `mode=ro` uses the files that are there."""
+        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            return  # a new index
+        how = "mode=ro" if os.path.exists(self.path + "-wal") else "immutable=1"
+        uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?{how}"
+        try:
+            with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=60.0)) as db:
+                has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
+                found = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() if has_meta else None
+        except sqlite3.DatabaseError as exc:
+            raise ValueError(f"{self.path}: not a lorafast index: {exc}") from exc
+        if found is not None and found[0] != str(SCHEMA_VERSION):
+            raise ValueError(f"{self.path}: index schema {found[0]}, this lorafast writes {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self._db.close()
@@ -357,8 +381,11 @@ def _strong(signature: str) -> bool:
 
 
 def _content(signature: str) -> str:
-    """A signature without its paths: what identifies the same files under another name."""
-    _, weights, _, config, options = json.loads(signature)
+    """A signature without its paths, nor a local file's ctime (a rename sets it): what identifies the same files
+    under another name. A local stat is `[size, mtime_ns, inode, device]` then the ctime (absent in old rows)."""
+    path, weights, _, config, options = json.loads(signature)
+    if not _is_url(path):
+        weights, config = weights[:4], config and config[:4]
     return json.dumps([weights, config, options])
 
 
