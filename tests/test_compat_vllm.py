@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -230,3 +231,65 @@ def test_preflight_is_the_load_path(peft: Callable[..., str]) -> None:
     assert plan.ok and plan.loras["g"] == vl.load_adapter(good, supported_lora_modules=LLAMA, engine_version="0.33.0")
     view = AdapterView.from_tensors(ATTN, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, name="mem")
     assert vl.preflight(view, supported_lora_modules=LLAMA).loras["mem"] == plan.loras["g"]
+
+
+def test_034_classification_task_type(peft: Callable[..., str]) -> None:
+    # 0.34 adds classifier and score to a SEQ_CLS/TOKEN_CLS adapter's modules_to_save, as PEFT does on load.
+    seq_cls = peft("seq", {**ATTN, "base_model.model.score.weight": (3, 32)}, task_type="SEQ_CLS")
+    assert vl.check_peft_helper(seq_cls, engine_version="0.34.0")["modules_to_save"] == ["classifier", "score"]
+    assert "task_type" not in vl.check_peft_helper(seq_cls, engine_version="0.33.0")
+    vl.check_unexpected_modules(seq_cls, vl.expected_lora_modules(LLAMA), engine_version="0.34.0")
+    with pytest.raises(ValueError, match=r"but received \['score'\]"):
+        vl.check_unexpected_modules(seq_cls, vl.expected_lora_modules(LLAMA), engine_version="0.33.0")
+    with pytest.raises(TypeError) as info:
+        vl.check_peft_helper(peft("five", ATTN, task_type="TOKEN_CLS", modules_to_save=5), engine_version="0.34.0")
+    assert str(info.value) == "Value after * must be an iterable, not int"
+
+
+def test_034_unwrapped_layers() -> None:
+    # BERT's bert.pooler.dense shares the leaf `dense` with LoRA layers but is a plain nn.Linear in vLLM.
+    pooler = "base_model.model.bert.pooler.dense."
+    view = AdapterView.from_tensors({pooler + "lora_A.weight": (8, 32), pooler + "lora_B.weight": (32, 8)},
+                                    {"r": 8, "lora_alpha": 16, "target_modules": ["dense"]}, path="/bert")  # fmt: skip
+    model = {"supported_lora_modules": ["dense"], "unsupported_lora_modules": ["bert.pooler.dense"]}
+    plan = vl.preflight(view, collect=True, engine_version="0.34.0", **model)  # type: ignore[arg-type]
+    assert [p.message for p in plan.problems] == [
+        "While loading /bert, expected target modules in {'dense'} but received ['bert.pooler.dense (not a LoRA "
+        "layer)', 'bert.pooler.dense (not a LoRA layer)']. Please verify that the loaded LoRA module is correct"
+    ]
+    assert vl.preflight(view, engine_version="0.33.0", **model).ok  # type: ignore[arg-type]
+
+
+def test_pattern_keys_only_regex_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM matches rank_pattern keys with the `regex` package; a variable-width lookbehind is its syntax only.
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    behind = AdapterView.from_tensors(ATTN, {**config, "rank_pattern": {r"(?<=layers\.\d+\.self_attn\.)q_proj": 4}})
+    plain = AdapterView.from_tensors(ATTN, {**config, "rank_pattern": {"q_proj": 4}})
+    q = "model.layers.0.self_attn.q_proj"
+    for view in (behind, plain):
+        plan = vl.preflight({"a": view}, supported_lora_modules=LLAMA, engine_version="0.34.0")
+        assert plan.loras["a"].loras[q].rank == 4
+    monkeypatch.setitem(sys.modules, "regex", None)  # not installed: `re` answers only what it reads as regex does
+    assert vl.preflight({"a": plain}, supported_lora_modules=LLAMA).loras["a"].loras[q].rank == 4
+    with pytest.raises(vl.UnknownPatternError, match="without the `regex` package"):
+        vl.preflight({"a": behind}, supported_lora_modules=LLAMA)
+
+
+def test_weights_as_vllm_reads_them(peft: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafast import HeaderError
+    from lorafast.testing import write_safetensors
+
+    folder = Path(peft("broken", ATTN))
+    write_safetensors(folder / "vision.safetensors", {"base_model.model.visual.x.lora_A.weight": ("F32", (8, 32))})
+    vl.check_unexpected_modules(str(folder), EXPECTED)  # vLLM never reads a second .safetensors file
+    (folder / "adapter_model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{abc}")
+    from safetensors import SafetensorError, safe_open
+
+    with pytest.raises(SafetensorError) as theirs:
+        safe_open(str(folder / "adapter_model.safetensors"), framework="pt")  # what vLLM's loader calls
+    with pytest.raises(SafetensorError) as info:
+        vl.check_unexpected_modules(str(folder), EXPECTED)
+    assert str(info.value) == str(theirs.value) and "invalid JSON in header" in str(info.value)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # without the package: lorafast's own error
+    with pytest.raises(HeaderError):
+        vl.check_unexpected_modules(str(folder), EXPECTED)

@@ -82,6 +82,11 @@ def make_peft_bases(root: Path) -> dict[str, tuple[str, str]]:
     cls = AutoConfig.for_model("llama", num_labels=3, **dims)
     save("peft_llama_seqcls", "llama_seqcls", AutoModelForSequenceClassification.from_config(cls),
          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))  # fmt: skip
+    # "dense" also reaches bert.pooler.dense, a plain nn.Linear in vLLM's BERT (0.34: "not a LoRA layer").
+    bert = AutoConfig.for_model("bert", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                vocab_size=128, max_position_embeddings=64, num_labels=3)  # fmt: skip
+    save("peft_bert_seqcls", "bert_seqcls", AutoModelForSequenceClassification.from_config(bert),
+         LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"], task_type="SEQ_CLS"))  # fmt: skip
     return out
 
 
@@ -125,6 +130,18 @@ CONFIG_VARIANTS: dict[str, Mutation] = {
     "mts_score_lm_head": _set(modules_to_save=["score", "lm_head"]),
     "mts_string": _set(modules_to_save="score"),
     "mts_empty": _set(modules_to_save=[]),
+    "mts_null": _set(modules_to_save=None),
+    "mts_missing": _drop("modules_to_save"),
+    "mts_classifier": _set(modules_to_save=["classifier"]),
+    "mts_int": _set(modules_to_save=5),
+    "mts_true": _set(modules_to_save=True),
+    # vLLM 0.34 adds classifier and score to modules_to_save for these two tasks (PEFT does when it loads).
+    "task_seq_cls": _set(task_type="SEQ_CLS"),
+    "task_token_cls": _set(task_type="TOKEN_CLS", modules_to_save=None),
+    "task_causal_lm": _set(task_type="CAUSAL_LM", modules_to_save=None),
+    "task_seq_cls_lm_head": _set(task_type="SEQ_CLS", modules_to_save=["lm_head"]),
+    "task_seq_cls_mts_int": _set(task_type="SEQ_CLS", modules_to_save=5),
+    "task_seq_cls_mts_string": _set(task_type="SEQ_CLS", modules_to_save="score"),
     "dora": _set(use_dora=True),
     "lora_bias": _set(lora_bias=True),
     "init_pissa": _set(init_lora_weights="pissa"),
@@ -148,6 +165,14 @@ CONFIG_VARIANTS: dict[str, Mutation] = {
     "rank_pattern_null": _set(rank_pattern=None),
     "rank_pattern_list": _set(rank_pattern=["q_proj"]),
     "alpha_pattern": _set(alpha_pattern={"q_proj": 32, "down_proj": 2}),
+    # Keys that vLLM's `regex` package reads and Python's `re` does not, or reads differently.
+    "rank_pattern_lookbehind": _set(rank_pattern={r"(?<=layers\.\d+\.self_attn\.)q_proj": 2}),
+    "rank_pattern_lookbehind_fixed": _set(rank_pattern={r"(?<=self_attn\.)v_proj": 2}),
+    "rank_pattern_backref": _set(rank_pattern={r"(q|v)_pro(j)(?!\4)": 2}),
+    "rank_pattern_bad_group": _set(rank_pattern={r"\9_proj": 2}),
+    "alpha_pattern_inline_flag": _set(alpha_pattern={"(?i)Q_PROJ": 64}),
+    "alpha_pattern_posix": _set(alpha_pattern={"[[:alpha:]]_proj": 64}),
+    "alpha_pattern_unicode_class": _set(alpha_pattern={r"\p{Ll}_proj": 64}),
     "bias_null": _set(bias=None),
     "bias_all": _set(bias="all"),
     "bias_lora_only": _set(bias="lora_only"),
@@ -170,6 +195,7 @@ RAW_CONFIGS: dict[str, str] = {
     "config_null": "null",
     "config_number": "8",
     "config_empty": "",
+    "config_non_peft": '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32}',
 }
 
 
@@ -207,6 +233,12 @@ class _Writer:
         (folder / "adapter_config.json").write_text(json.dumps(config))
         write_safetensors(folder / ST, entries)
         self.add(folder, family, kind)
+
+
+def _raw(header: bytes, data: int = 0, length: int | None = None) -> bytes:
+    """A safetensors file written by hand: the length prefix (`length`, default the header's size), the header
+    text and `data` zero bytes."""
+    return struct.pack("<Q", len(header) if length is None else length) + header + b"\0" * data
 
 
 def _torch_save(path: Path, entries: dict[str, Any]) -> None:
@@ -249,6 +281,57 @@ def _tensor_variants(w: _Writer, base: str, family: str, config: dict[str, Any],
     w.tensors(base, family, "embedding_ok", config, {**entries, **emb_ok})
     only_b = {k: v for k, v in entries.items() if not k.endswith("lora_A.weight") or k != a_key}
     w.tensors(base, family, "missing_one_lora_a", config, only_b)
+    # PEFT's classification tasks (vLLM 0.34 adds classifier/score to modules_to_save) with a saved score head.
+    for mts in (None, "missing", [], ["classifier"]):
+        cfg = {**config, "task_type": "SEQ_CLS", "modules_to_save": mts}
+        if mts == "missing":
+            del cfg["modules_to_save"]
+        label = "none" if mts is None else mts if isinstance(mts, str) else "-".join(mts) or "empty"
+        w.tensors(base, family, f"task_seq_cls_score_{label}", cfg, {**entries, **score})
+    w.tensors(base, family, "task_token_cls_score", {**config, "task_type": "TOKEN_CLS", "modules_to_save": None},
+              {**entries, **score})  # fmt: skip
+    # kohya `.alpha` scalars, in PEFT names and in kohya names, 0 (kohya: alpha = rank) and not
+    import numpy as np
+
+    modules = sorted({k.rsplit(".", 2)[0] for k in entries if k.endswith(("lora_A.weight", "lora_B.weight"))})
+    for value in (0.0, 8.0):
+        alphas = {f"{m}.alpha": np.array(value, np.float32) for m in modules}
+        w.tensors(base, family, f"kohya_alpha_{value:g}", config, {**entries, **alphas})
+    kohya = {"lora_unet_blocks_0_attn_to_q.lora_down.weight": (dtype, (r, hidden)),
+             "lora_unet_blocks_0_attn_to_q.lora_up.weight": (dtype, (hidden, r)),
+             "lora_unet_blocks_0_attn_to_q.alpha": np.array(0.0, np.float32)}  # fmt: skip
+    w.tensors(base, family, "kohya_names_alpha_0", config, kohya)
+    # A config in the weights' metadata only (diffusers' lora_adapter_metadata): vLLM reads adapter_config.json.
+    folder = w.folder(f"{Path(base).name}-config_in_metadata")
+    meta = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+    write_safetensors(folder / ST, entries, metadata=meta)
+    w.add(folder, family, "config_in_metadata")
+    # vLLM reads adapter_model.safetensors alone: another .safetensors beside it is never read.
+    folder = w.folder(f"{Path(base).name}-extra_safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    write_safetensors(folder / ST, entries)
+    write_safetensors(folder / "vision.safetensors", vision)
+    w.add(folder, family, "extra_safetensors")
+    folder = w.folder(f"{Path(base).name}-extra_safetensors_only")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    write_safetensors(folder / "model.safetensors", entries)
+    w.add(folder, family, "extra_safetensors_only")
+    # Broken weight headers, as safetensors' `safe_open` (vLLM's reader) refuses them, and one it accepts.
+    size = 4 * r * hidden
+    one = json.dumps({a_key: {"dtype": "F32", "shape": [r, hidden], "data_offsets": [0, size]}}).encode()
+    twice = one[:-1] + b", " + one[1:]  # the same name twice: safe_open keeps the last
+    broken = {
+        "weights_empty": b"", "weights_short": b"\x01\x02", "weights_header_too_large": _raw(b"{}", length=1 << 40),
+        "weights_length_past_end": _raw(b"{}", length=1000), "weights_bad_json": _raw(b"{abc}"),
+        "weights_not_utf8": _raw(b"\xff\xfe{}"), "weights_header_list": _raw(b"[]"),
+        "weights_short_data": _raw(one, 4), "weights_trailing_nul": _raw(one + b"\0\0", size),
+        "weights_bad_dtype": _raw(one.replace(b"F32", b"X9"), size), "weights_duplicate_name": _raw(twice, size),
+    }  # fmt: skip
+    for kind, data in broken.items():
+        folder = w.folder(f"{Path(base).name}-{kind}")
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        (folder / ST).write_bytes(data)
+        w.add(folder, family, kind)
     # Weight files as vLLM picks them: safetensors, else .bin, else .pt.
     cfg_text = json.dumps(config)
     folder = w.folder(f"{Path(base).name}-bin_only")

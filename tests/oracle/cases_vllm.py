@@ -3,8 +3,9 @@
 A setup is what vLLM's LoRA manager reads from the model: the LoRA module leaves (`supported_lora_modules`),
 `packed_modules_mapping` as `process_packed_modules_mapping` builds it (with `experts` expanded per expert
 for 2-D MoE models), the model's `hf_to_vllm_mapper`, vocab size, max positions, the MoE layers and the
-classification head. The values follow vllm/model_executor/models/{llama,qwen2,mistral,gpt2,mixtral,
-qwen2_moe,qwen3_moe}.py of 0.30.0/0.33.0 (the same in both for these families).
+classification head, and the layers vLLM leaves unwrapped though their leaf is a LoRA module (0.34's
+`unsupported_lora_modules`). The values follow vllm/model_executor/models/{llama,qwen2,mistral,gpt2,mixtral,
+qwen2_moe,qwen3_moe,bert}.py of 0.30.0/0.33.0/0.34.0 (the same in all three for these families).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _experts(gate: str, down: str, up: str) -> list[str]:
 
 def _setup(modules: list[str], packed: dict[str, list[str]], **extra: Any) -> dict[str, Any]:
     return {"supported": modules, "packed": packed, "vocab_size": 128, "max_position_embeddings": 64,
-            "mapper": None, "moe_modules": [], "classification_head": None, "is_pooling_model": False, **extra}  # fmt: skip
+            "mapper": None, "moe_modules": [], "classification_head": None, "is_pooling_model": False,
+            "unsupported": [], **extra}  # fmt: skip
 
 
 def _moe_layers(block: str) -> list[str]:
@@ -51,6 +53,11 @@ SETUPS: dict[str, dict[str, Any]] = {
                         moe_modules=_moe_layers("mlp")),  # fmt: skip
     "llama_seqcls": _setup(DENSE + ["score"], {**QKV, **GATE_UP}, is_pooling_model=True,
                            classification_head={"name": "score", "max_labels": 3, "input_size": 32}),  # fmt: skip
+    # BertForSequenceClassification: qkv_proj/dense/classifier are vLLM linear layers, bert.pooler.dense a torch
+    # nn.Linear (unwrapped; 0.34 refuses LoRA on it), `classifier` the classification head.
+    "bert_seqcls": _setup(["qkv_proj", "dense", "classifier"], {"qkv_proj": ["query", "key", "value"]},
+                          is_pooling_model=True, unsupported=["bert.pooler.dense"],
+                          classification_head={"name": "classifier", "max_labels": 3, "input_size": 32}),
     # A Qwen2-VL-like wrapper: the language model under `language_model.` (a prefix mapper).
     "qwen2_vl": _setup(DENSE, {**QKV, **GATE_UP},
                        mapper={"prefix": {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."}}),
@@ -94,6 +101,20 @@ def load_cases(cases: list[Case], max_lora_rank: int = 16) -> list[dict[str, Any
         rank = 8 if i % 5 == 0 else 64 if case.kind.startswith("sample_") else max_lora_rank
         out.append({"op": "load", "path": case.path, "lora_name": f"{case.kind}-{i}", "lora_int_id": i + 1,
                     "max_lora_rank": rank, "setup": SETUPS[family], "kind": case.kind, "family": family})  # fmt: skip
+    return out
+
+
+def step_cases(loads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The single steps on each load case's adapter: `PEFTHelper.from_local_dir` (once per path) and
+    `from_local_checkpoint`'s name check and file read under the load case's setup."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for case in loads:
+        where = {"path": case["path"], "kind": case["kind"], "family": case["family"]}
+        if case["path"] not in seen:
+            seen.add(case["path"])
+            out.append({"op": "peft_helper", **where})
+        out.append({"op": "unexpected", "setup": case["setup"], **where})
     return out
 
 

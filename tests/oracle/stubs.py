@@ -37,6 +37,11 @@ import types
 #    `moe_ep_load_spec=None`, and the manager's own validation methods, unbound from the real class. The
 #    manager's `modules` hold inert `FusedMoEWithLoRA` instances at the MoE layers (2-D wrappers), and its
 #    classification head is an inert `ClassificationHeadWithLoRA` with `max_lora_cls_labels`/`input_size`.
+#    0.34's `unsupported_lora_modules` (set by `_create_lora_modules` from the model's unwrapped layers whose
+#    leaf is a LoRA module) is given by the case's setup.
+# 5. `LoRAModel.from_lora_tensors`, in the runner's "unexpected" op only (restored after it): returns None, so
+#    that `from_local_checkpoint` runs its file choice, name check and file read and stops there; that step is
+#    what `compat.vllm.check_unexpected_modules` answers. The "load" op runs the real one.
 VLLM_INERT_MODULES = (
     "vllm.config", "vllm.config.lora", "vllm.utils.hashing", "vllm.utils.cache", "vllm.lora.request",
     "vllm.lora.layers", "vllm.lora.punica_wrapper", "vllm.model_executor", "vllm.model_executor.custom_op",
@@ -555,3 +560,101 @@ def sglang_diffusion_pipeline_class(root: str, methods=SGLANG_DIFFUSION_METHODS)
             exec(compile(ast.Module([node], []), args_file, "exec"), namespace)
     pipeline_file = os.path.join(base, "pipelines_core", "lora", "pipeline.py")
     return compile_members(pipeline_file, "LoRAPipeline", methods, namespace)
+
+
+# --- Launch commands (tests/oracle/launch_runner.py: the engines' own argument parsers) ------------------
+# What runs for real: vLLM's `FlexibleArgumentParser`, `make_arg_parser` (every frontend and `EngineArgs` flag),
+# the `vllm serve` subcommand parser, `AsyncEngineArgs.from_cli_args` and the pydantic `LoRAConfig`; SGLang's
+# `prepare_server_args` (`ServerArgs.add_cli_args`, `from_cli_args`), `check_lora_server_args`, and `sglang
+# serve`'s top-level parser and argv normalization. Stubs, each with why:
+#
+# 1. vLLM (`install_vllm_cli`): the third-party modules that the CLI modules import but parsing never calls
+#    (fastapi, openai's types, zmq, prometheus_client, opentelemetry, xgrammar, ...). When, and only when, an
+#    import made from the engine's own files finds no such module, it gets one whose attributes are inert
+#    classes that pydantic accepts as `Any` (request models are built at import time over openai's types).
+#    `msgspec` is real, from `.cache/engines/sglang-deps` (`SamplingParams` is a msgspec struct).
+# 2. SGLang (`install_sglang_cli`): `install_sglang_llm`'s stubs, except that
+#    `sglang.kernels.ops.kv_canary.consts` (an enum naming the choices of `--kv-canary-real-data`) is the
+#    wheel's own file, loaded alone: the rest of `sglang.kernels` stays inert.
+
+
+def _engine_root(name: str) -> str:
+    import importlib.machinery
+    import os
+
+    spec = importlib.machinery.PathFinder.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the unpacked {name} wheel is not on sys.path")
+    return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
+def install_vllm_cli() -> None:
+    """Stub 1 of the launch section, for importing vLLM's CLI argument parsers from the unpacked wheel."""
+    import os
+
+    from pydantic_core import core_schema
+
+    root = _engine_root("vllm")
+    sys.path.insert(1, os.path.join(os.path.dirname(root), "sglang-deps"))
+    any_schema = classmethod(lambda cls, source, handler: core_schema.any_schema())
+
+    class Meta(type):
+        def __getattr__(cls, attr: str) -> type:  # enum members and nested names (ReasoningEffort.HIGH)
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return Meta(attr, (), {"__init__": _accept_anything, "__get_pydantic_core_schema__": any_schema})
+
+    class Inert(types.ModuleType):
+        def __getattr__(self, name: str) -> type:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            cls = Meta(name, (), {"__module__": self.__name__, "__init__": _accept_anything,
+                                  "__class_getitem__": classmethod(lambda c, _item: c),
+                                  "__get_pydantic_core_schema__": any_schema})  # fmt: skip
+            setattr(self, name, cls)
+            return cls
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            top = name.split(".")[0]
+            if top == "vllm" or top in sys.stdlib_module_names:
+                return None
+            for finder in sys.meta_path:
+                if finder is self:
+                    continue
+                try:
+                    if finder.find_spec(name, path, target) is not None:
+                        return None
+                except Exception:  # a broken finder is not our concern
+                    pass
+            frame = sys._getframe(1)
+            while frame and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename):
+                frame = frame.f_back
+            if frame is None or not frame.f_code.co_filename.startswith(root):
+                return None  # only imports made by the engine's own files are stubbed
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):  # type: ignore[no-untyped-def]
+            module = Inert(spec.name)
+            module.__path__ = []
+            return module
+
+        def exec_module(self, module):  # type: ignore[no-untyped-def]
+            pass
+
+    sys.meta_path.insert(0, Finder())
+
+
+def install_sglang_cli() -> None:
+    """Stub 2 of the launch section."""
+    import importlib.util
+    import os
+
+    install_sglang_llm()
+    name = "sglang.kernels.ops.kv_canary.consts"
+    path = os.path.join(sys.modules["sglang"].__path__[0], "kernels", "ops", "kv_canary", "consts.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module

@@ -4,16 +4,21 @@ Started by `engines.run("vllm_runner", "vllm", version, payload)` with the wheel
 The stubs are those of `stubs.install_vllm` (see stubs.py for each, with why). Per case it records what vLLM
 returns (a summary of the `LoRAModel`) or raises (exception type name and exact message).
 
-Payload: {"cases": [case, ...]}; a case is either
-  {"op": "parse", "name": tensor name, "mapper": mapper spec or null}: `parse_fine_tuned_lora_name`, or
+Payload: {"cases": [case, ...]}; a case is one of
+  {"op": "parse", "name": tensor name, "mapper": mapper spec or null}: `parse_fine_tuned_lora_name`;
   {"op": "load", "path", "lora_name", "lora_int_id", "max_lora_rank", "setup": {...}}:
   `WorkerLoRAManager._load_adapter` (PEFTHelper.from_local_dir, validate_legal, LoRAModel.from_local_checkpoint
-  and, in 0.33, the manager's MoE-format and classification-head checks).
+  and, from 0.33, the manager's MoE-format and classification-head checks);
+  {"op": "peft_helper", "path"}: `PEFTHelper.from_local_dir(path, None)`, the helper's fields (`asdict`);
+  {"op": "unexpected", "path", "setup"}: `LoRAModel.from_local_checkpoint` on that helper, with `_load_adapter`'s
+  expected modules, rename mapper and (0.34) unsupported modules, up to its name check and file read (stub 5).
 A mapper spec is {"prefix"|"substr"|"suffix": {old: new}}, built into vLLM's `WeightsMapper`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -32,7 +37,9 @@ stubs.install_vllm()
 import torch  # noqa: E402
 from vllm.lora import utils as lora_utils  # noqa: E402
 from vllm.lora.layers import ClassificationHeadWithLoRA, FusedMoEWithLoRA  # noqa: E402  (inert, stub 1)
+from vllm.lora.lora_model import LoRAModel  # noqa: E402
 from vllm.lora.model_manager import LoRAModelManager  # noqa: E402
+from vllm.lora.peft_helper import PEFTHelper  # noqa: E402
 from vllm.lora.worker_manager import WorkerLoRAManager  # noqa: E402
 from vllm.model_executor.models.utils import WeightsMapper  # noqa: E402
 
@@ -81,6 +88,7 @@ class Manager:
         self.modules = {name: FusedMoEWithLoRA() for name in setup.get("moe_modules", [])}
         self._enable_mixed_moe_lora_format = False
         self.is_pooling_model = bool(setup.get("is_pooling_model"))
+        self.unsupported_lora_modules = set(setup.get("unsupported", []))  # 0.34 on
         self.supports_mm = False
         head = setup.get("classification_head")
         self._classification_head = None
@@ -100,7 +108,7 @@ def load(case: dict) -> dict:
         max_position_embeddings=setup["max_position_embeddings"],
         vocab_size=setup["vocab_size"],
         lora_config=types.SimpleNamespace(max_lora_rank=case["max_lora_rank"], lora_dtype=None),  # stub 2
-        _lora_model_cls=__import__("vllm.lora.lora_model", fromlist=["LoRAModel"]).LoRAModel,
+        _lora_model_cls=LoRAModel,
     )
     request = types.SimpleNamespace(  # stub 3
         lora_name=case["lora_name"], lora_int_id=case["lora_int_id"], lora_path=case["path"],
@@ -110,11 +118,43 @@ def load(case: dict) -> dict:
     return summary(lora)
 
 
+def expected_modules(manager: Manager) -> set[str]:
+    """`_load_adapter`'s expected modules (0.30-0.34 build them with this same loop, inline)."""
+    expected: list[str] = []
+    for module in manager.supported_lora_modules:
+        expected.extend(manager.packed_modules_mapping.get(module, [module]))
+        if module == "experts":
+            expected.append(module)
+    return set(expected)
+
+
+def unexpected(case: dict) -> None:
+    manager = Manager(case["setup"])
+    helper = PEFTHelper.from_local_dir(case["path"], None)
+    rename = manager.model.hf_to_vllm_mapper
+    extra = {}
+    if "unsupported_lora_modules" in inspect.signature(LoRAModel.from_local_checkpoint).parameters:
+        extra["unsupported_lora_modules"] = manager.unsupported_lora_modules
+    real = LoRAModel.__dict__["from_lora_tensors"]
+    LoRAModel.from_lora_tensors = classmethod(lambda cls, **kwargs: None)  # stub 5: stop after the name check
+    try:
+        LoRAModel.from_local_checkpoint(
+            case["path"], expected_modules(manager), helper, lora_model_id=1, device="cpu",
+            weights_mapper=None if rename is None else rename.get_rename_mapper(), **extra,
+        )  # fmt: skip
+    finally:
+        LoRAModel.from_lora_tensors = real
+
+
 def run_case(case: dict) -> dict:
     try:
         if case["op"] == "parse":
             name, is_a = lora_utils.parse_fine_tuned_lora_name(case["name"], mapper(case.get("mapper")))
             return {"ok": [name, is_a]}
+        if case["op"] == "peft_helper":
+            return {"ok": dataclasses.asdict(PEFTHelper.from_local_dir(case["path"], None))}
+        if case["op"] == "unexpected":
+            return {"ok": unexpected(case)}
         return {"ok": load(case)}
     except Exception as exc:  # every outcome is recorded, whatever vLLM raises
         if os.environ.get("LORAFAST_ORACLE_TRACE"):

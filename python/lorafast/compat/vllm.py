@@ -1,4 +1,4 @@
-"""vLLM's LoRA adapter checks, answered from safetensors headers, version by version (vLLM 0.30.0 and 0.33.0).
+"""vLLM's LoRA adapter checks, answered from safetensors headers, version by version (vLLM 0.30.0, 0.33.0, 0.34.0).
 
 The rules follow vLLM's released code (`vllm/lora/peft_helper.py`, `lora_model.py`, `utils.py`,
 `worker_manager.py`, `model_manager.py`), and the oracle tests (`tests/test_oracle_vllm.py`) run that code on
@@ -30,11 +30,13 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, _is_adapter, _read_names_and_shapes, _view_of, resolve_adapters
+from lorafast.errors import HeaderError
 
 __all__ = [
     "DEFAULT_PACKED_MODULES_MAPPING",
     "VLLM_MAX_LORA_RANKS",
     "LoRAAdapterNotFoundError",
+    "UnknownPatternError",
     "LoraWeights",
     "VLLMLoRA",
     "VLLMPlan",
@@ -75,10 +77,14 @@ _FIELDS_033 = (
     "alpha_pattern",
     *_VLLM_FIELDS,
 )
+# 0.34 reads PEFT's task_type: a SEQ_CLS/TOKEN_CLS adapter's modules_to_save gains classifier and score.
+_FIELDS_034 = (*_FIELDS_033[:5], "task_type", *_FIELDS_033[5:])
+_CLS_TASKS = ("SEQ_CLS", "TOKEN_CLS")
 _REQUIRED = ("r", "lora_alpha", "target_modules")
 _DEFAULTS: dict[str, Any] = {
     "bias": "none",
     "modules_to_save": None,
+    "task_type": None,
     "use_rslora": False,
     "use_dora": False,
     "lora_bias": False,
@@ -116,6 +122,10 @@ class LoRAAdapterNotFoundError(Exception):
 def _is_033(engine_version: str | None) -> bool:
     # Only 0.30.0 and 0.33.0 are checked against vLLM's code; versions in between get the 0.33.0 rules.
     return _versions.at_least("vllm", engine_version, "0.31.0")
+
+
+def _is_034(engine_version: str | None) -> bool:
+    return _versions.at_least("vllm", engine_version, "0.34.0")
 
 
 # --- names -------------------------------------------------------------------------------------------------
@@ -221,6 +231,27 @@ def expected_lora_modules(
 _expected_modules = expected_lora_modules  # `preflight` has a parameter of that name
 
 
+def is_in_target_modules(
+    module_name: str, target_modules: list[str] | None, packed_modules_mapping: Mapping[str, list[str]] | None = None
+) -> bool:
+    """`vllm.lora.utils.is_in_target_modules`: does a module pass `--lora-target-modules`, the deployment-time
+    filter of which modules `LoRAModelManager` wraps? (`_load_adapter` never consults it: an adapter module that
+    fails it loads and is silently not applied.) Its suffix, or its whole name, must be listed, or a packed parent
+    or child of it."""
+    if target_modules is None:
+        return True
+    wanted = set(target_modules)
+    suffix = module_name.split(".")[-1]
+    if suffix in wanted or module_name in wanted:
+        return True
+    if not packed_modules_mapping:
+        return False
+    children = packed_modules_mapping.get(suffix)
+    if children and any(child in wanted for child in children):
+        return True
+    return any(suffix in kids and parent in wanted for parent, kids in packed_modules_mapping.items())
+
+
 def _is_base_embedding(name: str) -> bool:
     return name.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight"))
 
@@ -244,7 +275,7 @@ class PEFTHelper:
 
 def _peft_helper_from_dict(config: Any, engine_version: str | None) -> PEFTHelper:
     new = _is_033(engine_version)
-    names = _FIELDS_033 if new else _FIELDS_030
+    names = (_FIELDS_034 if _is_034(engine_version) else _FIELDS_033) if new else _FIELDS_030
     required = {name for name in names if name in _REQUIRED}
     missing = required - set(config.keys())
     if missing:
@@ -260,6 +291,8 @@ def _peft_helper_from_dict(config: Any, engine_version: str | None) -> PEFTHelpe
         for key, rank in fields["rank_pattern"].items():
             if not isinstance(rank, int) or rank <= 0:
                 raise ValueError(f"LoRA rank for `{key}` in `rank_pattern` must be a positive integer, got {rank}.")
+    if fields.get("task_type") in _CLS_TASKS:  # 0.34's __post_init__, same expression (a `5` is its TypeError)
+        fields["modules_to_save"] = list(dict.fromkeys([*(fields["modules_to_save"] or []), *_CLASSIFIERS]))
     alpha = fields["lora_alpha"]
     scaling = alpha / math.sqrt(r) if fields["use_rslora"] else alpha / r
     fields["vllm_lora_scaling_factor"] = scaling
@@ -325,19 +358,28 @@ def _validate_legal(helper: PEFTHelper, max_lora_rank: int, engine_version: str 
         raise ValueError(" ".join(errors))
 
 
-def _one(adapter: Any) -> AdapterView:
-    (view,) = resolve_adapters([adapter])
-    return view
+def _source(adapter: Any) -> tuple[str, AdapterView | None]:
+    """(path, None) for one adapter on disk (a path, or a scanned adapter whose path exists), which is read as
+    vLLM reads that folder, whatever a scan made of it; (path, view) for one held in memory."""
+    ((_, _, path, view),) = _entries(adapter)
+    return path, view
+
+
+def _helper_of(path: str, view: AdapterView | None, engine_version: str | None) -> PEFTHelper:
+    """`PEFTHelper.from_local_dir(path)` (a missing, broken or non-PEFT `adapter_config.json`, or a file given
+    for a folder, raises what vLLM raises), or the helper of an in-memory view's config."""
+    if view is None:
+        return peft_helper(path, engine_version=engine_version)
+    return _helper_from_config(dict(view.config or {}), None, engine_version)
 
 
 def check_peft_helper(adapter: Any, *, engine_version: str | None = None) -> Mapping[str, Any]:
-    """`PEFTHelper.from_dict` on an adapter's config: required fields, rank (and 0.33's rank_pattern) checks.
+    """`PEFTHelper.from_local_dir` (`from_dict` for an adapter in memory): the config file as vLLM reads it,
+    required fields, rank (and 0.33's rank_pattern) checks, 0.34's classification `task_type`.
 
     Returns the helper's fields (config values with vLLM's defaults, and `vllm_lora_scaling_factor`).
     """
-    config = dict(_one(adapter).config or {})
-    config["vllm_max_position_embeddings"] = None
-    return _peft_helper_from_dict(config, engine_version).fields
+    return _helper_of(*_source(adapter), engine_version).fields
 
 
 def validate_legal(adapter: Any, max_lora_rank: int = 16, *, engine_version: str | None = None) -> None:
@@ -347,18 +389,23 @@ def validate_legal(adapter: Any, max_lora_rank: int = 16, *, engine_version: str
     allowed modules_to_save, lora_bias, PiSSA-like inits, aLoRA, layer_replication, BD-LoRA and QALoRA, and
     takes the rank as the max over `r` and the `rank_pattern` values.
     """
-    config = dict(_one(adapter).config or {})
-    config["vllm_max_position_embeddings"] = None
-    _validate_legal(_peft_helper_from_dict(config, engine_version), max_lora_rank, engine_version)
+    _validate_legal(_helper_of(*_source(adapter), engine_version), max_lora_rank, engine_version)
 
 
 # --- LoRAModel.from_local_checkpoint -----------------------------------------------------------------------
 
 
 def _unexpected_modules(
-    names: Iterable[str], expected: Any, modules_to_save: Any, weights_mapper: Any, engine_version: str | None
+    names: Iterable[str],
+    expected: Any,
+    modules_to_save: Any,
+    weights_mapper: Any,
+    unsupported: Iterable[str],
+    engine_version: str | None,
 ) -> list[str]:
     unexpected: list[str] = []
+    # 0.34: layers whose leaf name is expected but that vLLM does not wrap (BERT's pooler.dense)
+    unwrapped = frozenset(unsupported) if _is_034(engine_version) else frozenset()
     for key in names:
         if _is_base_embedding(key) or "base_layer" in key:
             continue
@@ -369,6 +416,8 @@ def _unexpected_modules(
                 unexpected.append(module)
         elif base not in expected and (not _is_033(engine_version) or base not in (modules_to_save or ())):
             unexpected.append(module)
+        elif module in unwrapped:
+            unexpected.append(f"{module} (not a LoRA layer)")
     return unexpected
 
 
@@ -384,20 +433,30 @@ def check_unexpected_modules(
     expected_lora_modules: Any,
     *,
     weights_mapper: Any = None,
+    unsupported_lora_modules: Iterable[str] = (),
     lora_dir: str | None = None,
     engine_version: str | None = None,
 ) -> None:
-    """`LoRAModel.from_local_checkpoint`'s name check, before any tensor is read.
+    """`LoRAModel.from_local_checkpoint`'s name check, on the helper `PEFTHelper.from_local_dir` builds (its
+    errors first) and the tensor names of the one file vLLM reads (its errors next).
 
     Keys containing `base_layer` are skipped; an expert module is compared from `experts` on, any other
-    module by its last component (0.33: or a `modules_to_save` name). `expected_lora_modules` is printed as
-    given: pass the set `expected_lora_modules()` builds, as vLLM does.
+    module by its last component (0.33: or a `modules_to_save` name; 0.34: a module named in
+    `unsupported_lora_modules`, the model's unwrapped layers, is "(not a LoRA layer)"). `expected_lora_modules`
+    is printed as given: pass the set `expected_lora_modules()` builds, as vLLM does.
     """
-    view = _one(adapter)
-    saved = (view.config or {}).get("modules_to_save")
-    unexpected = _unexpected_modules(view.tensors, expected_lora_modules, saved, weights_mapper, engine_version)
+    path, view = _source(adapter)
+    tensors: Mapping[str, tuple[int, ...] | None]
+    if view is None:
+        saved, tensors = _helper_of(path, None, engine_version).modules_to_save, _weights(path)
+    else:  # in memory: its config, when it has one, names the saved modules
+        saved = None if view.config is None else _helper_of(path, view, engine_version).modules_to_save
+        tensors = _memory_tensors(view)(path)
+    unexpected = _unexpected_modules(
+        tensors, expected_lora_modules, saved, weights_mapper, unsupported_lora_modules, engine_version
+    )
     if unexpected:
-        raise _unexpected_error(view.path if lora_dir is None else lora_dir, expected_lora_modules, unexpected)
+        raise _unexpected_error(path if lora_dir is None else lora_dir, expected_lora_modules, unexpected)
 
 
 @dataclass(frozen=True)
@@ -420,10 +479,39 @@ class VLLMLoRA:
 
 
 def _pattern_value(pattern: Mapping[str, Any], name: str) -> Any:
+    """`PEFTHelper._match_pattern`. vLLM matches with the `regex` package, which differs from `re` on keys
+    (variable-width lookbehind, `\\p{L}`, inline flags, error texts), so `regex` answers when installed (it is a
+    vLLM dependency); without it, a key `re` cannot read as `regex` would is refused, never guessed."""
     for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", name):
+        if _regex_match(rf"(.*\.)?({key})$", name):
             return value
     return None
+
+
+class UnknownPatternError(ValueError):
+    """A `rank_pattern`/`alpha_pattern` key that only vLLM's `regex` package can evaluate, and it is not installed:
+    lorafast cannot tell what vLLM decides."""
+
+
+def _regex_match(pattern: str, name: str) -> bool:
+    try:
+        import regex
+    except ImportError:
+        return _re_match(pattern, name)
+    return regex.match(pattern, name) is not None
+
+
+def _re_match(pattern: str, name: str) -> bool:
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # `re`'s FutureWarning marks syntax that `regex` reads differently
+            return re.match(pattern, name) is not None
+    except (re.error, FutureWarning) as exc:
+        raise UnknownPatternError(
+            f"lorafast: cannot evaluate the pattern {pattern!r} as vLLM does without the `regex` package ({exc})"
+        ) from None
 
 
 def _rank_and_scaling(helper: PEFTHelper, module_name: str) -> tuple[Any, float]:
@@ -441,19 +529,36 @@ def _rank_and_scaling(helper: PEFTHelper, module_name: str) -> tuple[Any, float]
     return rank, (alpha / math.sqrt(rank) if helper.use_rslora else alpha / rank)
 
 
-def _weights(lora_dir: str) -> tuple[dict[str, tuple[int, ...] | None], bool] | None:
-    """Tensor names and shapes of the file vLLM picks (safetensors, else .bin, else .pt), headers only."""
+def _weights(lora_dir: str) -> dict[str, tuple[int, ...] | None]:
+    """Tensor names and shapes of the one file vLLM reads (`adapter_model.safetensors`, else `.bin`, else `.pt`;
+    other files in the folder are never read), headers only; vLLM's ValueError when there is none."""
     st = os.path.join(lora_dir, "adapter_model.safetensors")
     if os.path.isfile(st):
-        return _read_names_and_shapes(st), True
+        return _safetensors_header(st)
     for name in ("adapter_model.bin", "adapter_model.pt"):
         file = os.path.join(lora_dir, name)
         if os.path.isfile(file):
             # The core's restricted reader: names and shapes in the saved order, the pickle never run.
             from lorafast import read_torch_header
 
-            return {key: tuple(info.shape) for key, info in read_torch_header(file).tensors.items()}, False
-    return None
+            return {key: tuple(info.shape) for key, info in read_torch_header(file).tensors.items()}
+    raise ValueError(f"{lora_dir} doesn't contain tensors")
+
+
+def _safetensors_header(file: str) -> dict[str, tuple[int, ...] | None]:
+    """Names and shapes as vLLM's `safetensors.safe_open` reads them. The core is stricter than safetensors (a
+    repeated name) and words its errors its own way, so a header it refuses is read again, header only, by the
+    `safetensors` package when installed (it always is beside vLLM): that raises vLLM's `SafetensorError`, text
+    and all, or gives what vLLM loads. Without the package the core's HeaderError stands."""
+    try:
+        return _read_names_and_shapes(file)
+    except HeaderError as exc:
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise exc from None
+        with safe_open(file, framework="numpy") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
 
 
 def _build(
@@ -584,6 +689,8 @@ class _Model:
     moe_modules: tuple[str, ...]
     classification_head: ClassificationHead | None
     is_pooling_model: bool
+    unsupported: frozenset[str] = frozenset()
+    """0.34's `unsupported_lora_modules`: full names of layers vLLM leaves unwrapped."""
     check_model: bool = True
     """False: the model is not described; the model-dependent steps are skipped."""
 
@@ -611,22 +718,17 @@ def _load_rest(
     lora_int_id: int,
     model: _Model,
     engine_version: str | None,
-    tensors_of: Callable[[str], Mapping[str, tuple[int, ...] | None] | None] | None = None,
+    tensors_of: Callable[[str], Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> VLLMLoRA:
     """`_load_adapter` after the helper: `validate_legal`, the weight file, the expected-module check,
     `LoRAModel.from_lora_tensors` and (0.33) the manager's MoE-format and classification-head checks.
     `tensors_of` replaces the folder's weight file for an in-memory adapter (`preflight` on an `AdapterView`)."""
     _validate_legal(helper, model.max_lora_rank, engine_version)
-    tensors: Mapping[str, tuple[int, ...] | None] | None
-    if tensors_of is None:
-        found = _weights(lora_path)
-        tensors = None if found is None else found[0]
-    else:
-        tensors = tensors_of(lora_path)
-    if tensors is None:
-        raise ValueError(f"{lora_path} doesn't contain tensors")
+    tensors = _weights(lora_path) if tensors_of is None else tensors_of(lora_path)
     if model.check_model:
-        unexpected = _unexpected_modules(tensors, model.expected, helper.modules_to_save, model.mapper, engine_version)
+        unexpected = _unexpected_modules(
+            tensors, model.expected, helper.modules_to_save, model.mapper, model.unsupported, engine_version
+        )
         if unexpected:
             raise _unexpected_error(lora_path, model.expected, unexpected)
     lora = _build(tensors, helper, model.vocab_size, model.mapper, engine_version)
@@ -650,6 +752,7 @@ def load_adapter(
     moe_modules: Iterable[str] = (),
     classification_head: ClassificationHead | None = None,
     is_pooling_model: bool = False,
+    unsupported_lora_modules: Iterable[str] = (),
     engine_version: str | None = None,
 ) -> VLLMLoRA:
     """`WorkerLoRAManager._load_adapter` for one adapter folder, from its config and weight headers.
@@ -658,7 +761,9 @@ def load_adapter(
     leaves), `packed_modules_mapping` (including `experts` for MoE models; None: Llama's qkv/gate_up
     packing), `hf_to_vllm_mapper` (vLLM's
     `WeightsMapper` or this module's; its renames are applied), `vocab_size`, `max_position_embeddings`,
-    the MoE layers' names under 2-D wrappers (`moe_modules`) and the classification head.
+    the MoE layers' names under 2-D wrappers (`moe_modules`), the classification head and (0.34) the full
+    names of layers whose leaf is a LoRA module but that vLLM does not wrap (`unsupported_lora_modules`, the
+    manager's set of that name: BERT's `bert.pooler.dense`).
     """
     given = os.fspath(path)
     name = os.path.basename(given.rstrip("/")) if lora_name is None else lora_name
@@ -671,6 +776,7 @@ def load_adapter(
         tuple(moe_modules),
         classification_head,
         is_pooling_model,
+        frozenset(unsupported_lora_modules),
     )
     lora_path, helper = _read_helper(given, name, model, engine_version)
     return _load_rest(lora_path, helper, lora_int_id, model, engine_version)
@@ -706,10 +812,19 @@ class VLLMPlan:
     problems: tuple[CompatProblem, ...]
     loras: Mapping[str, VLLMLoRA] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()
+    engine_version: _versions.EngineRules | None = field(default=None, compare=False)
+    """The vLLM version answered for, and whether lorafast verified it (`status`)."""
 
     @property
     def ok(self) -> bool:
         return not any(p.fatal for p in self.problems)
+
+    @property
+    def verdict(self) -> str:
+        """`"ok"`, `"fails"`, or `"unknown"` when the set would load but the version is not verified."""
+        if not self.ok:
+            return "fails"
+        return "ok" if self.engine_version is None or self.engine_version.verified else "unknown"
 
 
 _MODEL_STEPS = ("expected_modules", "moe_format", "classification_head")
@@ -757,9 +872,11 @@ def preflight(
     moe_modules: Iterable[str] = (),
     classification_head: ClassificationHead | None = None,
     is_pooling_model: bool = False,
+    unsupported_lora_modules: Iterable[str] = (),
     first_lora_int_id: int = 1,
     collect: bool = False,
     engine_version: str | None = None,
+    strict_version: bool = False,
 ) -> VLLMPlan:
     """`WorkerLoRAManager._load_adapter` for every adapter of a set: each adapter is decided by the code of
     `load_adapter` (config, `validate_legal`, weight file, expected modules, `from_lora_tensors`, and in 0.33
@@ -771,7 +888,10 @@ def preflight(
     Adapters get vLLM int ids `first_lora_int_id`, +1, ... in order (only the MoE-format message prints one).
     `max_lora_rank` outside `VLLM_MAX_LORA_RANKS` is reported first (vLLM's config validation rejects it).
     Raises the first error unless `collect=True`; then every problem is in `VLLMPlan.problems`.
+    `VLLMPlan.engine_version` says which version answered and whether lorafast verified it; an unverified one
+    warns `UnverifiedEngineVersion` and `strict_version=True` raises `UnverifiedEngineVersionError` instead.
     """
+    rules = _versions.rules_for("vllm", engine_version, strict=strict_version)
     col = Collector(collect)
     if max_lora_rank not in VLLM_MAX_LORA_RANKS:
         col.fail(
@@ -794,6 +914,7 @@ def preflight(
         tuple(moe_modules),
         classification_head,
         is_pooling_model,
+        frozenset(unsupported_lora_modules),
         check_model=expected is not None,
     )
     ranks: list[Any] = []
@@ -816,11 +937,13 @@ def preflight(
     need = int(max(ranks, default=0))
     suggested = next((value for value in VLLM_MAX_LORA_RANKS if value >= need), None)
     skipped = () if model.check_model else _MODEL_STEPS
-    return VLLMPlan(need, suggested, tuple(col.problems), loras, skipped)
+    return VLLMPlan(need, suggested, tuple(col.problems), loras, skipped, engine_version=rules)
 
 
-def _memory_tensors(view: AdapterView) -> Callable[[str], Mapping[str, tuple[int, ...] | None] | None]:
-    def tensors_of(_path: str) -> Mapping[str, tuple[int, ...] | None] | None:
-        return view.tensors if view.tensors or view.has_weights else None
+def _memory_tensors(view: AdapterView) -> Callable[[str], Mapping[str, tuple[int, ...] | None]]:
+    def tensors_of(path: str) -> Mapping[str, tuple[int, ...] | None]:
+        if view.tensors or view.has_weights:
+            return view.tensors
+        raise ValueError(f"{path} doesn't contain tensors")
 
     return tensors_of
