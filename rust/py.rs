@@ -122,29 +122,31 @@ fn read_header<'py>(py: Python<'py>, path: PathBuf, mode: ReadMode) -> PyResult<
     let result = detach_contained(py, &path, || {
         core_scan::debug_hook(&path);
         let mut buf = Vec::new();
-        header::read_header(&path, mode, &mut buf).map(|h| {
-            let tensors: Vec<TensorRow> = h
-                .tensors
-                .iter()
-                .map(|t| {
-                    (
-                        t.name.to_string(),
-                        t.dtype.name(),
-                        h.shape(t).to_vec(),
-                        (t.begin, t.end),
-                    )
-                })
-                .collect();
-            let metadata: Option<Vec<(String, String)>> = h
-                .metadata
-                .as_ref()
-                .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-            let warnings: Vec<(&'static str, String)> =
-                h.warnings.iter().map(|w| (w.code.code(), w.message.clone())).collect();
-            (tensors, metadata, h.header_size, h.file_size, warnings)
-        })
+        header::read_header(&path, mode, &mut buf).map(|h| safetensors_parts(&h))
     });
     header_dict(py, result?)
+}
+
+/// A safetensors header's parts, as `read_header` returns them.
+fn safetensors_parts(h: &header::Header<'_>) -> HeaderParts {
+    let tensors: Vec<TensorRow> = h
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.to_string(),
+                t.dtype.name(),
+                h.shape(t).to_vec(),
+                (t.begin, t.end),
+            )
+        })
+        .collect();
+    let metadata: Option<Vec<(String, String)>> = h
+        .metadata
+        .as_ref()
+        .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+    let warnings: Vec<(&'static str, String)> = h.warnings.iter().map(|w| (w.code.code(), w.message.clone())).collect();
+    (tensors, metadata, h.header_size, h.file_size, warnings)
 }
 
 /// `read_torch_header`'s dict has `read_header`'s shape. Offsets are file offsets of each tensor's
@@ -356,6 +358,29 @@ fn read_url_range<'py>(
     let ropts = remote_options(storage_options, timeout, None);
     let (bytes, size) = detach_contained(py, Path::new(&url), || remote::read_range(&url, start..end, &ropts))?;
     Ok((PyBytes::new(py, &bytes), size))
+}
+
+/// `read_header` of the safetensors object at a URL: its header fetched with range requests and
+/// checked as a scan checks a remote weights file (same stores, retries, bounds and errors).
+#[pyfunction]
+#[pyo3(signature = (url, storage_options = None, timeout = None))]
+fn read_url_header<'py>(
+    py: Python<'py>,
+    url: String,
+    storage_options: Option<Vec<(String, String)>>,
+    timeout: Option<Timeout>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let ropts = remote_options(storage_options, timeout, None);
+    let parts = detach_contained(py, Path::new(&url), || {
+        let (bytes, size) = remote::read_header(&url, &ropts)?;
+        header::parse_header(&bytes, size)
+            .map(|h| safetensors_parts(&h))
+            .map_err(|kind| Error::Header {
+                path: PathBuf::from(&url),
+                kind,
+            })
+    })?;
+    header_dict(py, parts)
 }
 
 /// Full results for many adapter paths at once, in parallel; failures come back as exceptions in place.
@@ -1457,8 +1482,8 @@ mod _core {
     #[pymodule_export]
     use super::{
         _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many,
-        make_modules, map_file, read_header, read_torch_header, read_url_range, scan, scan_targets, MappedFile,
-        ScanResult,
+        make_modules, map_file, read_header, read_torch_header, read_url_header, read_url_range, scan, scan_targets,
+        MappedFile, ScanResult,
     };
 
     #[pymodule_init]

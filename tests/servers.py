@@ -613,3 +613,159 @@ def normalized(report: Any, src: str | None = None, dst: str | None = None) -> d
         "summary": report.summary(),
     }
     return _map(data, src, dst) if src is not None and dst is not None else data
+
+
+class _HostileHandler(_Handler):
+    """`HostileServer`'s requests: every request's headers logged, then `/{mode}/{path}` answered by a mode below
+    or, for the `RangeServer` modes (`ok`, `hf`, ...), as `RangeServer` answers."""
+
+    server: _HostileServer
+
+    def _log(self) -> None:
+        super()._log()
+        with self.server.lock:
+            self.server.seen_headers.append((self.path, dict(self.headers.items())))
+
+    def _serve(self, head: bool) -> None:
+        mode = self.path.lstrip("/").split("/", 1)[0]
+        answer = getattr(self, f"_mode_{mode}", None)
+        if answer is None:
+            return super()._serve(head)
+        try:
+            answer()
+        except OSError:  # the client hung up: what a bounded client does
+            self.close_connection = True
+
+    def _forever(self, chunk: bytes, pause: float = 0.0) -> None:
+        """Writes `chunk` until the client hangs up (or 120 s pass, so that no thread outlives a test run)."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            self.wfile.write(chunk)
+            self.wfile.flush()
+            if pause:
+                time.sleep(pause)
+
+    def _mode_endless_headers(self) -> None:
+        self.wfile.write(b"HTTP/1.1 206 Partial Content\r\n")
+        self._forever(b"X-Filler: " + b"a" * 1000 + b"\r\n")
+
+    def _mode_endless_body(self) -> None:
+        """200 with no length: zeros until the client hangs up."""
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+        self._forever(b"\0" * (64 << 10))
+
+    def _mode_endless_range(self) -> None:
+        """206 with the range asked for, but no length and a body that never ends."""
+        rng = self._range(1 << 40) or (0, 1 << 40)
+        self.wfile.write(
+            f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {rng[0]}-{rng[1] - 1}/{1 << 40}\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
+        self._forever(b"\0" * (64 << 10))
+
+    def _mode_overlong(self) -> None:
+        """206 with the range asked for, but a length of 2**40 and a body of zeros that goes on past the range."""
+        rng = self._range(1 << 40) or (0, 1 << 40)
+        self.wfile.write(
+            f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {rng[0]}-{rng[1] - 1}/{1 << 40}\r\n"
+            f"Content-Length: {1 << 40}\r\nConnection: close\r\n\r\n".encode()
+        )
+        self._forever(b"\0" * (64 << 10))
+
+    def _found(self) -> tuple[bytes, tuple[int, int]] | None:
+        """The file's bytes and the range asked for (404 sent when there is no such file)."""
+        found = self._file()
+        if found is None:
+            return None
+        with open(found[1], "rb") as f:
+            data = f.read()
+        return data, self._range(len(data)) or (0, len(data))
+
+    def _partial(self, body: bytes, content_range: str) -> None:
+        self._send(206, body, {"Content-Range": content_range})
+
+    def _mode_drip(self) -> None:
+        """A valid answer, one byte every 0.5 s: each read is quick, the whole never comes."""
+        found = self._found()
+        if found is not None:
+            data, (a, b) = found
+            head = f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b - 1}/{len(data)}\r\n"
+            for byte in (head + f"Content-Length: {b - a}\r\n\r\n").encode() + data[a:b]:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.5)
+
+    def _mode_star(self) -> None:
+        """The range asked for, of an object of unknown size (`bytes a-b/*`)."""
+        found = self._found()
+        if found is not None:
+            data, (a, b) = found
+            self._partial(data[a:b], f"bytes {a}-{b - 1}/*")
+
+    def _mode_huge(self) -> None:
+        """The range asked for, of an object said to be 2**60 bytes long."""
+        found = self._file()
+        if found is not None:
+            with open(found[1], "rb") as f:
+                data = f.read()
+            a, b = self._range(1 << 60) or (0, len(data))
+            body = data[a:b].ljust(b - a, b"\0")  # as much as asked for: the object goes on
+            self._partial(body, f"bytes {a}-{b - 1}/{1 << 60}")
+
+    def _mode_shifted(self) -> None:
+        """Another range than the one asked for: one byte further on, of the same length."""
+        found = self._found()
+        if found is not None:
+            data, (a, b) = found
+            self._partial(data[a + 1 : b + 1], f"bytes {a + 1}-{b}/{len(data)}")
+
+    def _mode_redirect(self) -> None:
+        """302 to the same path (mode `ok`, or `hf` under `/redirect/hf/...`) on `redirect_to`."""
+        rest = self.path.split("/", 2)[2]
+        self.send_response(302)
+        self.send_header("Location", f"{self.server.redirect_to}/{rest if rest.startswith('hf/') else 'ok/' + rest}")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _mode_loop(self) -> None:
+        """302 to the same URL, for ever."""
+        self.send_response(302)
+        self.send_header("Location", self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+class _HostileServer(_Server):
+    seen_headers: list[tuple[str, dict[str, str]]]
+    redirect_to: str
+
+
+class HostileServer(_LoopbackServer):
+    """A server over `root` that misbehaves, on `host` (any loopback address: 127.0.0.2 is another host for a
+    client). URL `{url}/{mode}/{relative path}`; every request's headers are kept in `seen_headers`. Modes, besides
+    `RangeServer`'s: endless_headers (response headers that never end), endless_body (200, zeros forever),
+    endless_range (206 of the range asked for, no length, zeros forever), drip (a valid 206, one byte every 0.5 s),
+    star (`Content-Range: bytes a-b/*`), huge (a total of 2**60), shifted (another range than asked for), redirect
+    (302 to the same path on `redirect_to`: `/redirect/x` to `{redirect_to}/ok/x`, `/redirect/hf/...` to
+    `{redirect_to}/hf/...`), loop (302 to the same URL)."""
+
+    httpd: _HostileServer
+
+    def __init__(self, root: str, host: str = "127.0.0.1", redirect_to: str = "") -> None:
+        httpd = _HostileServer((host, 0), _HostileHandler)
+        httpd.seen_headers = []
+        httpd.redirect_to = redirect_to
+        httpd.delay = 0.0
+        httpd.attempts = {}
+        super().__init__(httpd, root)
+        self.url = f"http://{host}:{httpd.server_address[1]}"
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.httpd.seen_headers.clear()
+
+    @property
+    def seen_headers(self) -> list[tuple[str, dict[str, str]]]:
+        """(path, request headers) of every request so far."""
+        with self.httpd.lock:
+            return list(self.httpd.seen_headers)

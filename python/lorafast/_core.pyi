@@ -32,6 +32,7 @@ __all__ = [
     "map_file",
     "read_header",
     "read_torch_header",
+    "read_url_header",
     "read_url_range",
     "scan",
     "scan_targets",
@@ -132,6 +133,7 @@ _StorageOptions = list[tuple[str, str]] | None
 def read_url_range(
     url: str, start: int, end: int, storage_options: _StorageOptions = None, timeout: float | None = None
 ) -> tuple[bytes, int]: ...
+def read_url_header(url: str, storage_options: _StorageOptions = None, timeout: float | None = None) -> RawHeader: ...
 
 #: (path, weights, config, error code, error message) of one discovered adapter.
 _TargetItem = tuple[str, str | None, str | None, str | None, str | None]

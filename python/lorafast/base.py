@@ -6,18 +6,17 @@ split into components by their key prefixes). Quantized weights are reported wit
 scheme (`fp8`, `int4`, `mxfp4`, ...), never read as plain matrices of the packed shape.
 
 Local headers go through the Rust reader (`_core.read_header`, validated like every other header). URLs
-(`http(s)://`, `hf://org/repo[@rev]/path`) are fetched with range requests: only headers and JSON files, the
-header bytes written into a sparse temporary file of the object's size so the same validator checks them. Object
-stores (`s3://`, `gs://`, `az://`) go the same way through the Rust remote layer that `scan` uses
-(`_core.read_url_range`, with `storage_options` and `timeout`).
+(`http(s)://`, `hf://org/repo[@rev]/path`, `s3://`, `gs://`, `az://`) go through the Rust remote layer that
+`scan` uses (`_core.read_url_header`, `_core.read_url_range`): only headers and JSON files are fetched, with range
+requests, under its credentials, redirect policy, timeouts and size bounds (docs/remote.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -123,6 +122,9 @@ class _Local:
     def __init__(self, root: str) -> None:
         self.root = root
 
+    def at(self, root: str) -> _Local:
+        return _Local(root)
+
     def join(self, *parts: str) -> str:
         return os.path.join(self.root, *parts) if parts else self.root
 
@@ -143,14 +145,31 @@ class _Local:
         return sorted(os.listdir(self.root))
 
 
-class _Http:
-    """A web folder: `http(s)://host/path` or the resolve URL of an `hf://` repo. Web servers cannot be listed,
-    so the standard file names are tried in turn."""
+#: Largest JSON file (`config.json`, a shard index, `model_index.json`) read from a URL: the limit `scan` puts on
+#: a remote `adapter_config.json`.
+_MAX_JSON_BYTES = 16 << 20
+
+
+class _Remote:
+    """A folder or file at a URL (`http(s)://`, `hf://org/repo[@rev]/path`, `s3://`, `gs://`, `az://`), read
+    through the Rust remote layer that `scan` uses, so base reads get its stores, credentials, redirect policy,
+    retries, timeouts, size bounds and error codes. Headers come from `_core.read_url_header` (checked as `scan`
+    checks a remote weights file), JSON files whole up to 16 MiB. Web servers and the Hub cannot be listed, so the
+    standard file names are tried in turn."""
 
     def __init__(self, url: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> None:
-        self.root, self.headers = _http_root(url, storage_options)
-        self.timeout = 10.0 if timeout is None else timeout
+        from .scanner import _storage_items
+
+        self.root = url
+        self.timeout = timeout
+        self.options = _storage_items(storage_options)
         self._missing: set[str] = set()
+
+    def at(self, root: str) -> _Remote:
+        """The same store and options, at another folder."""
+        sub = _Remote.__new__(_Remote)
+        sub.__dict__.update(self.__dict__, root=root, _missing=set())
+        return sub
 
     def join(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts]) if parts else self.root
@@ -158,137 +177,53 @@ class _Http:
     def is_dir(self) -> bool:
         return not self.root.endswith(".safetensors")
 
-    def _get(self, rel: str, rng: tuple[int, int] | None = None) -> tuple[bytes, int | None]:
-        import urllib.error
-        import urllib.request
-
-        url = self.join(rel) if rel else self.root
-        headers = dict(self.headers)
-        if rng is not None:
-            headers["Range"] = f"bytes={rng[0]}-{rng[1] - 1}"
-        req = urllib.request.Request(url, headers=headers)
+    def _range(self, url: str, start: int, end: int) -> tuple[bytes, int]:
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                body = resp.read()
-                total = None
-                cr = resp.headers.get("Content-Range")
-                if cr and "/" in cr:
-                    total = int(cr.rsplit("/", 1)[1])
-                elif rng is None or resp.status == 200:
-                    total = len(body)
-                    body = body[rng[0] : rng[1]] if rng is not None else body
-                return body, total
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise FileNotFoundError(2, f"no such file: {url}", url) from None
-            raise OSError(f"{url}: HTTP {e.code} {e.reason}") from None
-        except urllib.error.URLError as e:
-            raise OSError(f"{url}: {e.reason}") from None
+            body, size = _core.read_url_range(url, start, end, self.options, self.timeout)
+        except AdapterError as e:  # the remote layer's codes (timeout, connection_error, ...), for a base
+            raise BaseModelError(str(e), str(e.code), url) from None
+        return bytes(body), size
 
     def exists(self, rel: str) -> bool:
         if rel in self._missing:
             return False
         try:
-            self._get(rel, (0, 1))
+            self._range(self.join(rel), 0, 1)
             return True
         except FileNotFoundError:
             self._missing.add(rel)
             return False
 
     def text(self, rel: str) -> str:
-        return self._get(rel)[0].decode("utf-8")
+        url = self.join(rel)
+        # One byte past the limit tells "too large" without reading a huge object.
+        body, size = self._range(url, 0, _MAX_JSON_BYTES + 1)
+        if size > _MAX_JSON_BYTES:
+            raise BaseModelError(
+                f"{url}: {size} bytes is too large for a JSON file (at most {_MAX_JSON_BYTES})", "bad_config", url
+            )
+        return body.decode("utf-8")
 
     def header(self, rel: str) -> _core.RawHeader:
-        first, total = self._get(rel, (0, 64 << 10))
-        if total is None or len(first) < 8:
-            total = len(first)
-        n = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
-        want = min(8 + n, total)
-        if len(first) < want:
-            first += self._get(rel, (len(first), want))[0]
-        # The same validator as local files: the header in a sparse file as long as the object.
-        with tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False) as tmp:
-            tmp.write(first[:want])
-            tmp.truncate(total)
+        url = self.join(rel) if rel else self.root
         try:
-            raw = _core.read_header(tmp.name, "pread")
-        except HeaderError as e:
-            raise HeaderError(str(e).replace(tmp.name, self.join(rel)), e.code, self.join(rel)) from None
-        finally:
-            os.unlink(tmp.name)
-        return raw
+            return _core.read_url_header(url, self.options, self.timeout)
+        except AdapterError as e:
+            raise BaseModelError(str(e), str(e.code), url) from None
 
     def listdir(self) -> list[str]:
         return []
 
 
-#: Largest JSON file (`config.json`, a shard index) read from an object store.
-_MAX_JSON_BYTES = 16 << 20
+#: The URL schemes of the remote layer (rust/remote/url.rs).
+_URL_SCHEMES = tuple(
+    f"{s}://" for s in ("http", "https", "hf", "s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss")
+)
 
 
-class _Store(_Http):
-    """An object store folder or object (`s3://`, `gs://`, `az://`), read through the Rust remote layer
-    (`_core.read_url_range`): the stores, credentials, retries and error codes `scan` uses. Headers are read as
-    from a web server (two range requests at most), JSON files whole up to 16 MiB."""
-
-    def __init__(self, url: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> None:
-        from .scanner import _storage_items
-
-        self.root = url
-        self.headers = {}
-        self.timeout = 10.0 if timeout is None else timeout  # the remote layer's default
-        self.options = _storage_items(storage_options)
-        self._missing = set()
-
-    def _get(self, rel: str, rng: tuple[int, int] | None = None) -> tuple[bytes, int | None]:
-        url = self.join(rel) if rel else self.root
-        start, end = rng if rng is not None else (0, _MAX_JSON_BYTES + 1)
-        try:
-            body, size = _core.read_url_range(url, start, end, self.options, self.timeout)
-        except AdapterError as e:  # the remote layer's codes (timeout, connection_error, ...), for a base
-            raise BaseModelError(str(e), str(e.code), url) from None
-        if rng is None and size > _MAX_JSON_BYTES:
-            raise BaseModelError(
-                f"{url}: {size} bytes is too large for a JSON file (at most {_MAX_JSON_BYTES})", "bad_config", url
-            )
-        return bytes(body), size
-
-
-def _http_root(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, dict[str, str]]:
-    headers = {str(k): str(v) for k, v in (storage_options or {}).get("headers", {}).items()}
-    if url.startswith("hf://"):
-        rest = url[len("hf://") :]
-        prefix = ""
-        if rest.startswith(("datasets/", "spaces/")):
-            prefix, rest = rest.split("/", 1)
-            prefix += "/"
-        parts = rest.split("/")
-        if len(parts) < 2:
-            raise ValueError(f"not an hf:// URL of a repo: {url!r}")
-        org, repo = parts[0], parts[1]
-        repo, _, rev = repo.partition("@")
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-        path = "/".join(parts[2:])
-        root = f"{endpoint}/{prefix}{org}/{repo}/resolve/{rev or 'main'}" + (f"/{path}" if path else "")
-        token = (
-            (storage_options or {}).get("token")
-            or os.environ.get("HF_TOKEN")
-            or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-        )
-        if token:
-            headers.setdefault("Authorization", f"Bearer {token}")
-        return root, headers
-    return url, headers
-
-
-_STORE_SCHEMES = ("s3://", "gs://", "az://", "abfs://", "abfss://", "adl://", "azure://")
-
-
-def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> _Local | _Http:
-    if path.startswith(("http://", "https://", "hf://")):
-        return _Http(path, timeout, storage_options)
-    if path.startswith(_STORE_SCHEMES):
-        return _Store(path, timeout, storage_options)
+def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> _Local | _Remote:
+    if path.startswith(_URL_SCHEMES):
+        return _Remote(path, timeout, storage_options)
     if "://" in path:
         scheme = path.split("://", 1)[0]
         raise BaseModelError(
@@ -304,38 +239,50 @@ def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any]
 
 
 def read_base(
-    path_or_url: PathLike, *, storage_options: Mapping[str, Any] | None = None, timeout: float | None = None
+    path_or_url: PathLike,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    allow_outside_shards: bool = True,
 ) -> BaseModel:
     """Read a base checkpoint header-only: a `.safetensors` file, a sharded checkpoint folder (or its index
     file), a diffusers pipeline folder, or a single-file diffusion checkpoint. Local, `http(s)://`, `hf://`, or in
-    an object store (`s3://`, `gs://`, `az://`; `storage_options` as for `scan`, e.g. `endpoint`, `region`).
+    an object store (`s3://`, `gs://`, `az://`); URLs are read through `scan`'s remote layer, with the same
+    `storage_options` (e.g. `endpoint`, `region`; `token` and `headers` for web servers and the Hub) and `timeout`.
 
-    Raises `BaseModelError` (missing shard, index naming absent files, missing config, ...) or `HeaderError`
-    for a malformed shard, each naming the file; `FileNotFoundError` when the path does not exist.
+    An index may name shards outside the model folder (`../x.safetensors`, an absolute path), and a pipeline's
+    `model_index.json` components outside the pipeline folder; they are read, as transformers and diffusers
+    would. `allow_outside_shards=False` refuses them with a `BaseModelError` (`bad_index`) naming the file.
+
+    Raises `BaseModelError` (missing shard, index naming absent files, missing config, a remote failure, ...) or
+    `HeaderError` for a malformed shard, each naming the file; `FileNotFoundError` when the path does not exist.
     """
     path = os.fspath(path_or_url)
     src = _opener(path, timeout, storage_options)
     if isinstance(src, _Local) and not os.path.exists(path):
         raise FileNotFoundError(2, f"no such base model: {path}", path)
     if path.endswith(".index.json"):
-        folder, index = path.rsplit("/", 1) if isinstance(src, _Http) else os.path.split(path)
-        sub = type(src)(folder, timeout, storage_options) if isinstance(src, _Http) else _Local(folder)
-        return _read_model(sub, index_name=index)
+        folder, index = _split(src, path)
+        return _read_model(src.at(folder), index, allow_outside_shards)
     if not src.is_dir():
         return _read_single(src, path)
     if src.exists("model_index.json"):
-        return _read_pipeline(src)
-    return _read_model(src)
+        return _read_pipeline(src, allow_outside_shards)
+    return _read_model(src, None, allow_outside_shards)
 
 
-def _read_single(src: _Local | _Http, path: str) -> BaseModel:
-    folder, name = (path.rsplit("/", 1) if isinstance(src, _Http) else os.path.split(path)) or ("", path)
-    sub: _Local | _Http = src
-    if isinstance(src, _Http):
-        sub = type(src).__new__(type(src))
-        sub.__dict__.update(src.__dict__, root=folder)
-    else:
-        sub = _Local(folder or ".")
+def _split(src: _Local | _Remote, path: str) -> tuple[str, str]:
+    """(folder, file name) of a path or URL."""
+    if isinstance(src, _Remote):
+        folder, _, name = path.rpartition("/")
+        return folder, name
+    folder, name = os.path.split(path)
+    return folder or ".", name
+
+
+def _read_single(src: _Local | _Remote, path: str) -> BaseModel:
+    folder, name = _split(src, path)
+    sub = src.at(folder)
     try:
         weights, meta_quant = _weights_of(sub, [name])
     except BaseModelError as e:
@@ -351,11 +298,11 @@ def _read_single(src: _Local | _Http, path: str) -> BaseModel:
     return BaseModel(path, "checkpoint", weights, config, _architecture(config), {}, (path,), meta_quant)
 
 
-def _read_model(src: _Local | _Http, index_name: str | None = None) -> BaseModel:
+def _read_model(src: _Local | _Remote, index_name: str | None, allow_outside: bool) -> BaseModel:
     """A transformers model folder or a diffusers component folder: config.json plus weights."""
     index = index_name or next((n for n in _INDEX_NAMES if src.exists(n)), None)
     if index is not None:
-        files = _index_files(src, index)
+        files = _index_files(src, index, allow_outside)
         kind = "sharded"
     else:
         single = next((n for n in _FILE_NAMES if src.exists(n)), None)
@@ -382,7 +329,7 @@ def _read_model(src: _Local | _Http, index_name: str | None = None) -> BaseModel
     )
 
 
-def _read_pipeline(src: _Local | _Http) -> BaseModel:
+def _read_pipeline(src: _Local | _Remote, allow_outside: bool) -> BaseModel:
     index = _json(src, "model_index.json", "bad_config")
     comps: dict[str, BaseModel] = {}
     for name, value in index.items():
@@ -391,30 +338,44 @@ def _read_pipeline(src: _Local | _Http) -> BaseModel:
         lib = value[0]
         if lib not in ("diffusers", "transformers"):
             continue
-        sub = _sub(src, name)
+        if not allow_outside:
+            _refuse_outside(src, "model_index.json", [name], "component folder")
+        sub = src.at(src.join(name))
         if not any(sub.exists(n) for n in _INDEX_NAMES + _FILE_NAMES + ("config.json",)):
             continue  # schedulers, tokenizers: no weights, no config of their own
-        comps[name] = _read_model(sub)
+        comps[name] = _read_model(sub, None, allow_outside)
     weights = {f"{c}.{k}": w for c, m in comps.items() for k, w in m.weights.items()}
     quant = next((m.quantization for m in comps.values() if m.quantization), None)
     files = tuple(f for m in comps.values() for f in m.files)
     return BaseModel(src.join(), "pipeline", weights, index, index.get("_class_name"), comps, files, quant)
 
 
-def _sub(src: _Local | _Http, name: str) -> _Local | _Http:
-    if isinstance(src, _Local):
-        return _Local(src.join(name))
-    sub = type(src).__new__(type(src))
-    sub.__dict__.update(src.__dict__, root=src.join(name), _missing=set())
-    return sub
+def _outside(name: str) -> bool:
+    """Whether a name an index gives lies outside its folder: an absolute path, a URL, or one that climbs out."""
+    if "://" in name or name.startswith(("/", "\\")) or os.path.isabs(name):
+        return True
+    return posixpath.normpath(name.replace("\\", "/")).split("/")[0] == ".."
 
 
-def _index_files(src: _Local | _Http, index: str) -> list[str]:
+def _refuse_outside(src: _Local | _Remote, index: str, names: list[str], what: str) -> None:
+    """`allow_outside_shards=False`: an index naming a file outside its folder is refused, naming the file."""
+    outside = [n for n in names if _outside(n)]
+    if outside:
+        raise BaseModelError(
+            f"{src.join(index)} names a {what} outside {src.join()}: {outside[0]!r} (allow_outside_shards=False)",
+            "bad_index",
+            src.join(index),
+        )
+
+
+def _index_files(src: _Local | _Remote, index: str, allow_outside: bool) -> list[str]:
     data = _json(src, index, "bad_index")
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise BaseModelError(f"{src.join(index)}: no weight_map of tensor name -> file", "bad_index", src.join(index))
     files = sorted(set(wm.values()))
+    if not allow_outside:
+        _refuse_outside(src, index, files, "shard")
     absent = [f for f in files if not src.exists(f)]
     if absent:
         raise BaseModelError(
@@ -426,7 +387,7 @@ def _index_files(src: _Local | _Http, index: str) -> list[str]:
     return files
 
 
-def _weights_of(src: _Local | _Http, files: list[str]) -> tuple[dict[str, Weight], str | None]:
+def _weights_of(src: _Local | _Remote, files: list[str]) -> tuple[dict[str, Weight], str | None]:
     weights: dict[str, Weight] = {}
     for f in files:
         full = src.join(f)
@@ -590,7 +551,7 @@ def _architecture(config: Mapping[str, Any] | None) -> str | None:
     return cls if isinstance(cls, str) else None
 
 
-def _json(src: _Local | _Http, rel: str, code: str) -> dict[str, Any]:
+def _json(src: _Local | _Remote, rel: str, code: str) -> dict[str, Any]:
     try:
         data = json.loads(src.text(rel))
     except FileNotFoundError:
@@ -599,12 +560,16 @@ def _json(src: _Local | _Http, rel: str, code: str) -> dict[str, Any]:
         ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BaseModelError(f"{src.join(rel)} is not valid JSON: {e}", code, src.join(rel)) from None
+    except RecursionError:  # json's C decoder recurses once per level: `[` x 100,000 overflows it
+        raise BaseModelError(
+            f"{src.join(rel)} is not valid JSON: it nests deeper than Python's recursion limit", code, src.join(rel)
+        ) from None
     if not isinstance(data, dict):
         raise BaseModelError(f"{src.join(rel)} is not a JSON object", code, src.join(rel))
     return data
 
 
-def _required_json(src: _Local | _Http, rel: str) -> dict[str, Any]:
+def _required_json(src: _Local | _Remote, rel: str) -> dict[str, Any]:
     if not src.exists(rel):
         raise BaseModelError(
             f"{src.join()} has weights but no {rel}; pass the model folder with its config",
@@ -614,7 +579,7 @@ def _required_json(src: _Local | _Http, rel: str) -> dict[str, Any]:
     return _json(src, rel, "bad_config")
 
 
-def _optional_json(src: _Local | _Http, rel: str) -> dict[str, Any] | None:
+def _optional_json(src: _Local | _Remote, rel: str) -> dict[str, Any] | None:
     return _json(src, rel, "bad_config") if src.exists(rel) else None
 
 

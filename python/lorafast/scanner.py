@@ -110,10 +110,16 @@ _ADAPTER_TYPES = (
 
 
 def _storage_items(storage_options: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:
-    """Store options as the strings object stores take (`True` -> "true")."""
+    """Store options as the strings object stores take (`True` -> "true"; a mapping, such as `headers`, as JSON)."""
     if storage_options is None:
         return None
-    return [(str(k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in storage_options.items()]
+    return [(str(k), _option_text(v)) for k, v in storage_options.items()]
+
+
+def _option_text(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    return json.dumps(dict(v)) if isinstance(v, Mapping) else str(v)
 
 
 def _check_threads(threads: Any) -> int | None:

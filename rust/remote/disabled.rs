@@ -56,3 +56,7 @@ impl Session {
 pub fn read_range(url: &str, _: std::ops::Range<u64>, _: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
     Err(unsupported(url))
 }
+
+pub fn read_header(url: &str, _: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    Err(unsupported(url))
+}

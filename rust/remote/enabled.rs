@@ -271,24 +271,41 @@ async fn in_input_order<T, F: std::future::Future<Output = T>>(jobs: impl Iterat
 }
 
 /// Bytes `range` of one object (clipped to its end) and the object's size: the small reads of
-/// `read_base` (safetensors headers, `config.json`, shard indexes) with the scan's stores, retries
-/// and error codes.
+/// `read_base` (`config.json`, shard indexes) with the scan's stores, retries and error codes.
 pub fn read_range(url: &str, range: std::ops::Range<u64>, ropts: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    read_one(url, ropts, |remote, loc| async move {
+        let (bytes, size) = remote.get_range(&loc, range).await?;
+        Ok((bytes.to_vec(), size))
+    })
+}
+
+/// The safetensors header bytes (after the length prefix) of one object and the object's size,
+/// read and checked as a scan reads a weights file (`Remote::fetch_header`): `read_base`'s shards.
+pub fn read_header(url: &str, ropts: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    read_one(url, ropts, |remote, loc| async move { remote.fetch_header(&loc).await })
+}
+
+/// `f` on one object, in a session of its own.
+fn read_one<T, F, Fut>(url: &str, ropts: &RemoteOptions, f: F) -> Result<T, Error>
+where
+    F: FnOnce(Arc<Remote>, super::stores::Loc) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
     let session = Session::new(Some(1), ropts);
-    let remote = &session.remote;
     let urls = [url.to_owned()];
+    let remote = session.remote.clone();
     let mut out = session.run(&urls, |u, e| Err(io_err(u, e.kind(), e.to_string())), async {
-        let got = async {
-            let loc = remote.loc(url)?;
-            remote.get_range(&loc, range).await
+        let got = match remote.loc(url) {
+            Ok(loc) => f(remote.clone(), loc).await,
+            Err(e) => Err(e),
         };
-        vec![got.await.map(|(bytes, size)| (bytes.to_vec(), size))]
+        vec![got]
     });
     out.pop().unwrap_or_else(|| {
         Err(Error::adapter(
             url,
             AdapterErrorCode::Internal,
-            "read_range lost its result",
+            "a remote read lost its result",
         ))
     })
 }

@@ -104,7 +104,7 @@ impl Remote {
     }
 
     /// Header bytes (after the length prefix) and the object's size.
-    async fn fetch_header(&self, loc: &Loc) -> Result<(Vec<u8>, u64), Error> {
+    pub(super) async fn fetch_header(&self, loc: &Loc) -> Result<(Vec<u8>, u64), Error> {
         let header_err = |kind| Error::Header {
             path: PathBuf::from(&loc.url),
             kind,

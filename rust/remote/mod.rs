@@ -339,6 +339,12 @@ pub fn read_range(url: &str, range: std::ops::Range<u64>, ropts: &RemoteOptions)
     imp::read_range(url, range, ropts)
 }
 
+/// The safetensors header bytes (after the 8-byte length) of the object at `url` and its size,
+/// fetched and checked as a scan fetches a weights file's (`parse_header` validates the rest).
+pub fn read_header(url: &str, ropts: &RemoteOptions) -> Result<(Vec<u8>, u64), Error> {
+    imp::read_header(url, ropts)
+}
+
 #[cfg(not(feature = "remote"))]
 mod disabled;
 #[cfg(not(feature = "remote"))]
@@ -352,6 +358,8 @@ mod enabled;
 mod listing;
 #[cfg(feature = "remote")]
 mod loading;
+#[cfg(feature = "remote")]
+mod redirect;
 #[cfg(feature = "remote")]
 mod request;
 #[cfg(feature = "remote")]

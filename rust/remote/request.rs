@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
 use super::stores::{Loc, Remote};
-use super::STALL_LIMIT;
+use super::{SPECULATIVE_BYTES, STALL_LIMIT};
 use crate::error::{AdapterErrorCode, Error};
 use crate::header::MAX_HEADER_SIZE;
 
@@ -124,13 +124,45 @@ impl Remote {
             Err(e) => return Err(self.fail(loc, &e, false)),
         };
         let size = result.meta.size;
-        let bytes = result.bytes().await.map_err(|e| self.fail(loc, &e, true))?;
         let want = range.end.min(size).saturating_sub(range.start);
-        if bytes.len() as u64 != want {
-            return Err(short(loc, want, bytes.len(), range.start, size));
-        }
+        let bytes = self
+            .range_body(loc, result.into_stream(), want, range.start, size)
+            .await?;
         loc.store.stalls.store(0, Ordering::Relaxed);
         Ok((bytes, size))
+    }
+
+    /// The body of a range answer, which must be the `want` bytes its `Content-Range` announced.
+    /// Read chunk by chunk and refused as soon as it runs past them: a `Content-Length` larger
+    /// than the range (a body that never ends) costs no more memory than the range.
+    async fn range_body(
+        &self,
+        loc: &Loc,
+        mut stream: futures_util::stream::BoxStream<'static, object_store::Result<Bytes>>,
+        want: u64,
+        at: u64,
+        size: u64,
+    ) -> Result<Bytes, Error> {
+        // `want` comes from the server's sizes: reserve no more than a header read needs up front.
+        let mut out = Vec::with_capacity(want.min(SPECULATIVE_BYTES) as usize);
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| self.fail(loc, &e, true))?;
+            if (out.len() + chunk.len()) as u64 > want {
+                return Err(Error::adapter(
+                    &loc.url,
+                    AdapterErrorCode::RemoteError,
+                    format!(
+                        "asked for {want} bytes at offset {at} of a {size}-byte object, the server sent more \
+                         than its Content-Range announced"
+                    ),
+                ));
+            }
+            out.extend_from_slice(&chunk);
+        }
+        if out.len() as u64 != want {
+            return Err(short(loc, want, out.len(), at, size));
+        }
+        Ok(Bytes::from(out))
     }
 
     /// For a server that ignores `Range`: stream the object from its start, keep `range`, hang up.

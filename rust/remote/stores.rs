@@ -16,6 +16,7 @@ use object_store::{BackoffConfig, ClientConfigKey, ClientOptions, ObjectStore, R
 use tokio::sync::Semaphore;
 
 use super::credentials::{aws_profile, hf_token};
+use super::redirect::Credentialed;
 use super::url::{invalid, parse_url, Kind, Parsed};
 use super::{ObjectStat, RemoteOptions};
 use crate::error::{AdapterErrorCode, Error};
@@ -112,6 +113,49 @@ impl Remote {
         ]
     }
 
+    /// The headers sent to a web server or the Hub: the `headers` storage option (a JSON object of
+    /// names to values) and, for the Hub, `Authorization: Bearer` with the `token` option or else
+    /// the environment's token (a `headers` Authorization wins). All of them are credentials: they
+    /// go to this origin only, never to a host a redirect names ([`Credentialed`]).
+    fn web_headers(&self, hub: bool) -> Result<reqwest::header::HeaderMap, StoreError> {
+        use reqwest::header::{HeaderMap, HeaderName, HeaderValue, AUTHORIZATION};
+        let bad = |why: String| (AdapterErrorCode::StoreConfig, format!("storage option headers: {why}"));
+        let mut headers = HeaderMap::new();
+        let option = |name: &str| self.opts.storage_options.iter().rev().find(|(k, _)| k == name);
+        if let Some((_, text)) = option("headers") {
+            let map: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text)
+                .map_err(|_| bad("expected a JSON object of header names to values".to_owned()))?;
+            for (name, value) in map {
+                let value = match value {
+                    serde_json::Value::String(v) => v,
+                    other => other.to_string(),
+                };
+                let key =
+                    HeaderName::from_bytes(name.as_bytes()).map_err(|_| bad(format!("bad header name {name:?}")))?;
+                let mut value =
+                    HeaderValue::from_str(&value).map_err(|_| bad(format!("bad value for header {name}")))?;
+                value.set_sensitive(true);
+                headers.insert(key, value);
+            }
+        }
+        let token = option("token")
+            .map(|(_, t)| t.trim().to_owned())
+            .filter(|t| !t.is_empty());
+        if hub && !headers.contains_key(AUTHORIZATION) {
+            if let Some(token) = token.or_else(hf_token) {
+                let mut value = HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
+                    (
+                        AdapterErrorCode::StoreConfig,
+                        "the Hugging Face token is not a valid header value".to_owned(),
+                    )
+                })?;
+                value.set_sensitive(true);
+                headers.insert(AUTHORIZATION, value);
+            }
+        }
+        Ok(headers)
+    }
+
     fn build(&self, p: &Parsed) -> Result<Built, StoreError> {
         let user = &self.opts.storage_options;
         let user_sets = |names: &[&str]| user.iter().any(|(k, _)| names.contains(&k.as_str()));
@@ -165,19 +209,10 @@ impl Remote {
                 Ok(listing(b.build().map_err(store_error)?))
             }
             Kind::Http | Kind::HuggingFace => {
-                let mut options = ClientOptions::new().with_allow_http(p.base.starts_with("http://"));
+                let allow_http = p.base.starts_with("http://");
+                let mut options = ClientOptions::new().with_allow_http(allow_http);
                 for (k, v) in self.client_defaults() {
                     options = options.with_config(k, v);
-                }
-                if p.kind == Kind::HuggingFace {
-                    if let Some(token) = hf_token() {
-                        let mut headers = reqwest::header::HeaderMap::new();
-                        if let Ok(mut value) = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}")) {
-                            value.set_sensitive(true);
-                            headers.insert(reqwest::header::AUTHORIZATION, value);
-                        }
-                        options = options.with_default_headers(headers);
-                    }
                 }
                 // Store-specific keys (endpoint, region, ...) do not apply to a web server.
                 for (k, v) in user {
@@ -185,10 +220,15 @@ impl Remote {
                         options = options.with_config(key, v);
                     }
                 }
-                let b = HttpBuilder::new()
+                let mut b = HttpBuilder::new()
                     .with_url(&p.base)
                     .with_retry(self.retry())
                     .with_client_options(options);
+                let credentials = self.web_headers(p.kind == Kind::HuggingFace)?;
+                if !credentials.is_empty() {
+                    // Redirects followed by lorafast, so that no hop off this origin gets them.
+                    b = b.with_http_connector(Credentialed::new(credentials, self.opts.timeout, allow_http, user)?);
+                }
                 Ok((Arc::new(b.build().map_err(store_error)?), None))
             }
         }
