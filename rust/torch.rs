@@ -4,9 +4,11 @@
 //! `Header`, so these adapters get the same classification and checks as safetensors ones.
 
 use std::borrow::Cow;
+use std::collections::hash_map::Entry;
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use rustc_hash::FxHashMap;
 
@@ -15,7 +17,7 @@ use crate::error::{AdapterErrorCode, Error, ErrorCode, TorchErrorCode};
 use crate::header::{Header, TensorEntry, Warning, N_LEN};
 use crate::open::open_regular;
 use crate::scan::{build_result, check_config_size, parse_config, AdapterResult, ScanOptions, Target};
-use crate::torch_pickle::{read_state_dict, Tensor};
+use crate::torch_pickle::{read_state_dict, Storage, Tensor};
 use crate::torch_zip::{read_at, Archive};
 
 /// PEFT's pickled weights, in vLLM's order after `adapter_model.safetensors`.
@@ -132,15 +134,17 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
         )
     })?;
     let pickle = zip.read(pkl, MAX_PICKLE_BYTES.min(file_size))?;
-    let state = read_state_dict(&pickle)?;
+    let mut state = read_state_dict(&pickle)?;
+    drop(pickle);
 
-    // Each storage once: its record must hold exactly the bytes the persistent id declares.
-    let mut starts: FxHashMap<&str, u64> = FxHashMap::default();
+    // Each storage once: its record must hold exactly the bytes the persistent id declares. The
+    // reader gives one `Storage` per key, so its address names it.
+    let mut starts: FxHashMap<*const Storage, u64> = FxHashMap::default();
     for (name, t) in &state.tensors {
-        let key = t.storage.key.as_str();
-        if starts.contains_key(key) {
+        let Entry::Vacant(slot) = starts.entry(Rc::as_ptr(&t.storage)) else {
             continue;
-        }
+        };
+        let key = &t.storage.key;
         let record = zip.record(&format!("data/{key}")).ok_or_else(|| {
             TorchError::new(
                 TorchErrorCode::InvalidTorchTensor,
@@ -159,12 +163,14 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
                 ),
             ));
         }
-        starts.insert(key, zip.data_offset(record)?);
+        slot.insert(zip.data_offset(record)?);
     }
 
     let mut tensors = Vec::with_capacity(state.tensors.len());
     let mut dims = Vec::new();
-    for (name, t) in &state.tensors {
+    // A tensor listed under several keys has one shape in `dims`, which its entries share.
+    let mut shapes: FxHashMap<*const Tensor, u32> = FxHashMap::default();
+    for (name, t) in &mut state.tensors {
         let dtype = t.dtype.safetensors().ok_or_else(|| {
             TorchError::new(
                 TorchErrorCode::InvalidTorchTensor,
@@ -174,16 +180,20 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
                 ),
             )
         })?;
-        let (begin, end) = byte_range(t, starts[t.storage.key.as_str()]);
+        let (begin, end) = byte_range(t, starts[&Rc::as_ptr(&t.storage)]);
+        let shape_start = if Rc::strong_count(t) > 1 {
+            *shapes.entry(Rc::as_ptr(t)).or_insert_with(|| push_shape(&mut dims, t))
+        } else {
+            push_shape(&mut dims, t)
+        };
         tensors.push(TensorEntry {
-            name: Cow::Owned(name.clone()),
+            name: Cow::Owned(std::mem::take(name)),
             dtype,
-            shape_start: dims.len() as u32,
+            shape_start,
             shape_len: t.shape.len() as u32,
             begin: begin - N_LEN,
             end: end - N_LEN,
         });
-        dims.extend_from_slice(&t.shape);
     }
     let mut warnings = Vec::new();
     if !state.skipped.is_empty() {
@@ -210,6 +220,14 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
         pickle_size: pkl.size,
         prefix: zip.prefix().to_owned(),
     })
+}
+
+/// Appends `t`'s shape to `dims`; returns where it starts. The reader's budget keeps `dims` far
+/// below 2^32 entries.
+fn push_shape(dims: &mut Vec<u64>, t: &Tensor) -> u32 {
+    let start = dims.len() as u32;
+    dims.extend_from_slice(&t.shape);
+    start
 }
 
 /// The file bytes `t` spans: its extent in its storage, whose data starts at `start`. A tensor with

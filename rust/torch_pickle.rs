@@ -4,9 +4,10 @@
 //! each tensor's storage reference, dtype, offset, shape and stride.
 //!
 //! Work and memory are bounded (`Limits`): every opcode consumes input; the stack, the memo and
-//! the number of objects built are capped, and so is nesting (a deep value would overflow the
+//! the values built and held are capped, and so is nesting (a deep value would overflow the
 //! native stack when dropped). Memo indices must be dense, as the pickler writes them, so a huge
-//! index cannot make the memo grow.
+//! index cannot make the memo grow. What is shared stays shared: a tensor memoized once and listed
+//! under many keys is one `Rc`, and so is a storage declared by many tensors.
 //!
 //! Mutable containers (dicts, lists) are frozen once placed inside another value, and a frozen one
 //! cannot be changed again. Every value a container holds is then frozen too, so no container can
@@ -31,17 +32,29 @@ pub struct Limits {
     pub stack: usize,
     /// Memo entries; a state dict memoizes about 10 objects per tensor.
     pub memo: usize,
-    /// Strings, tuples, containers, storages and tensors built; about 10 per tensor.
-    pub objects: usize,
+    /// Values built and held, in units of about 24 bytes (`VALUES_FLOOR` says what counts); about
+    /// 40 per tensor. A pickle of `n` bytes may also have at most `n + VALUES_FLOOR`.
+    pub values: usize,
 }
 
-/// About 400,000 tensors, and at most a few hundred MB of values.
+/// About 400,000 tensors; reading the largest pickle takes at most about 600 MB (a value is a
+/// 24-byte `Value` or about that, and a growing container briefly holds its old room too).
 pub const LIMITS: Limits = Limits {
     depth: 64,
     stack: 1 << 16,
     memo: 1 << 22,
-    objects: 1 << 22,
+    values: 1 << 24,
 };
+/// A pickle of `n` bytes may have `n` values plus this many. What counts: each string, tuple,
+/// container, storage and tensor built is 1, each item a tuple holds and each slot a container
+/// allocates is 1 (one `Value`), each dimension a tensor holds is 1 (its size and stride), and
+/// each entry of the state dict is `ENTRY_VALUES` plus its dimensions (what the header and its
+/// readers keep of it). torch's own files need about one value per 5 bytes; a tensor memoized
+/// once and listed under many keys, or a size memoized once and used by many tensors, needs more
+/// than one per byte and is refused.
+pub const VALUES_FLOOR: usize = 1 << 16;
+/// The values an entry of the state dict counts for, besides its dimensions.
+pub const ENTRY_VALUES: usize = 8;
 /// Dimensions of one tensor.
 pub const MAX_DIMS: usize = 64;
 /// Length of a GLOBAL's module or name line.
@@ -162,8 +175,8 @@ impl Tensor {
 /// its last value, as in Python), and the keys whose values are not tensors.
 #[derive(Debug, Default)]
 pub struct StateDict {
-    /// (name, tensor) in insertion order.
-    pub tensors: Vec<(String, Tensor)>,
+    /// (name, tensor) in insertion order; a tensor listed under several keys is shared, not copied.
+    pub tensors: Vec<(String, Rc<Tensor>)>,
     /// Keys whose values are not tensors.
     pub skipped: Vec<String>,
 }
@@ -383,8 +396,12 @@ struct Machine<'p> {
     stack: Vec<Value>,
     marks: Vec<usize>,
     memo: Vec<Value>,
-    objects: usize,
+    /// Values counted so far, and how many this pickle may have (`Limits::values`).
+    values: usize,
+    max_values: usize,
     limits: Limits,
+    /// Each storage key's first declaration: torch reuses it for every later one.
+    storages: FxHashMap<String, Rc<Storage>>,
 }
 
 impl<'p> Machine<'p> {
@@ -419,10 +436,18 @@ impl<'p> Machine<'p> {
             .ok_or_else(|| invalid(self.at, "GLOBAL argument is not a dotted name"))
     }
 
-    fn count(&mut self) -> Result<(), TorchError> {
-        self.objects += 1;
-        if self.objects > self.limits.objects {
-            return Err(limit(self.at, format!("more than {} objects", self.limits.objects)));
+    /// Counts `n` more values built or held (`VALUES_FLOOR` says what counts).
+    fn count(&mut self, n: usize) -> Result<(), TorchError> {
+        self.values += n;
+        if self.values > self.max_values {
+            return Err(limit(
+                self.at,
+                format!(
+                    "more than {} values (strings, items, dimensions, entries) for a {}-byte pickle",
+                    self.max_values,
+                    self.data.len()
+                ),
+            ));
         }
         Ok(())
     }
@@ -464,7 +489,7 @@ impl<'p> Machine<'p> {
     }
 
     fn tuple(&mut self, items: Vec<Value>) -> Result<Value, TorchError> {
-        self.count()?;
+        self.count(1 + items.len())?;
         let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
         self.check_depth(depth)?;
         items.iter().for_each(Value::freeze);
@@ -482,7 +507,7 @@ impl<'p> Machine<'p> {
     }
 
     fn container(&mut self, ordered: bool) -> Result<Rc<Container>, TorchError> {
-        self.count()?;
+        self.count(1)?;
         Ok(Rc::new(Container {
             ordered,
             depth: Cell::new(1),
@@ -522,7 +547,14 @@ impl<'p> Machine<'p> {
         let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
         self.check_depth(depth)?;
         c.depth.set(c.depth.get().max(depth));
-        c.items.borrow_mut().extend(items);
+        // A container counts what it allocates (it grows by doubling), before it allocates it.
+        let mut held = c.items.borrow_mut();
+        if held.capacity() - held.len() < items.len() {
+            let grow = held.capacity().max(items.len());
+            self.count(held.len() + grow - held.capacity())?;
+            held.reserve_exact(grow);
+        }
+        held.extend(items);
         Ok(())
     }
 
@@ -581,8 +613,25 @@ impl<'p> Machine<'p> {
             }
             _ => return Err(not_storage()),
         };
-        self.count()?;
-        Ok(Value::Storage(Rc::new(storage)))
+        self.count(1)?;
+        // torch keeps a key's first storage and ignores later declarations: one that disagrees
+        // would make torch read other elements than it says, so it is refused.
+        if let Some(first) = self.storages.get(&storage.key) {
+            if **first != storage {
+                return Err(bad_tensor(format!(
+                    "storage {:?} is declared as {} {} elements, then as {} {}",
+                    storage.key,
+                    first.numel,
+                    first.dtype.name(),
+                    storage.numel,
+                    storage.dtype.name()
+                )));
+            }
+            return Ok(Value::Storage(Rc::clone(first)));
+        }
+        let storage = Rc::new(storage);
+        self.storages.insert(storage.key.clone(), Rc::clone(&storage));
+        Ok(Value::Storage(storage))
     }
 
     fn reduce(&mut self, callable: Value, args: Value) -> Result<Value, TorchError> {
@@ -608,7 +657,7 @@ impl<'p> Machine<'p> {
                 Ok(t.clone())
             }
             (Global::Value(kind), _) => {
-                self.count()?;
+                self.count(1)?;
                 Ok(Value::Opaque(kind))
             }
             (Global::Size, [Value::Tuple(t)]) if t.items.iter().all(|v| matches!(v, Value::Int(_))) => {
@@ -655,7 +704,7 @@ impl<'p> Machine<'p> {
             stride,
         };
         check_bounds(&tensor)?;
-        self.count()?;
+        self.count(1 + tensor.shape.len())?;
         Ok(Value::Tensor(Rc::new(tensor)))
     }
 
@@ -746,7 +795,7 @@ impl<'p> Machine<'p> {
                     let n = self.u32()? as usize;
                     let b = self.take(n)?;
                     let s = std::str::from_utf8(b).map_err(|_| invalid(self.at, "BINUNICODE is not UTF-8"))?;
-                    self.count()?;
+                    self.count(1)?;
                     self.push(Value::Str(Rc::from(s)))?;
                 }
                 b'q' | b'r' => {
@@ -873,6 +922,17 @@ fn check_bounds(t: &Tensor) -> Result<(), TorchError> {
     Ok(())
 }
 
+/// A key of the state dict, which must be a string.
+fn state_key(key: &Value) -> Result<&Rc<str>, TorchError> {
+    match key {
+        Value::Str(key) => Ok(key),
+        other => Err(TorchError::new(
+            TorchErrorCode::NotAStateDict,
+            format!("a key of the state dict is a {}, not a str", other.kind()),
+        )),
+    }
+}
+
 /// Reads the state dict pickled in `data` (the bytes of `data.pkl`).
 pub fn read_state_dict(data: &[u8]) -> Result<StateDict, TorchError> {
     read_state_dict_with(data, LIMITS)
@@ -888,7 +948,9 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
         stack: Vec::new(),
         marks: Vec::new(),
         memo: Vec::new(),
-        objects: 0,
+        values: 0,
+        max_values: limits.values.min(data.len().saturating_add(VALUES_FLOOR)),
+        storages: FxHashMap::default(),
     };
     let top = m.run()?;
     let Value::Dict(c) = &top else {
@@ -898,15 +960,22 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
         ));
     };
     let items = c.items.borrow();
+    // Counted before any entry is made: one tensor memoized once can be listed under millions of keys.
+    let mut cost = 0;
+    for pair in items.chunks_exact(2) {
+        state_key(&pair[0])?;
+        cost += ENTRY_VALUES
+            + if let Value::Tensor(t) = &pair[1] {
+                t.shape.len()
+            } else {
+                0
+            };
+    }
+    m.count(cost)?;
     let mut order: Vec<(&Rc<str>, &Value)> = Vec::with_capacity(items.len() / 2);
     let mut seen: FxHashMap<&str, usize> = FxHashMap::default();
     for pair in items.chunks_exact(2) {
-        let Value::Str(key) = &pair[0] else {
-            return Err(TorchError::new(
-                TorchErrorCode::NotAStateDict,
-                format!("a key of the state dict is a {}, not a str", pair[0].kind()),
-            ));
-        };
+        let key = state_key(&pair[0])?;
         match seen.get(&**key) {
             Some(&i) => order[i].1 = &pair[1],
             None => {
@@ -918,7 +987,7 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
     let mut out = StateDict::default();
     for (key, value) in order {
         match value {
-            Value::Tensor(t) => out.tensors.push((key.to_string(), (**t).clone())),
+            Value::Tensor(t) => out.tensors.push((key.to_string(), Rc::clone(t))),
             _ => out.skipped.push(key.to_string()),
         }
     }

@@ -4,6 +4,8 @@
 //! codes, bounded work). Nothing here needs torch: the fixture was written by
 //! `tests/fixtures/make_torch_fixtures.py`.
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,7 +14,11 @@ use _core::scan::{load, ScanOptions, Target};
 use _core::torch::{read_torch_file, read_torch_header, TorchError};
 use _core::torch_pickle::{read_state_dict, read_state_dict_with, Limits};
 use _core::ErrorCode;
+use common::alloc::{memory_bound, peak_during, CountingAlloc};
 use proptest::prelude::*;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -392,30 +398,41 @@ fn deep_nesting_and_long_stacks_hit_limits() {
     assert_eq!(pickle_code(&p).0, "pickle_limit");
     let p = P::new().op(&vec![b'('; 1 << 20]).done();
     assert_eq!(pickle_code(&p).0, "pickle_limit");
-    // Objects and memo entries, against small limits (the defaults are about 400,000 tensors).
+    // Values and memo entries, against small limits (the defaults are about 400,000 tensors). The
+    // dict is 1 value and each `int: ()` pair 3 (the tuple and the two items the dict holds).
     let small = Limits {
         depth: 8,
-        stack: 64,
+        stack: 1024,
         memo: 100,
-        objects: 1000,
+        values: 1000,
     };
-    let mut body = b"}".to_vec();
-    for i in 0..1000u32 {
-        body.push(b'J');
-        body.extend_from_slice(&i.to_le_bytes());
-        body.extend_from_slice(b")s");
-    }
+    let pairs = |n: u32| {
+        let mut body = b"}(".to_vec();
+        for i in 0..n {
+            body.push(b'J');
+            body.extend_from_slice(&i.to_le_bytes());
+            body.push(b')');
+        }
+        body.push(b'u');
+        body
+    };
     let code = |b: &[u8]| read_state_dict_with(&P::new().op(b).done(), small).unwrap_err().code();
-    assert_eq!(code(&body), "pickle_limit");
+    assert_eq!(code(&pairs(334)), "pickle_limit");
+    // One pair fewer fits: the pickle is read to the end (and refused for its int keys).
+    assert_eq!(code(&pairs(333)), "not_a_state_dict");
     let mut memo = b"}".to_vec();
     for i in 0..=100u32 {
         memo.push(b'r');
         memo.extend_from_slice(&i.to_le_bytes());
     }
     assert_eq!(code(&memo), "pickle_limit");
-    assert_eq!(code(&[b'N'; 65]), "pickle_limit");
-    // Four fewer items fit: the pickle is read to the end (and refused for its int keys).
-    assert_eq!(code(&body[..body.len() - 4 * 7]), "not_a_state_dict");
+    assert_eq!(code(&[b'N'; 1025]), "pickle_limit");
+    // A list grown one APPEND at a time counts the room it allocates: its 513th item doubles it
+    // to 1,024.
+    let mut appends = b"]".to_vec();
+    appends.extend(std::iter::repeat_n(*b"Na", 513).flatten());
+    assert_eq!(code(&appends), "pickle_limit");
+    assert_eq!(code(&appends[..appends.len() - 2]), "not_a_state_dict");
 }
 
 #[test]
@@ -510,6 +527,124 @@ fn tensors_past_their_storage_or_missing_records_are_refused() {
     let p = state_pickle(&[("a", "0", 6, 0, &[6], &[1])]);
     assert_eq!(code_of(&archive(&p, &[])), "invalid_torch_tensor");
     assert_eq!(code_of(&archive(&p, &[("0", 5)])), "invalid_torch_tensor");
+}
+
+// ---- memory follows the pickle ----
+
+/// A state dict whose first entry is a `ndim`-dimensional float tensor (every dim 1), memoized,
+/// then listed again under `keys - 1` more names (`{prefix}{i}`) by BINGET, in SETITEMS batches
+/// of 1,000.
+fn shared_tensor_pickle(keys: usize, ndim: usize, prefix: &str) -> Vec<u8> {
+    let ones = vec![1u8; ndim];
+    let mut p = P::new()
+        .op(b"}(")
+        .str(&format!("{prefix}0"))
+        .tensor("0", 1, 0, &ones, &ones)
+        .op(b"q\x00");
+    for i in 1..keys {
+        if i % 1000 == 0 {
+            p = p.op(b"u(");
+        }
+        p = p.str(&format!("{prefix}{i}")).op(b"h\x00");
+    }
+    p.op(b"u").done()
+}
+
+#[test]
+fn a_tensor_listed_under_many_keys_shares_its_shape() {
+    // 8 dims under 100,000 keys: each entry points at the one shape, nothing is copied per key.
+    let keys = 100_000;
+    let p = shared_tensor_pickle(keys, 8, "base_model.model.layers.0.mlp.lora_A.weight.");
+    let file = archive(&p, &[("0", 1)]);
+    let path = temp_file(&file);
+    let (h, peak) = peak_during(|| read_torch_header(&path).unwrap());
+    assert_eq!(h.header.tensors.len(), keys);
+    assert_eq!(h.header.dims, vec![1; 8]);
+    assert!(h.header.tensors.iter().all(|t| h.header.shape(t) == [1; 8]));
+    assert!(h.header.tensors[keys - 1].name.ends_with(&format!(".{}", keys - 1)));
+    // It was 46 MB, 36x the pickle: the shape and stride cloned per key, the dims copied again.
+    assert!(peak < 25 * p.len(), "peak {peak} bytes for a {}-byte pickle", p.len());
+    fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn dimensions_beyond_the_pickles_size_are_refused() {
+    // A 64-dim tensor under 250,000 keys, a 3.4 MB file: it took 503 MB.
+    let p = shared_tensor_pickle(250_000, 64, "k");
+    let file = archive(&p, &[("0", 1)]);
+    let path = temp_file(&file);
+    let (result, peak) = peak_during(|| read_torch_header(&path));
+    let err = result.unwrap_err();
+    assert_eq!(err.code(), "pickle_limit");
+    assert_eq!(err.path(), &path);
+    assert!(err.to_string().contains("dimensions"), "{err}");
+    assert!(
+        peak < memory_bound(file.len()),
+        "peak {peak} bytes for a {}-byte file",
+        file.len()
+    );
+    // One size and one stride tuple, memoized, shared by 100,000 distinct tensors.
+    let ones = [1u8; 64];
+    let mut p = P::new()
+        .op(b"}(")
+        .str("t0")
+        .global("torch._utils", "_rebuild_tensor_v2")
+        .op(b"q\x00((")
+        .str("storage")
+        .global("torch", "FloatStorage")
+        .str("0")
+        .str("cpu")
+        .int(1)
+        .op(b"tQq\x01")
+        .int(0)
+        .ints(&ones)
+        .op(b"q\x02h\x02")
+        .op(&[0x89])
+        .global("collections", "OrderedDict")
+        .op(b")Rq\x03tR");
+    for i in 1..100_000 {
+        if i % 1000 == 0 {
+            p = p.op(b"u(");
+        }
+        p = p.str(&format!("t{i}")).op(b"h\x00(h\x01K\x00h\x02h\x02\x89h\x03tR");
+    }
+    let p = p.op(b"u").done();
+    let (result, peak) = peak_during(|| read_state_dict(&p));
+    assert_eq!(result.unwrap_err().code(), "pickle_limit");
+    assert!(
+        peak < memory_bound(p.len()),
+        "peak {peak} bytes for a {}-byte pickle",
+        p.len()
+    );
+}
+
+#[test]
+fn torch_files_stay_within_the_dimension_budget() {
+    // The budget counts one dimension per pickle byte; torch's own output needs a fraction.
+    let h = read_torch_header(&fixture("state.pt")).unwrap();
+    let dims: usize = h.header.tensors.iter().map(|t| 3 * t.shape_len as usize).sum();
+    assert!(
+        dims * 2 < h.pickle_size as usize,
+        "{dims} dims in {} bytes",
+        h.pickle_size
+    );
+}
+
+// ---- storages declared twice ----
+
+#[test]
+fn a_storage_declared_again_must_agree_with_its_first_declaration() {
+    // torch reuses the first storage of a key: a later declaration of another size or dtype is refused.
+    let p = state_pickle(&[("a", "0", 4, 0, &[4], &[1]), ("b", "0", 4, 0, &[2, 2], &[2, 1])]);
+    assert_eq!(read_bytes(&archive(&p, &[("0", 4)])).unwrap().len(), 2);
+    let p = state_pickle(&[("a", "0", 4, 0, &[4], &[1]), ("b", "0", 64, 0, &[64], &[1])]);
+    let (code, message) = pickle_code(&p);
+    assert_eq!(code, "invalid_torch_tensor");
+    assert!(
+        message.contains("declared as 4 float32 elements, then as 64 float32"),
+        "{message}"
+    );
+    assert_eq!(code_of(&archive(&p, &[("0", 4)])), "invalid_torch_tensor");
 }
 
 // ---- containers ----

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 import lorafast  # noqa: E402
 from lorafast import _core  # noqa: E402
 from lorafast.errors import AdapterError  # noqa: E402
+from torch_files import Storage, Tensor, state_pickle, torch_zip  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 
@@ -296,13 +297,6 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def torch_zip(path: Path, pickle_bytes: bytes, compress: int = zipfile.ZIP_STORED, prefix: str = "archive") -> None:
-    with zipfile.ZipFile(path, "w", compression=compress) as z:
-        z.writestr(f"{prefix}/data.pkl", pickle_bytes)
-        z.writestr(f"{prefix}/byteorder", "little")
-        z.writestr(f"{prefix}/version", "3\n")
-
-
 def refused(path: Path, code: str) -> AdapterError:
     with pytest.raises(AdapterError) as e:
         _core.read_torch_header(str(path))
@@ -449,3 +443,30 @@ def test_torch_error_codes_are_exported_and_distinct(tmp_path: Path) -> None:
     path = tmp_path / "c.pt"
     torch.save({"c": torch.zeros(2, dtype=torch.complex128)}, path)
     assert "complex128" in str(refused(path, "invalid_torch_tensor"))
+
+
+# ---- storages declared more than once ----
+
+
+def test_a_storage_key_declared_again_must_agree_with_its_first_declaration(tmp_path: Path) -> None:
+    # torch.load keeps a key's first storage for later declarations of the same dtype, whatever size they say.
+    first = Storage(torch.FloatStorage, "0", 64)
+    records = {"0": torch.arange(64, dtype=torch.float32).numpy().tobytes()}
+    again = {"a": Tensor(first, (64,), (1,)), "b": Tensor(Storage(torch.FloatStorage, "0", 64), (8, 8), (8, 1))}
+    path = tmp_path / "again.pt"
+    torch_zip(path, state_pickle(again), records)
+    assert read_entries(path) == expected_entries(path) == [("a", "F32", (64,)), ("b", "F32", (8, 8))]
+    # Declared again as 4,096 floats: torch cannot load it (the tensor needs more than the first storage has).
+    bigger = {"a": Tensor(first, (64,), (1,)), "b": Tensor(Storage(torch.FloatStorage, "0", 4096), (4096,), (1,))}
+    path = tmp_path / "bigger.pt"
+    torch_zip(path, state_pickle(bigger), records)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch.load(path, weights_only=True)
+    assert "declared as 64 float32 elements, then as 4096 float32" in str(refused(path, "invalid_torch_tensor"))
+    # Declared again as 32 doubles of the same 256 bytes: torch loads it, as float32 in older versions (the first
+    # storage's dtype) and as float64 in 2.15 (the bytes taken again as doubles), so neither dtype is safe to report.
+    double = {"a": Tensor(first, (64,), (1,)), "b": Tensor(Storage(torch.DoubleStorage, "0", 32), (32,), (1,))}
+    path = tmp_path / "double.pt"
+    torch_zip(path, state_pickle(double), records)
+    assert torch.load(path, weights_only=True)["b"].shape == (32,)
+    assert "then as 32 float64" in str(refused(path, "invalid_torch_tensor"))
