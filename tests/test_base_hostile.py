@@ -262,3 +262,14 @@ def test_index_naming_shards_outside_the_folder(site: Any, outside: Path) -> Non
     with pytest.raises(BaseModelError, match="names a shard outside") as e:
         read_base(outside / "absolute", allow_outside_shards=False)
     assert str(outside / "beside.safetensors") in str(e.value)
+
+
+def test_check_refuses_outside_shards_when_asked(outside: Path, tmp_path: Path) -> None:
+    adapter = tmp_path / "a"
+    adapter.mkdir()
+    write_safetensors(adapter / "adapter_model.safetensors", {"base_model.model.a.lora_A.weight": ("F32", (2, 4)),
+                                                               "base_model.model.a.lora_B.weight": ("F32", (4, 2))})  # fmt: skip
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "target_modules": ["a"]}))
+    assert lorafast.check([adapter], outside / "model").summary()["pairs"] == 1
+    with pytest.raises(BaseModelError, match="'../beside.safetensors'"):
+        lorafast.check([adapter], outside / "model", allow_outside_shards=False)

@@ -707,6 +707,7 @@ def check(
     threads: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     timeout: float | None = None,
+    allow_outside_shards: bool = True,
 ) -> CheckReport:
     """Check adapters (paths, folders of adapters, URLs, `Adapter`s or a `ScanReport`) against one base or a list
     of bases (`BaseModel`s, or paths/URLs read with `read_base`). Reads headers only; each base once.
@@ -714,7 +715,8 @@ def check(
     `engine="sglang"|"vllm"` adds the engine's own outcome and exact error text per pair (`engine_version` picks
     the engine release whose rules apply; default: the installed one, else the newest supported). An engine
     version lorafast has not verified warns `UnverifiedEngineVersion` and makes an accepted outcome `unknown`;
-    `strict_version=True` raises `UnverifiedEngineVersionError` instead.
+    `strict_version=True` raises `UnverifiedEngineVersionError` instead. `allow_outside_shards=False` refuses a
+    base whose index names shards outside its folder (`read_base`), for bases that are not trusted.
     """
     if engine is not None:
         from .compat import _versions
@@ -730,7 +732,10 @@ def check(
     if not given:
         raise ValueError("check needs at least one base model (base= or bases=)")
     models = [
-        b if isinstance(b, BaseModel) else read_base(b, storage_options=storage_options, timeout=timeout) for b in given
+        b
+        if isinstance(b, BaseModel)
+        else read_base(b, storage_options=storage_options, timeout=timeout, allow_outside_shards=allow_outside_shards)
+        for b in given
     ]
     fleet = _gather(adapters, threads, storage_options, timeout)
     table: list[list[_Outcome]] = []
