@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "oracle"))
 import engines  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+
 LLAMA = {f"base_model.model.model.layers.0.self_attn.{p}.lora_{s}.weight": ("F32", sh)
          for p in ("q_proj", "v_proj") for s, sh in (("A", [8, 64]), ("B", [64, 8]))}  # fmt: skip
 
@@ -264,3 +266,43 @@ def test_engine_diff_lists_and_diffs_the_lora_files(capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out.startswith("vllm 0.33.0 -> 0.33.0: 0 changed, 0 added, 0 removed")
     with pytest.raises(SystemExit):
         engine_diff.main(["vllm==0.33.0", "sglang==0.5.23"])
+
+
+def test_upgrade_check_transformers_llava_rename(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers 5 renamed Llava's modules (`language_model.model.*` -> `model.language_model.*`) and loads a
+    checkpoint of 4 under the new names. A base as 5 names it serves an adapter made on 5, and not one made on 4."""
+    import check_fixtures as cf
+    from lorafast.testing import write_safetensors
+
+    saved = tmp_path / "llava4"  # the installed transformers saves Llava under 4's names
+    model = cf.make_llava(saved)
+    v5 = cf.peft_adapter(model, tmp_path / "made-on-5", ["q_proj", "v_proj"], r=4)
+    base4 = lorafast.read_base(saved)
+    assert any(n.startswith("language_model.model.") for n in base4.weights)
+    new = tmp_path / "llava5"
+    new.mkdir()
+    stored_to_loaded = {stored: loaded for loaded, stored in base4.renamed_on_load.items()}
+    write_safetensors(new / "model.safetensors",
+                      {stored_to_loaded.get(n, n): (w.dtype, w.shape) for n, w in base4.weights.items()})  # fmt: skip
+    (new / "config.json").write_text((saved / "config.json").read_text())
+    old_names = tmp_path / "made-on-4"  # the same adapter under 4's module names
+    a = lorafast.inspect(v5)
+    renamed = {}
+    for m in a.modules:
+        for key, shape in ((m.a_key, m.a_shape), (m.b_key, m.b_shape)):
+            renamed[key.replace("model.language_model.", "language_model.model.")] = ("F32", shape)
+    old_names.mkdir()
+    write_safetensors(old_names / "adapter_model.safetensors", renamed)
+    (old_names / "adapter_config.json").write_text((v5 / "adapter_config.json").read_text())
+
+    diff = lorafast.compat.diff_bases([v5, old_names], saved, new, labels=("4.57.0", "5.0.0"))
+    by = {c.name: c for c in diff.changes}
+    single = {p.adapter: p.verdict for p in lorafast.check([v5, old_names], new)}
+    assert single[str(v5)] == "ok" and single[str(old_names)] != "ok"
+    assert set(by) == {"made-on-4"} and by["made-on-4"].old.verdict == "ok" and by["made-on-4"].new.verdict != "ok"
+    assert diff.summary()["unchanged"] == 1
+    assert main(["upgrade-check", "--engine", "transformers", "--from-base", str(saved), "--to-base", str(new),
+                 str(v5), str(old_names)]) == 1  # fmt: skip
+    assert "1 of 2 adapters change (1 verdict, 1 modules)" in capsys.readouterr().out
+    assert main(["upgrade-check", "--engine", "transformers", str(v5)]) == 2
+    assert "needs --from-base and --to-base" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
-from lorafast.compat._upgrade import AdapterOutcome, VersionChange, VersionDiff, diff_versions
+from lorafast.compat._upgrade import AdapterOutcome, BaseDiff, VersionChange, VersionDiff, diff_bases, diff_versions
 from lorafast.compat._versions import SUPPORTED as VERIFIED_VERSIONS
 from lorafast.compat._versions import EngineRules
 from lorafast.compat._versions import rules_for as engine_rules
@@ -24,11 +24,13 @@ __all__ = [
     "VERIFIED_VERSIONS",
     "AdapterOutcome",
     "AdapterView",
+    "BaseDiff",
     "CompatProblem",
     "EngineRules",
     "LoraRef",
     "VersionChange",
     "VersionDiff",
+    "diff_bases",
     "diff_versions",
     "engine_rules",
     "lora_id",

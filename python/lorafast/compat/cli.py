@@ -129,8 +129,40 @@ def _cmd_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_upgrade_transformers(args: argparse.Namespace) -> int:
+    from lorafast.compat._upgrade import diff_bases
+
+    if not (args.from_base and args.to_base):
+        sys.stderr.write("lorafast upgrade-check: error: --engine transformers needs --from-base and --to-base\n")
+        return 2
+    diff = diff_bases(list(args.adapters), args.from_base, args.to_base, labels=(args.from_version, args.to_version))
+    if args.json:
+        sys.stdout.write(json.dumps(diff.to_dict(), indent=2) + "\n")
+        return 1 if diff.changes else 0
+    s = diff.summary()
+    sys.stdout.write(
+        f"transformers {args.from_version or ''} base {diff.old_base} -> {args.to_version or ''} base {diff.new_base}: "
+        f"{s['changed']} of {s['adapters']} adapters change"
+        + (" (" + ", ".join(f"{n} {k}" for k, n in s["kinds"].items()) + ")" if s["kinds"] else "")
+        + "\n"
+    )
+    for c in diff.changes[: args.limit]:
+        sys.stdout.write(f"{c.name}  [{', '.join(c.kinds)}]  {c.old.path}\n")
+        for side, o in (("old", c.old), ("new", c.new)):
+            sys.stdout.write(f"    {side} {o.verdict:<15} {len(o.matched)} modules reach a weight\n")
+    if len(diff.changes) > args.limit:
+        sys.stdout.write(f"... and {len(diff.changes) - args.limit} more (--limit, or --json for all)\n")
+    return 1 if diff.changes else 0
+
+
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     from lorafast.compat._upgrade import diff_versions
+
+    if args.engine == "transformers":
+        return _cmd_upgrade_transformers(args)
+    if not (args.from_version and args.to_version):
+        sys.stderr.write(f"lorafast upgrade-check: error: --engine {args.engine} needs --from and --to\n")
+        return 2
 
     options: dict[str, Any] = {}
     if args.max_lora_rank is not None:
@@ -183,9 +215,16 @@ def register_cli(subparsers: Any) -> None:
         "upgrade-check", help="which adapters an engine upgrade changes: outcome, error, stage, modules, scale"
     )
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="NAME=PATH or PATH, as the server's adapter list")
-    p.add_argument("--engine", choices=["sglang", "vllm"], required=True, help="the engine being upgraded")
-    p.add_argument("--from", dest="from_version", type=engine_version, required=True, help="the version served now")
-    p.add_argument("--to", dest="to_version", type=engine_version, required=True, help="the version to upgrade to")
+    p.add_argument(
+        "--engine",
+        choices=["sglang", "vllm", "transformers"],
+        required=True,
+        help="the engine being upgraded (transformers: the base as each version saved it, --from-base/--to-base)",
+    )
+    p.add_argument("--from", dest="from_version", type=engine_version, help="the version served now")
+    p.add_argument("--to", dest="to_version", type=engine_version, help="the version to upgrade to")
+    p.add_argument("--from-base", help="transformers: the base model as the current version saved it")
+    p.add_argument("--to-base", help="transformers: the base model as the new version saved it")
     p.add_argument("--max-lora-rank", type=positive_int, default=None, help="the server's --max-lora-rank")
     p.add_argument("--expected-modules", help="vLLM: comma-separated LoRA module names of the model")
     p.add_argument("--base-config", help="SGLang: the base model's config.json")
