@@ -47,6 +47,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "CheckReport": ("checker", "CheckReport"),
     "identify": ("families", "identify"),
     "fingerprint": ("families", "fingerprint"),
+    "preflight": ("serving", "preflight"),
+    "PreflightReport": ("serving", "PreflightReport"),
+    "AdapterVerdict": ("serving", "AdapterVerdict"),
     "UnverifiedEngineVersion": ("compat._versions", "UnverifiedEngineVersion"),
     "UnverifiedEngineVersionError": ("compat._versions", "UnverifiedEngineVersionError"),
 }
@@ -65,6 +68,7 @@ if TYPE_CHECKING:
     from .merging import MergeHandle, merge
     from .planner import LoraRequest, Plan, PlanError, plan
     from .scanner import ScanReport, inspect, inspect_many, scan
+    from .serving import AdapterVerdict, PreflightReport, preflight
 
 
 def __getattr__(name: str) -> Any:
@@ -93,6 +97,7 @@ __all__ = [
     "TORCH_ERROR_CODES",
     "Adapter",
     "AdapterError",
+    "AdapterVerdict",
     "BaseModel",
     "CheckReport",
     "ConvertError",
@@ -109,6 +114,7 @@ __all__ = [
     "MoeLayout",
     "Plan",
     "PlanError",
+    "PreflightReport",
     "Problem",
     "ScanReport",
     "TensorInfo",
@@ -124,6 +130,7 @@ __all__ = [
     "merge",
     "plan",
     "plan_groups",
+    "preflight",
     "read_base",
     "read_header",
     "read_torch_header",

@@ -242,6 +242,64 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def launch_parser() -> argparse.ArgumentParser:
+    """`lorafast preflight [ADAPTER...] [options] -- LAUNCH COMMAND`: the verdict for the server that command starts."""
+    p = _Parser(
+        prog="lorafast preflight",
+        description="Will the server this launch command starts serve each adapter as trained? Everything after `--`"
+        " is the engine's launch command, verbatim (vllm serve ..., python -m sglang.launch_server ...).",
+    )
+    p.add_argument(
+        "adapters",
+        nargs="*",
+        metavar="ADAPTER",
+        help="adapters loaded later through the engine's dynamic-load path (files, folders, URLs, as for scan);"
+        " those the command names are loaded at start-up",
+    )
+    p.add_argument("--base", default=None, help="the base model to check against (default: the command's model)")
+    add_version_arguments(p, "engine")
+    p.add_argument("--json", action="store_true", help="every adapter's verdict, machine-readable, on stdout")
+    p.add_argument("--all", action="store_true", help="list every adapter that does not serve (default: the top 20)")
+    p.add_argument("--threads", type=positive_int, default=None, help="worker threads for reading the adapters")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_remote_arguments(p, "URL adapters and bases")
+    return p
+
+
+def cmd_launch_preflight(argv: Sequence[str]) -> int:
+    from .serving import preflight
+
+    split = list(argv).index("--")
+    args = launch_parser().parse_args(list(argv[:split]))
+    command = list(argv[split + 1 :])
+    if not command:
+        launch_parser().error("give the engine's launch command after --")
+    try:
+        report = preflight(
+            command,
+            args.adapters,
+            base=args.base,
+            engine_version=args.engine_version,
+            strict_version=args.strict_version,
+            storage_options=dict(args.storage_option) or None,
+            timeout=args.timeout,
+            threads=args.threads,
+            progress=False if args.quiet else None,
+        )
+    except ValueError as e:  # not a launch command of a known engine, or a version refused by --strict-version
+        from .compat._versions import UnverifiedEngineVersionError
+
+        if isinstance(e, UnverifiedEngineVersionError) or "launch command" in str(e):
+            print(f"lorafast preflight: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    if args.json:
+        sys.stdout.write(report.to_json(indent=2) + "\n")
+    else:
+        sys.stdout.write(report.summary(limit=len(report) if args.all else 20) + "\n")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lorafast", description="Header-only tools for LoRA adapter fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,7 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    launch = argv[:1] == ["preflight"] and "--" in argv
+    args = None if launch else build_parser().parse_args(argv)
     with warnings.catch_warnings():  # restores showwarning for callers of main() in-process
         shown = warnings.showwarning
 
@@ -306,19 +366,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         warnings.showwarning = show
         warnings.simplefilter("default", UnverifiedEngineVersion)  # shown once per call site, never an error
-        return _run(args)
+        return _run(args, argv[1:])
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace | None, launch_argv: Sequence[str]) -> int:
     from .compat._versions import UnverifiedEngineVersionError
     from .errors import LorafastError
 
     try:
+        if args is None:
+            return cmd_launch_preflight(launch_argv)
         return int(args.func(args) or 0)
     except BrokenPipeError:  # e.g. `lorafast scan ... | head`; before OSError, of which it is a subclass
         return 0
     except UnverifiedEngineVersionError as e:  # --strict-version: the input is refused, as a usage error
-        print(f"lorafast {args.command}: error: {e}", file=sys.stderr)
+        print(f"lorafast {args.command if args else 'preflight'}: error: {e}", file=sys.stderr)
         return 2
     except (LorafastError, OSError) as e:
         code = getattr(e, "code", None)
