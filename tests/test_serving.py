@@ -10,9 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import lorafast
+import pytest
 from lorafast.cli import main
 from lorafast.serving import VERDICTS, trained_scale
 
