@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lorafast
 import numpy as np
@@ -194,3 +195,56 @@ def test_preflight_refusal_is_on_stderr_with_the_engines_text(
         err
         == "lorafast preflight: sglang would refuse this set: AssertionError: max_loras_per_batch must be positive\n"
     )
+
+
+def _actions(parser: Any, prefix: tuple[str, ...] = ()) -> Any:
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _actions(sub, (*prefix, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield prefix, action
+
+
+def test_every_flag_has_help() -> None:
+    from lorafast.cli import build_parser, launch_parser
+
+    found = list(_actions(build_parser())) + list(_actions(launch_parser(), ("preflight --",)))
+    assert len(found) > 100  # every subcommand was reached
+    missing = [(" ".join(p), a.option_strings or a.dest) for p, a in found if not a.help]
+    assert missing == []
+
+
+def test_version_says_which_build(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"lorafast {lorafast.__version__} (")
+    assert f"({lorafast._core.build_profile} build" in out
+    assert ("make build-release" in out) == (lorafast._core.build_profile != "release")
+
+
+def test_scan_lists_adapters_with_problems_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafast.testing import write_peft_adapter
+
+    for i in range(3):
+        # the config says r=4, the tensors have rank 8: config_rank_mismatch
+        t = {"base_model.model.layers.0.q_proj.lora_A.weight": ("F32", [8, 16]),
+             "base_model.model.layers.0.q_proj.lora_B.weight": ("F32", [16, 8])}  # fmt: skip
+        write_peft_adapter(tmp_path / f"bad{i}", t, r=4 if i else 8, lora_alpha=8, target_modules=["q_proj"])
+    code, out, _ = run_main(["scan", str(tmp_path), "--quiet"], capsys)
+    assert code == 1 and "3 adapters: 1 clean, 2 with problems, 0 failed" in out
+    assert "adapter with problems" in out and "config_rank_mismatch" in out
+    assert str(tmp_path / "bad1") in out and str(tmp_path / "bad0") not in out.split("adapter with problems")[1]
+
+
+def test_groups_exit_status_and_convert_needs_out(adapters: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = str(next(adapters.iterdir()))
+    code, _, err = run_main(["groups", a, "--convert"], capsys)
+    assert code == 2 and "--convert needs --out DIR" in err
+    with pytest.raises(ValueError, match="convert=True needs convert_out"):
+        lorafast.plan_groups([a], convert=True)
+    code, _, _ = run_main(["groups", a, "--max-per-group", "0"], capsys)
+    assert code == 2

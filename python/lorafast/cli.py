@@ -67,7 +67,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     if args.json:
         report.to_json(sys.stdout, indent=2, records=not args.summary_only)
         sys.stdout.write("\n")
-        return 1 if report.errors else 0
+        return 1 if report.errors or report.summary()["with_problems"] else 0
     s = report.summary()
     print(f"{s['adapters']} adapters: {s['ok']} clean, {s['with_problems']} with problems, {s['failed']} failed")
     if s["formats"]:
@@ -81,12 +81,21 @@ def cmd_scan(args: argparse.Namespace) -> int:
         print("\n" + _table(sorted(s["flags"].items()), ("flag", "adapters")))
     if s["target_modules"]:
         print("\ntarget modules: " + ", ".join(s["target_modules"]))
+    limit = None if args.all else 20
     if report.errors:
-        shown = report.errors[:20]
+        shown = report.errors[:limit]
         print("\n" + _table([(p, c, m[:100]) for p, c, m in shown], ("failed adapter", "code", "message")))
         if len(report.errors) > len(shown):
-            print(f"... and {len(report.errors) - len(shown)} more (use --json for all)")
-    return 1 if report.errors else 0
+            print(f"... and {len(report.errors) - len(shown)} more (--all, or --json for all)")
+    if s["with_problems"]:
+        rows = [
+            (a.path, a.problems[0].code, a.problems[0].message[:100], len(a.problems)) for a in report if a.problems
+        ]
+        print("\n" + _table(rows[:limit], ("adapter with problems", "first code", "message", "problems")))
+        if limit is not None and len(rows) > limit:
+            print(f"... and {len(rows) - limit} more (--all, or --json for all)")
+    # An adapter that failed or has a problem is not "all fine": exit 1, as every command does.
+    return 1 if report.errors or s["with_problems"] else 0
 
 
 # Argument types: argparse turns their ArgumentTypeError into a one-line usage error, exit status 2.
@@ -242,6 +251,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Version(argparse.Action):
+    """`--version` on one line (argparse's own action wraps the text to the terminal)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_text())
+        parser.exit(0)
+
+
+def version_text() -> str:
+    """`lorafast 0.1.0 (release build)`; a debug build (`make test`'s editable one) says so, since it is slower."""
+    from . import _core
+
+    profile = getattr(_core, "build_profile", "unknown")
+    note = "" if profile == "release" else "; about 4x slower than a release build: `make build-release`"
+    return f"lorafast {_core.__version__} ({profile} build{note})"
+
+
 def launch_parser() -> argparse.ArgumentParser:
     """`lorafast preflight [ADAPTER...] [options] -- LAUNCH COMMAND`: the verdict for the server that command starts."""
     p = _Parser(
@@ -301,16 +327,24 @@ def cmd_launch_preflight(argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lorafast", description="Header-only tools for LoRA adapter fleets.")
+    parser = _Parser(
+        prog="lorafast",
+        description="Header-only tools for LoRA adapter fleets. Exit status, for every command: 0 all fine, "
+        "1 something failed or does not serve, 2 a usage error.",
+    )
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="the version and whether the build is a release one"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("scan", help="classify every adapter under the given files and folders")
-    p.add_argument("paths", nargs="+")
+    p.add_argument("paths", nargs="+", help="adapter files, folders (searched recursively) and URLs")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument(
         "--threads", type=positive_int, default=None, help="worker threads (default: LORAFAST_NUM_THREADS or cores)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--all", action="store_true", help="list every failed adapter and adapter with problems (not 20)")
     p.add_argument("--no-recursive", action="store_true", help="do not descend into sub-folders")
     p.add_argument("--hash", action="store_true", help="add the sha256 of each data section (reads all data)")
     p.add_argument("--summary-only", action="store_true", help="with --json: leave out per-adapter records")
@@ -321,23 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("inspect", help="everything about one adapter")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("path", help="an adapter file, folder or URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--modules", action="store_true", help="with --json: include per-module records")
-    p.add_argument("--hash", action="store_true")
+    p.add_argument("--hash", action="store_true", help="add the sha256 of each data section (reads all data)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("header", help="print the validated header of one safetensors file (or torch .bin/.pt file)")
-    p.add_argument("path")
-    p.add_argument("--mode", choices=("pread", "mmap"), default="pread")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("path", help="a .safetensors, .bin or .pt file")
+    p.add_argument("--mode", choices=("pread", "mmap"), default="pread", help="how the header is read (default pread)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_header)
 
     p = sub.add_parser("sample", help="write realistic sample adapters of every format and MoE layout")
-    p.add_argument("--out", required=True)
-    p.add_argument("-n", type=count, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", required=True, help="the folder to write the adapters into")
+    p.add_argument("-n", type=count, default=100, help="how many adapters (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same fleet")
+    p.add_argument("--json", action="store_true", help="list what was written, machine-readable, on stdout")
     p.set_defaults(func=cmd_sample)
 
     for name in _PLUGINS:

@@ -485,8 +485,9 @@ def plan_groups(
     """Split adapters into the fewest groups that one SGLang server each can load.
 
     `convert=True`: where converting shared-outer adapters to stacked 3-D (exact) lets them share a per-expert
-    server, write them into `convert_out` (default: a new temporary folder) and group the converted fleet; the
-    plan's `conversions` lists the steps. Nothing is converted when it would not save a server.
+    server, write them into `convert_out` (required: the folder the converted adapters are served from, never a
+    temporary one that would vanish under the server) and group the converted fleet; the plan's `conversions`
+    lists the steps. Nothing is converted when it would not save a server.
 
     `adapters_or_report`: Adapters, paths, a `ScanReport`, or a mapping name -> Adapter/path. `max_lora_rank`
     and `target_modules` are the server limits if fixed (adapters beyond them are reported as unservable);
@@ -498,6 +499,8 @@ def plan_groups(
     if convert:
         from lorafast.converting.fleet import plan_with_conversions
 
+        if convert_out is None:
+            raise ValueError("convert=True needs convert_out: the folder the converted adapters are served from")
         limits = {"max_lora_rank": max_lora_rank, "target_modules": target_modules, "max_per_group": max_per_group}
         return plan_with_conversions(adapters_or_report, convert_out, **limits)  # type: ignore[no-any-return]
     fixed_targets: set[str] | None = None

@@ -2,8 +2,9 @@
 
     lorafast groups /adapters/* --max-lora-rank 64 --max-per-group 8 --json
 
-Exit code 0: every adapter has a group that passes its preflight; 1: a bad value (the error as text, or as JSON
-with `--json`); 2: an adapter is unservable or a group fails its preflight. The planning is `lorafast.groups`.
+Exit status as for every command: 0 every adapter has a group that passes its preflight; 1 an adapter is
+unservable or a group fails its preflight; 2 a usage error (a bad value: the error as text, or as JSON with
+`--json`). The planning is `lorafast.groups`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ def _run_cli(args: argparse.Namespace) -> int:
     from lorafast.groups import plan_groups
     from lorafast.scanner import scan
 
+    if args.convert and not args.out:
+        print("lorafast groups: error: --convert needs --out DIR, the folder the converted adapters are served from",
+              file=sys.stderr)  # fmt: skip
+        return 2
     paths = list(args.paths)
     source: Any = paths
     try:
@@ -40,9 +45,9 @@ def _run_cli(args: argparse.Namespace) -> int:
         print(
             json.dumps({"error": str(e)}) if args.json else f"error: {e}", file=sys.stdout if args.json else sys.stderr
         )
-        return 1
+        return 2
     print(result.to_json(indent=2) if args.json else result.explain())
-    return 0 if result.ok else 2
+    return 0 if result.ok else 1
 
 
 def register_cli(subparsers: Any) -> None:

@@ -252,5 +252,5 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--base-config", help="the base model's config.json (plans buffer shapes, first-use checks)")
     p.add_argument("--expected-modules", help="vLLM: comma-separated expected LoRA module names")
     add_version_arguments(p, "engine")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=_cmd)

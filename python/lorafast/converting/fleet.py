@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -31,7 +30,7 @@ class ConversionStep:
         return asdict(self)
 
 
-def plan_with_conversions(adapters_or_report: Any, out: str | os.PathLike[str] | None, **kwargs: Any) -> Any:
+def plan_with_conversions(adapters_or_report: Any, out: str | os.PathLike[str], **kwargs: Any) -> Any:
     from lorafast.converting.api import convert
     from lorafast.groups import OuterLayout, _collect_adapters, plan_groups
 
@@ -45,8 +44,8 @@ def plan_with_conversions(adapters_or_report: Any, out: str | os.PathLike[str] |
     ]
     if not movable:
         return plain
-    folder = os.fspath(out) if out is not None else tempfile.mkdtemp(prefix="lorafast-converted-")
-    created = out is None or not os.path.exists(folder)
+    folder = os.fspath(out)
+    created = not os.path.exists(folder)
     os.makedirs(folder, exist_ok=True)
     steps: list[ConversionStep] = []
     converted: dict[str, str] = {}
