@@ -37,91 +37,116 @@ def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict | None) 
     return str(folder)
 
 
-def _config(targets: list[str], **extra: object) -> dict:
-    return {"peft_type": "LORA", "r": R, "lora_alpha": 3 * R, "target_modules": targets, **extra}
+def _config(targets: list[str], r: int = R, **extra: object) -> dict:
+    return {"peft_type": "LORA", "r": r, "lora_alpha": 3 * r, "target_modules": targets, **extra}
 
 
-def _attn(t: dict, gen: torch.Generator, layer: int) -> None:
-    t[f"{PEFT}.{layer}.self_attn.q_proj.lora_A.weight"] = _rnd(gen, R, H)
-    t[f"{PEFT}.{layer}.self_attn.q_proj.lora_B.weight"] = _rnd(gen, H, R)
+def _attn(t: dict, gen: torch.Generator, layer: int, r: int = R) -> None:
+    t[f"{PEFT}.{layer}.self_attn.q_proj.lora_A.weight"] = _rnd(gen, r, H)
+    t[f"{PEFT}.{layer}.self_attn.q_proj.lora_B.weight"] = _rnd(gen, H, r)
+
+
+# The adapter writers take the expert count `e`, rank `r`, `layers` and `config` entries over the defaults (the
+# fuzz pass, test_convert_fuzz.py, varies them).
 
 
 def stacked_adapter(
-    folder: Path, seed: int, shared_outer: bool, identical_outer: bool = False, attn: bool = True
+    folder: Path,
+    seed: int,
+    shared_outer: bool,
+    identical_outer: bool = False,
+    attn: bool = True,
+    *,
+    e: int = E,
+    r: int = R,
+    layers: int = LAYERS,
+    config: dict | None = None,
 ) -> str:
     gen = torch.Generator().manual_seed(seed)
     t: dict[str, torch.Tensor] = {}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         if attn:
-            _attn(t, gen, layer)
+            _attn(t, gen, layer, r)
         pre = f"{PEFT}.{layer}.mlp.experts"
-        outer_a, outer_b = _rnd(gen, 1, R, H), _rnd(gen, 1, H, R)
+        outer_a, outer_b = _rnd(gen, 1, r, H), _rnd(gen, 1, H, r)
         if not shared_outer:
-            outer_a = outer_a.repeat(E, 1, 1) if identical_outer else _rnd(gen, E, R, H)
-            outer_b = outer_b.repeat(E, 1, 1) if identical_outer else _rnd(gen, E, H, R)
+            outer_a = outer_a.repeat(e, 1, 1) if identical_outer else _rnd(gen, e, r, H)
+            outer_b = outer_b.repeat(e, 1, 1) if identical_outer else _rnd(gen, e, H, r)
         t[f"{pre}.gate_up_proj.lora_A.weight"] = outer_a
-        t[f"{pre}.gate_up_proj.lora_B.weight"] = _rnd(gen, E, 2 * IM, R)
-        t[f"{pre}.down_proj.lora_A.weight"] = _rnd(gen, E, R, IM)
+        t[f"{pre}.gate_up_proj.lora_B.weight"] = _rnd(gen, e, 2 * IM, r)
+        t[f"{pre}.down_proj.lora_A.weight"] = _rnd(gen, e, r, IM)
         t[f"{pre}.down_proj.lora_B.weight"] = outer_b
-    return _write(folder, t, _config(["q_proj", "gate_up_proj", "down_proj"]))
+    return _write(folder, t, _config(["q_proj", "gate_up_proj", "down_proj"], r, **(config or {})))
 
 
-def target_parameters_adapter(folder: Path, seed: int) -> str:
+def target_parameters_adapter(
+    folder: Path, seed: int, *, e: int = E, r: int = R, layers: int = LAYERS, config: dict | None = None
+) -> str:
     gen = torch.Generator().manual_seed(seed)
     t: dict[str, torch.Tensor] = {}
-    for layer in range(LAYERS):
-        _attn(t, gen, layer)
+    for layer in range(layers):
+        _attn(t, gen, layer, r)
         pre = f"{PEFT}.{layer}.mlp.experts"
-        t[f"{pre}.base_layer.lora_A.weight"] = _rnd(gen, R * E, H)
-        t[f"{pre}.base_layer.lora_B.weight"] = _rnd(gen, 2 * IM, R * E)
-        t[f"{pre}.lora_A.weight"] = _rnd(gen, R * E, IM)
-        t[f"{pre}.lora_B.weight"] = _rnd(gen, H, R * E)
-    cfg = _config(["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    return _write(folder, t, cfg)
+        t[f"{pre}.base_layer.lora_A.weight"] = _rnd(gen, r * e, H)
+        t[f"{pre}.base_layer.lora_B.weight"] = _rnd(gen, 2 * IM, r * e)
+        t[f"{pre}.lora_A.weight"] = _rnd(gen, r * e, IM)
+        t[f"{pre}.lora_B.weight"] = _rnd(gen, H, r * e)
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return _write(folder, t, _config(["q_proj"], r, target_parameters=params, **(config or {})))
 
 
-def numbered_adapter(folder: Path, seed: int, mixtral: bool = False, attn: bool = True) -> str:
+def numbered_adapter(
+    folder: Path,
+    seed: int,
+    mixtral: bool = False,
+    attn: bool = True,
+    *,
+    e: int = E,
+    r: int = R,
+    layers: int = LAYERS,
+    config: dict | None = None,
+) -> str:
     gen = torch.Generator().manual_seed(seed)
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     block = "block_sparse_moe" if mixtral else "mlp"
     t: dict[str, torch.Tensor] = {}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         if attn:
-            _attn(t, gen, layer)
-        for e in range(E):
-            pre = f"{PEFT}.{layer}.{block}.experts.{e}"
+            _attn(t, gen, layer, r)
+        for expert in range(e):
+            pre = f"{PEFT}.{layer}.{block}.experts.{expert}"
             for leaf, (fin, fout) in zip(names, ((H, IM), (H, IM), (IM, H)), strict=True):
-                t[f"{pre}.{leaf}.lora_A.weight"] = _rnd(gen, R, fin)
-                t[f"{pre}.{leaf}.lora_B.weight"] = _rnd(gen, fout, R)
-    return _write(folder, t, _config(["q_proj", *names]))
+                t[f"{pre}.{leaf}.lora_A.weight"] = _rnd(gen, r, fin)
+                t[f"{pre}.{leaf}.lora_B.weight"] = _rnd(gen, fout, r)
+    return _write(folder, t, _config(["q_proj", *names], r, **(config or {})))
 
 
 # -- bases and a layout-free view of them ----------------------------------------------------------------------
 
 
-def fused_base(seed: int = 99) -> dict[str, torch.Tensor]:
+def fused_base(seed: int = 99, *, e: int = E, layers: int = LAYERS) -> dict[str, torch.Tensor]:
     """transformers-5 experts: gate_up_proj (E, 2·I, H) with gate rows first, down_proj (E, H, I)."""
     gen = torch.Generator().manual_seed(seed)
     sd = {}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         sd[f"model.layers.{layer}.self_attn.q_proj.weight"] = _rnd(gen, H, H)
-        sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = _rnd(gen, E, 2 * IM, H)
-        sd[f"model.layers.{layer}.mlp.experts.down_proj"] = _rnd(gen, E, H, IM)
+        sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = _rnd(gen, e, 2 * IM, H)
+        sd[f"model.layers.{layer}.mlp.experts.down_proj"] = _rnd(gen, e, H, IM)
     return sd
 
 
-def numbered_base(seed: int = 99) -> dict[str, torch.Tensor]:
+def numbered_base(seed: int = 99, *, e: int = E, layers: int = LAYERS) -> dict[str, torch.Tensor]:
     """The same weights as `fused_base`, as transformers 4 keeps them: one Linear per expert and projection."""
-    fb = fused_base(seed)
+    fb = fused_base(seed, e=e, layers=layers)
     sd = {}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         sd[f"model.layers.{layer}.self_attn.q_proj.weight"] = fb[f"model.layers.{layer}.self_attn.q_proj.weight"]
-        for e in range(E):
-            gu = fb[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e]
-            pre = f"model.layers.{layer}.mlp.experts.{e}"
+        for expert in range(e):
+            gu = fb[f"model.layers.{layer}.mlp.experts.gate_up_proj"][expert]
+            pre = f"model.layers.{layer}.mlp.experts.{expert}"
             sd[f"{pre}.gate_proj.weight"] = gu[:IM].clone()
             sd[f"{pre}.up_proj.weight"] = gu[IM:].clone()
-            sd[f"{pre}.down_proj.weight"] = fb[f"model.layers.{layer}.mlp.experts.down_proj"][e].clone()
+            sd[f"{pre}.down_proj.weight"] = fb[f"model.layers.{layer}.mlp.experts.down_proj"][expert].clone()
     return sd
 
 

@@ -226,6 +226,17 @@ def test_a_config_that_would_change_a_scale_is_refused(tmp_path: Path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]
 
 
+def test_two_kohya_modules_for_one_peft_module_are_refused(tmp_path: Path) -> None:
+    """`lora_te_` and `lora_te1_` both name the first text encoder: one file with both on one module path would
+    hold two tensors under one name (a header that lists one of them). Refused, nothing left."""
+    q = "text_model_encoder_layers_0_self_attn_q_proj"
+    src = _kohya(tmp_path / "k", {f"lora_te_{q}": (4, 4.0), f"lora_te1_{q}": (4, 4.0)})
+    with pytest.raises(ConvertError, match="two modules would both be written as") as info:
+        convert(src, "peft", tmp_path / "peft")
+    assert info.value.code == "unsupported"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]
+
+
 #: a transformer whose names are in no table (Lumina-like `attention`, `feed_forward`)
 UNKNOWN = ["layers_0_attention_qkv", "layers_1_feed_forward_w2"]
 

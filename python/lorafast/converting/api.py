@@ -140,6 +140,7 @@ def convert(
         with TensorFile(src) as tf:
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
             tensors, config, notes, wants = _plan(ad, tf, found, to, moe.gate_up_order(ad, gate_up))
+            _check_names(tensors, path)
             box: list[str | BaseException] = []
             hash_fd = os.dup(tf.fileno())
             hasher = threading.Thread(target=_content_hash, args=(hash_fd, tf.data_start, box), daemon=True)
@@ -195,6 +196,16 @@ def convert(
         time.perf_counter() - started,
         notes,
     )
+
+
+def _check_names(tensors: list[OutTensor], path: str) -> None:
+    """Refuse an output in which two tensors would have one name (kohya's `lora_te_` and `lora_te1_` both name the
+    first text encoder): the file would hold both and its header one."""
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise ConvertError(f"{path}: two modules would both be written as {t.name!r}", "unsupported", path)
+        seen.add(t.name)
 
 
 def _check_scales(config_path: str, wants: list[Want], path: str) -> None:
