@@ -921,6 +921,27 @@ fn check_factors(
         }
         ModuleKind::Variant(_) => {}
         _ => {
+            // Ranks and features are read from fixed dimensions (2 for linear, embedding, per-expert
+            // and target-parameters modules): a factor with other dimensions gives missing or wrong
+            // numbers, so its module is not clean.
+            let want = match kind {
+                ModuleKind::Stacked3d => 3,
+                ModuleKind::Conv => f.a_shape.map_or(4, <[u64]>::len), // 4 or 5; lora_B like lora_A
+                _ => 2,
+            };
+            for (factor, shape) in [("lora_A", f.a_shape), ("lora_B", f.b_shape)] {
+                if let Some(shape) = shape.filter(|s| s.len() != want) {
+                    out.problem(
+                        ProblemCode::InvalidFactorShape,
+                        format_args!(
+                            "module {:?}: {factor} has shape {shape:?}, but a {} module's factors have {want} dimensions",
+                            g.key,
+                            kind.name()
+                        ),
+                        None,
+                    );
+                }
+            }
             let a_rank = if kind == ModuleKind::TargetParameters {
                 f.a_shape.and_then(|s| s.first().copied())
             } else {

@@ -163,6 +163,9 @@ code_enum! {
         DuplicateFactor = "duplicate_factor",
         /// lora_A's and lora_B's ranks differ.
         RankMismatch = "rank_mismatch",
+        /// A factor has another number of dimensions than its module kind reads (a 0-d or 1-d
+        /// lora_A on a linear module, a 2-D lora_B on a stacked 3-D one).
+        InvalidFactorShape = "invalid_factor_shape",
         /// The tensors' rank differs from the config's `r` / `rank_pattern`.
         ConfigRankMismatch = "config_rank_mismatch",
         /// A module's factors have different dtypes.

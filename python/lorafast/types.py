@@ -76,6 +76,7 @@ ProblemCode = Literal[
     "orphan_tensor",
     "duplicate_factor",
     "rank_mismatch",
+    "invalid_factor_shape",
     "config_rank_mismatch",
     "dtype_mismatch",
     "target_modules_mismatch",
