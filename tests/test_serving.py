@@ -49,6 +49,7 @@ def vllm_cmd(fleet: dict[str, Path], *flags: str, names: tuple[str, ...] = ()) -
 
 def test_trained_scale_is_peft_scaling(fleet: dict[str, Path]) -> None:
     from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
 
     for name in ("plain", "rslora", "pattern", "ranks"):
@@ -56,7 +57,7 @@ def test_trained_scale_is_peft_scaling(fleet: dict[str, Path]) -> None:
         peft_scales = {
             n.removeprefix("base_model.model."): m.scaling["default"]
             for n, m in model.named_modules()
-            if hasattr(m, "scaling") and "default" in getattr(m, "scaling", {})
+            if isinstance(m, LoraLayer)
         }
         ours = {m.name: trained_scale(m) for m in lorafast.inspect(fleet[name]).modules}
         assert ours.keys() == peft_scales.keys(), name
