@@ -458,8 +458,14 @@ pub fn scan_paths(
     progress: bool,
 ) -> Vec<Result<AdapterResult, Error>> {
     with_progress(progress, |done| {
-        with_pool(threads, || {
-            let found = expand_inputs(paths, recursive);
+        let found = expand_inputs(paths, recursive);
+        // Without folders to walk, the inputs are all the work there is.
+        let work = if found.iter().any(|f| matches!(f, Ok(Found::Folder(_)))) {
+            usize::MAX
+        } else {
+            found.len()
+        };
+        with_pool(threads.map(|n| n.min(work.max(1))), || {
             done.total.store(found.len(), Ordering::Relaxed);
             let visit = |t: Target, config: Option<ConfigBytes>| {
                 let r = load_read(t, config, opts);
@@ -815,13 +821,18 @@ pub fn install_fork_guard() {
     }
 }
 
-/// Threads to use: `LORAFAST_NUM_THREADS`, else the available cores.
+/// The most threads a pool has, whatever is asked: a pool of 3,000 took 23-30 s to make and end
+/// for a one-file scan, and reading headers gains nothing from that many.
+pub const MAX_THREADS: usize = 256;
+
+/// Threads to use: `LORAFAST_NUM_THREADS`, else the available cores (at most `MAX_THREADS`).
 pub fn default_threads() -> usize {
     std::env::var("LORAFAST_NUM_THREADS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .min(MAX_THREADS)
 }
 
 fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
@@ -832,14 +843,15 @@ fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
         .ok()
 }
 
-/// Runs `f` on a pool of `threads` (None: the shared default pool). Every parallel loop of the
-/// core runs inside this, never on rayon's global pool.
+/// Runs `f` on a pool of `threads`, at most `MAX_THREADS` (None: the shared default pool). Every
+/// parallel loop of the core runs inside this, never on rayon's global pool.
 ///
 /// In a forked child the inherited pools have no threads, and waiting on one hangs: there `f`
 /// runs on a pool made for the call (inline if none can be made). Not inline on the caller's
 /// thread: a parallel loop outside any pool goes to rayon's global one, which hangs the same way
 /// once the parent has used it.
 pub fn with_pool<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> R {
+    let threads = threads.map(|n| n.clamp(1, MAX_THREADS));
     let own = FORKED.load(Ordering::SeqCst) || threads.is_some_and(|n| n != default_threads());
     let made;
     let pool = if own {
@@ -881,7 +893,8 @@ pub fn scan(
             done.count.fetch_add(1, Ordering::Relaxed);
             r
         };
-        with_pool(threads, || {
+        let work = targets.len().max(1);
+        with_pool(threads.map(|n| n.min(work)), || {
             targets.into_par_iter().with_min_len(16).map(load_one).collect()
         })
     })
@@ -1009,6 +1022,13 @@ mod tests {
             "the big header's buffer is freed once its file is done"
         );
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_pool_has_at_most_max_threads() {
+        assert_eq!(with_pool(Some(1000), rayon::current_num_threads), MAX_THREADS);
+        assert_eq!(with_pool(Some(3), rayon::current_num_threads), 3);
+        assert!(default_threads() <= MAX_THREADS);
     }
 
     #[test]

@@ -347,7 +347,8 @@ def scan(
     """Find and classify every adapter under `paths` in parallel, with the GIL released.
 
     One bad adapter never stops the scan: it becomes a row with status `STATUS_ERROR` and an
-    entry in `.errors`. `threads` defaults to `LORAFAST_NUM_THREADS` or the available cores.
+    entry in `.errors`. `threads` defaults to `LORAFAST_NUM_THREADS` or the available cores. A scan uses at
+    most 256 threads, whatever is asked, and no more than the paths given when none of them is a folder.
     `progress=None` shows a bar on stderr for long scans when stderr is a terminal. `threads` must be a positive
     int (`TypeError` for a bool or float, `ValueError` for 0 or less).
 
