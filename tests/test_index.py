@@ -167,6 +167,9 @@ def test_a_file_that_is_not_an_index_is_refused_unchanged(tmp_path):
     with pytest.raises(ValueError, match="notes.db: not a lorafast index"):
         lorafast.Index(db)
     assert db.read_bytes() == b"not a database, " * 64 and os.listdir(tmp_path) == ["notes.db"]
+    (tmp_path / "folder.db").mkdir()
+    with pytest.raises(ValueError, match="folder.db: cannot read the index: unable to open database file"):
+        lorafast.Index(tmp_path / "folder.db")
 
 
 def test_add_change_delete_rename(tmp_path):

@@ -151,6 +151,8 @@ class Index:
             with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=60.0)) as db:
                 has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
                 found = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() if has_meta else None
+        except sqlite3.OperationalError as exc:  # cannot open or read it (permissions, a lock held past the timeout)
+            raise ValueError(f"{self.path}: cannot read the index: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             raise ValueError(f"{self.path}: not a lorafast index: {exc}") from exc
         if found is not None and found[0] != str(SCHEMA_VERSION):
