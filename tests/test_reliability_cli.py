@@ -248,3 +248,14 @@ def test_groups_exit_status_and_convert_needs_out(adapters: Path, capsys: pytest
         lorafast.plan_groups([a], convert=True)
     code, _, _ = run_main(["groups", a, "--max-per-group", "0"], capsys)
     assert code == 2
+
+
+def test_scan_index_that_is_not_an_index_is_a_usage_error(
+    adapters: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not sqlite at all" * 10)
+    for where, words in ((tmp_path, "cannot read the index"), (garbage, "not a lorafast index")):
+        code, out, err = run_main(["scan", str(adapters), "--index", str(where), "--quiet"], capsys)
+        assert code == 2 and words in err and str(where) in err and "Traceback" not in err
+    assert garbage.read_bytes() == b"not sqlite at all" * 10

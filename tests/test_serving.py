@@ -175,3 +175,16 @@ def test_cli(fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None
 
 def _many(report: Any) -> None:  # pragma: no cover - helper for debugging failures
     print(report.summary())
+
+
+def test_sglang_diffusion_two_adapters_on_one_target(tmp_path: Path) -> None:
+    dit = cf.make_dit_pipeline(tmp_path / "pipe")
+    a = cf.diffusers_lora(dit, tmp_path / "a", "transformer", ["to_q", "to_k"])
+    b = cf.diffusers_lora(dit, tmp_path / "b", "transformer", ["to_q", "to_v"])
+    launch = f"sglang serve --model-path {tmp_path / 'pipe'} --lora-path {a} --lora-nickname a --lora-merge-mode"
+    report = lorafast.preflight(f"{launch} dynamic", [b], engine_version="0.5.23")
+    assert [(r.name, r.source, r.verdict) for r in report] == [("a", "command", "fails"), ("b", "dynamic", "fails")]
+    row = report.adapters[0]
+    assert row.exc_type == "ValueError" and row.message == lorafast.planner.DYNAMIC_MULTI_ADAPTER_ERROR
+    assert row.fix[0].startswith("--lora-merge-mode merge")
+    assert {r.verdict for r in lorafast.preflight(f"{launch} merge", [b], engine_version="0.5.23")} == {"serves"}

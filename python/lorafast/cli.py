@@ -58,7 +58,12 @@ def cmd_scan(args: argparse.Namespace) -> int:
         if args.backend != "local":
             print("lorafast scan: error: --index scans with the local backend", file=sys.stderr)
             return 2
-        with Index(args.index) as index:
+        try:
+            index = Index(args.index)
+        except ValueError as e:  # a folder, a file that is not an index, one of a newer lorafast: a bad --index
+            print(f"lorafast scan: error: --index {e}", file=sys.stderr)
+            return 2
+        with index:
             report = index.scan(args.paths, **options)
         changes = f"{len(report.added)} added, {len(report.changed)} changed, {len(report.removed)} removed"
         print(f"index {args.index}: {changes}, {report.reads} read", file=sys.stderr)

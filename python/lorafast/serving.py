@@ -344,6 +344,14 @@ def preflight(
     return judge(launch, fleet, base_model, note)
 
 
+def _name_of(path: str) -> str:
+    """An adapter's name from its path: the folder, or the file's stem unless it is a standard weight-file name."""
+    stem = os.path.basename(path.rstrip("/")).removesuffix(".safetensors")
+    if stem in ("adapter_model", "pytorch_lora_weights") and os.path.dirname(path.rstrip("/")):
+        return os.path.basename(os.path.dirname(path.rstrip("/")))
+    return stem
+
+
 @dataclass
 class _Fleet:
     """The adapters to judge: (name, path, source) in order, their scanned `Adapter` (None when unreadable)."""
@@ -384,8 +392,7 @@ class _Fleet:
         if report is not None:
             for path in report.paths:
                 if path not in named:
-                    name = os.path.basename(path.rstrip("/")).removesuffix(".safetensors")
-                    fleet.entries.append((name, path, "dynamic"))
+                    fleet.entries.append((_name_of(path), path, "dynamic"))
             for adapter in report:
                 fleet.adapters[adapter.path] = adapter
             for path, code, message in report.errors:

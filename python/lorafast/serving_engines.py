@@ -12,6 +12,7 @@ from .serving import AdapterVerdict, ModuleScale, PreflightReport, _differs, tra
 if TYPE_CHECKING:
     from .adapter import Adapter
     from .base import BaseModel
+    from .checker import ModuleCheck
     from .compat.launch import LaunchCommand
     from .serving import _Fleet
 
@@ -23,10 +24,15 @@ _NOT_IN_BASE = {
 
 
 def judge(launch: LaunchCommand, fleet: _Fleet, base: BaseModel | None, note: str | None) -> PreflightReport:
-    startup = [_problem_dict(p, fleet) for p in launch.problems if p.fatal]
-    base_fit = _base_fit(fleet, base)
+    # `sglang serve` of a diffusers pipeline runs SGLang's diffusion runtime, whose flags the LLM parser's
+    # problems do not describe.
+    diffusion = launch.engine == "sglang" and base is not None and bool(base.components)
+    startup = [] if diffusion else [_problem_dict(p, fleet) for p in launch.problems if p.fatal]
+    base_fit = {} if diffusion else _base_fit(fleet, base)
     if launch.engine == "vllm":
         rows, more, starts = _vllm(launch, fleet, base, note, base_fit)
+    elif diffusion:
+        rows, more, starts = _diffusion(launch, fleet)
     else:
         rows, more, starts = _sglang(launch, fleet, base, note, base_fit)
     startup += more
@@ -81,14 +87,14 @@ def _with_undecided(row: AdapterVerdict, why: str) -> AdapterVerdict:
     return replace(row, verdict=verdict, undecided=(*row.undecided, why), reasons=reasons)
 
 
-def _base_fit(fleet: _Fleet, base: BaseModel | None) -> dict[str, dict[str, str]]:
-    """Adapter path -> {module key: check's status} against the base."""
+def _base_fit(fleet: _Fleet, base: BaseModel | None) -> dict[str, dict[str, ModuleCheck]]:
+    """Adapter path -> {module key: check's answer (status and the base weight it matched)} against the base."""
     if base is None or not fleet.adapters:
         return {}
     from .checker import check
 
     report = check(list(fleet.adapters.values()), base)
-    return {pair.adapter: {m.module: m.status for m in pair.modules} for pair in report}
+    return {pair.adapter: {m.module: m for m in pair.modules} for pair in report}
 
 
 def _decide(
@@ -154,10 +160,14 @@ def _failed(name: str, path: str, source: str, problem: Any, fix: list[str]) -> 
     )
 
 
-def _base_drops(adapter: Adapter | None, fit: Mapping[str, str]) -> list[tuple[str, str]]:
+def _base_drops(adapter: Adapter | None, fit: Mapping[str, ModuleCheck]) -> list[tuple[str, str]]:
     if adapter is None:
         return []
-    return [(m.name, _NOT_IN_BASE[fit[m.key]]) for m in adapter.modules if fit.get(m.key) in _NOT_IN_BASE]
+    return [
+        (m.name, _NOT_IN_BASE[fit[m.key].status])
+        for m in adapter.modules
+        if m.key in fit and fit[m.key].status in _NOT_IN_BASE
+    ]
 
 
 def _base_undecided(base: BaseModel | None, note: str | None) -> list[str]:
@@ -173,7 +183,7 @@ def _vllm(
     fleet: _Fleet,
     base: BaseModel | None,
     note: str | None,
-    base_fit: Mapping[str, Mapping[str, str]],
+    base_fit: Mapping[str, Mapping[str, ModuleCheck]],
 ) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
     from .compat import vllm
     from .compat.sglang import parse_lora_paths
@@ -213,13 +223,17 @@ def _vllm(
         dropped: list[tuple[str, str]] = []
         fixes: list[str] = []
         if targets is not None:
-            for module in loras:
-                if not vllm.is_in_target_modules(module, list(targets), dict(vllm.DEFAULT_PACKED_MODULES_MAPPING)):
+            packed = dict(vllm.DEFAULT_PACKED_MODULES_MAPPING)
+            for module in loras:  # the filter sees the module vLLM wraps: q_proj's is qkv_proj
+                if not vllm.is_in_target_modules(_vllm_wrapped_module(module, packed), list(targets), packed):
                     dropped.append((module, f"not wrapped: --lora-target-modules {' '.join(targets)}"))
             if dropped:
                 wanted = sorted({*targets, *(m.rsplit(".", 1)[-1] for m, _ in dropped)})
                 fixes.append(f"--lora-target-modules {' '.join(wanted)}")
-        dropped += [d for d in _base_drops(adapter, base_fit.get(path, {})) if d[0] not in {m for m, _ in dropped}]
+        fit = base_fit.get(path, {})
+        tower, text_only = _vllm_multimodal(adapter, fit, base, launch)
+        dropped += [d for d in tower if d[0] not in {m for m, _ in dropped}]
+        dropped += [d for d in _base_drops(adapter, fit) if d[0] not in {m for m, _ in dropped} | text_only]
         if any(w.startswith("match") for _, w in dropped):
             fixes.append("rename the adapter's modules to the base model's paths (lorafast check shows the prefix)")
         scales = []
@@ -239,6 +253,68 @@ def _vllm(
     return rows, [], True
 
 
+def _vllm_wrapped_module(module: str, packed: Mapping[str, list[str]]) -> str:
+    """The model module vLLM's manager wraps for an adapter module: the packed parent of its leaf (q_proj ->
+    qkv_proj), the experts layer of a per-expert module, else the module itself. `--lora-target-modules` is
+    matched against that name (`_create_lora_modules`), and registration packs the adapter's modules onto it."""
+    if ".experts." in module and module.split(".experts.", 1)[1].split(".", 1)[0].isdigit():
+        return module.split(".experts.", 1)[0] + ".experts"
+    prefix, _, leaf = module.rpartition(".")
+    parent = next((p for p, children in packed.items() if leaf in children), None)
+    return f"{prefix}.{parent}" if parent is not None and prefix else module
+
+
+#: Where a multimodal checkpoint keeps its language model (transformers 5 names, and the stored names before it).
+_LM_PREFIXES = ("model.language_model.", "language_model.")
+
+
+def _text_name(weight: str) -> str:
+    """A language-model weight of a multimodal base as a text-only (`*ForCausalLM`) adapter names its module."""
+    name = weight.removesuffix(".weight")
+    for prefix in ("model.language_model.", "language_model.model."):
+        if name.startswith(prefix):
+            return "model." + name.removeprefix(prefix)
+    return name.removeprefix("language_model.")
+
+
+def _vllm_multimodal(
+    adapter: Adapter | None, fit: Mapping[str, ModuleCheck], base: BaseModel | None, launch: LaunchCommand
+) -> tuple[list[tuple[str, str]], set[str]]:
+    """vLLM on a multimodal base: (the modules it does not wrap, the text-only modules it applies anyway).
+
+    The manager gives a punica wrapper to the language model alone unless tower/connector LoRA is enabled
+    (`_maybe_init_mm`), and `_create_lora_modules` skips every module without one: the vision tower's and the
+    projector's LoRA loads and is never applied. From 0.33 activation also looks a language-model module up under
+    its text-only name (`_get_text_lora_names`: `model.layers.*`, `lm_head`), so an adapter trained on the
+    causal LM alone is applied to the multimodal model's language model; 0.30 finds nothing under those names."""
+    from .compat import _versions
+
+    if adapter is None or base is None or not _is_multimodal(base):
+        return [], set()
+    text_fallback = _versions.at_least("vllm", launch.rules.requested, "0.33.0")
+    tower_lora = bool(launch.options.get("enable_tower_connector_lora"))
+    drops: list[tuple[str, str]] = []
+    text_only: set[str] = set()
+    for m in adapter.modules:
+        c = fit.get(m.key)
+        if c is None or c.weight is None:
+            continue
+        if not c.weight.startswith((*_LM_PREFIXES, "lm_head.")):
+            if not tower_lora:
+                drops.append((m.name, "not wrapped: vLLM applies LoRA to a multimodal model's language model only "
+                                      "(its tower and connector need --enable-tower-connector-lora)"))  # fmt: skip
+        elif c.status == "prefix_only" and text_fallback and _text_name(c.weight) == m.name:
+            text_only.add(m.name)
+    return drops, text_only
+
+
+def _is_multimodal(base: BaseModel) -> bool:
+    config = base.config or {}
+    return any(k in config for k in ("vision_config", "audio_config")) and any(
+        n.startswith(_LM_PREFIXES) for n in base.weights
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SGLang
 
@@ -248,7 +324,7 @@ def _sglang(
     fleet: _Fleet,
     base: BaseModel | None,
     note: str | None,
-    base_fit: Mapping[str, Mapping[str, str]],
+    base_fit: Mapping[str, Mapping[str, ModuleCheck]],
 ) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
     from .compat import sglang
     from .compat._common import LoraRef
@@ -311,6 +387,11 @@ def _sglang(
         fix = []
         if dropped:
             fix.append("--lora-target-modules all (or add the dropped modules)")
+        unapplied = _sglang_unapplied(adapter)
+        if unapplied:
+            dropped += unapplied
+            total += len(unapplied)
+            fix.append("merge it into the base (lorafast merge): SGLang serves LoRA factors only")
         dropped += [d for d in _base_drops(adapter, base_fit.get(path, {})) if d[0] not in {m for m, _ in dropped}]
         scales = []
         if adapter is not None and adapter.r and adapter.lora_alpha is not None:
@@ -327,6 +408,23 @@ def _sglang(
             undecided.append("SGLang's first-use checks (buffer shapes, layer ids): need the base model's config")
         rows.append(_decide(name, path, source, adapter, dropped, scales, undecided, fix, total))
     return rows, set_problems, not set_problems
+
+
+def _sglang_unapplied(adapter: Adapter | None) -> list[tuple[str, str]]:
+    """(part, why) for what PEFT trained besides LoRA factors, which SGLang 0.5.23 never applies: the full weights of
+    `modules_to_save` (`LoRAAdapter._process_weight` keeps embed_tokens/lm_head weights only for a LoRA target,
+    and first use copies lora_A/lora_B names only) and `lora_bias`'s `lora_B.bias` (a pool buffer holds one lora_B
+    per module; the weight, later in SGLang's dict order, is the one copied)."""
+    if adapter is None:
+        return []
+    saved = sorted({t.removeprefix("base_model.model.").rsplit(".", 1)[0] for t in adapter.full_weight_tensors})
+    out = [(s, "modules_to_save full weights: SGLang loads LoRA factors only") for s in saved]
+    out += [
+        (f"{m.name}.lora_B.bias", "lora_bias: SGLang applies lora_A and lora_B weights, not lora_B's bias")
+        for m in adapter.modules
+        if m.bias_key
+    ]
+    return out
 
 
 def _sglang_drops(
@@ -348,3 +446,68 @@ def _sglang_drops(
         if any(f"{parent}.{n}" in skipped_modules for n in norm) or m.key in skipped_modules:
             out.append((m.name, why))
     return out, len(adapter.modules)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang diffusion
+
+
+def _diffusion_flags(argv: tuple[str, ...]) -> Any:
+    """The LoRA flags of SGLang's diffusion `ServerArgs` (multimodal_gen), with its names and defaults; the LLM
+    parser of `compat.launch` does not know them (it would read `--lora-path` as an abbreviation)."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--lora-path", default=None)
+    p.add_argument("--lora-nickname", default="default")
+    p.add_argument("--lora-scale", type=float, default=1.0)
+    p.add_argument("--lora-alpha", type=int, default=None)
+    p.add_argument("--lora-merge-mode", default="auto")
+    return p.parse_known_args(list(argv))[0]
+
+
+def _diffusion(launch: LaunchCommand, fleet: _Fleet) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
+    """The start-up adapter (`--lora-path`) and every later one, applied together by one `set_lora` call on the
+    pipeline, as SGLang's diffusion runtime plans it (`lorafast.plan`): its ValueErrors are the verdicts."""
+    import os
+
+    from .planner import LoraRequest, PipelineState, plan
+
+    flags = _diffusion_flags(launch.argv)
+    entries = [(n, p, s) for n, p, s in fleet.entries if s != "command"]
+    if flags.lora_path:
+        entries.insert(0, (flags.lora_nickname, flags.lora_path, "command"))
+    fleet.entries[:] = entries
+    requests = [LoraRequest(n, p, flags.lora_scale if s == "command" else 1.0) for n, p, s in entries]
+    state = PipelineState(server_merge_mode=flags.lora_merge_mode)
+    try:
+        result = plan(requests, current=state, engine_version=launch.rules.requested)
+    except ValueError as e:  # SGLang's own error, e.g. several adapters on one target in dynamic mode
+        fix = ["--lora-merge-mode merge (or set_lora(..., merge_mode='merge'))"]
+        if "only one adapter per target" in str(e):
+            fix.append("serve the adapters one per target, or plan with --resolve (lorafast plan)")
+        rows = [
+            AdapterVerdict(
+                n,
+                p,
+                s,
+                "fails",
+                (f"{type(e).__name__}: {e}",),
+                stage="load",
+                exc_type=type(e).__name__,
+                message=str(e),
+                fix=tuple(fix),
+            )  # fmt: skip
+            for n, p, s in entries
+        ]
+        return rows, [], True
+    rows = []
+    for n, p, s in entries:
+        unreadable = result.unreadable.get(p) or result.unreadable.get(os.fspath(p))
+        if unreadable:
+            rows.append(AdapterVerdict(n, p, s, "unknown", (f"cannot read it here: {unreadable}",),
+                                       undecided=(f"the adapter at {p}",)))  # fmt: skip
+        else:
+            modes = sorted({t.mode for t in result.targets})
+            rows.append(AdapterVerdict(n, p, s, "serves", (f"set_lora applies it ({', '.join(modes)})",)))
+    return rows, [], True
