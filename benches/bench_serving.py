@@ -1,7 +1,7 @@
 """`lorafast.preflight` on a fleet with a base: the verdict per adapter for an SGLang and a vLLM launch command,
 against the engine's own load path in the same run.
 
-Writes a tiny Llama-shaped base (safetensors header + config.json, 4 layers, hidden 64) and N PEFT adapters
+Writes a tiny Llama-shaped base (safetensors header + config.json, 4 layers, hidden 64 or --hidden) and N PEFT adapters
 (default 10,000) that fit it: ranks 8/16/32/64 in turn, every fourth one rsLoRA (so SGLang serves it at another
 scale) and every tenth one also on gate/up/down (so `--lora-target-modules q_proj k_proj v_proj o_proj` drops
 modules). Then times, on a warm page cache:
@@ -36,12 +36,23 @@ from lorafast.testing import write_peft_adapter, write_safetensors
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "oracle"))
 
-LAYERS, HIDDEN, INTER, HEADS, KV = 4, 64, 128, 8, 4
-HEAD_DIM = HIDDEN // HEADS
-SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (KV * HEAD_DIM, HIDDEN), "v_proj": (KV * HEAD_DIM, HIDDEN),
-          "o_proj": (HIDDEN, HIDDEN), "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN),
-          "down_proj": (HIDDEN, INTER)}  # fmt: skip
+LAYERS, HEADS, KV = 4, 8, 4
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+HIDDEN = 64
+SHAPES: dict[str, tuple[int, int]] = {}
+
+
+def set_hidden(hidden: int) -> None:
+    """Module shapes of a Llama of this width (intermediate 2x, 8 heads, 4 KV heads)."""
+    global HIDDEN, INTER
+    HIDDEN, INTER = hidden, 2 * hidden
+    kv = KV * (hidden // HEADS)
+    SHAPES.update({"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+                   "o_proj": (hidden, hidden), "gate_proj": (INTER, hidden), "up_proj": (INTER, hidden),
+                   "down_proj": (hidden, INTER)})  # fmt: skip
+
+
+set_hidden(HIDDEN)
 
 
 def write_base(root: str) -> str:
@@ -101,8 +112,10 @@ def main() -> int:
     parser.add_argument("--engine-n", type=int, default=500, help="adapters in SGLang's own load (0: skip it)")
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--engine-version", default="0.5.23")
+    parser.add_argument("--hidden", type=int, default=64, help="model width (tiny tensors favour the engine's load)")
     parser.add_argument("--keep", help="write the fleet here and keep it")
     args = parser.parse_args()
+    set_hidden(args.hidden)
     build = getattr(lorafast._core, "build_profile", "?")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; lorafast._core build: {build}")
     root = args.keep or tempfile.mkdtemp(prefix="lorafast-bench-serving-")

@@ -377,11 +377,7 @@ def _sglang(
         else:
             problems = [p for p in plan.check_new_adapter(adapter or path, collect=True) if p.fatal]
         if problems:
-            fix = []
-            if "max_lora_rank" in problems[0].message or "max-lora-rank" in problems[0].message:
-                needed = adapter.rank if adapter is not None else None
-                fix.append(f"--max-lora-rank {needed}" if needed else "a larger --max-lora-rank")
-            rows.append(_failed(name, path, source, problems[0], fix))
+            rows.append(_failed(name, path, source, problems[0], _sglang_fix(problems[0], adapter, plan)))
             continue
         dropped, total = _sglang_drops(adapter, path, targets, config)
         fix = []
@@ -425,6 +421,23 @@ def _sglang_unapplied(adapter: Adapter | None) -> list[tuple[str, str]]:
         if m.bias_key
     ]
     return out
+
+
+def _sglang_fix(problem: Any, adapter: Adapter | None, plan: Any) -> list[str]:
+    """The flag values that let the server take the adapter: a pool rank or target modules it does not have."""
+    from .compat import sglang
+
+    text = problem.message
+    if adapter is None or not ("max_lora_rank" in text or "max-lora-rank" in text or "buffer shape" in text):
+        return []
+    fix = []
+    rank = max(adapter.r or 0, adapter.rank)
+    if rank > plan.max_lora_rank:
+        fix.append(f"--max-lora-rank {rank}")
+    wanted = sglang.get_normalized_target_modules(list(adapter.target_modules)) - set(plan.target_modules)
+    if wanted and "target modules" in text:
+        fix.append(f"--lora-target-modules with {' '.join(sorted(wanted))} (or all)")
+    return fix
 
 
 def _sglang_drops(
