@@ -16,6 +16,7 @@ import lorafast
 import pytest
 from lorafast.base import BaseModelError, read_base
 from lorafast.checker import VERDICTS, check
+from lorafast.cli import main
 from lorafast.families import identify, rank_families
 from lorafast.testing import write_safetensors
 
@@ -112,7 +113,7 @@ def test_multimodal_prefix_caught(zoo: dict[str, Path]) -> None:
     # the adapter made on the wrapper itself fits; the engine accepts the CausalLM one and serves the base model
     assert next(iter(check(zoo["a_llava"], zoo["llava"]))).verdict == "ok"
     eng = next(iter(check(zoo["a_llama"], zoo["llava"], engine="vllm"))).engine
-    assert eng is not None and eng.outcome == "accepted" and "serves the base model" in (eng.note or "")
+    assert eng is not None and eng.outcome == "not_applied" and "serves the base model" in (eng.note or "")
 
 
 def test_module_detail_and_shapes(zoo: dict[str, Path]) -> None:
@@ -406,3 +407,22 @@ def test_engine_rejection_text_per_adapter(zoo: dict[str, Path], tmp_path: Path)
         assert all(other not in e for e in r.engine.errors), r.engine.errors
         assert any(Path(r.adapter).name in e for e in r.engine.errors)
     assert report.failed
+
+
+def test_engine_outcome_uses_the_servers_rank_limit(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's default --max-lora-rank is 16: a rank-32 adapter is rejected unless the server says otherwise."""
+    import lorafast.testing
+
+    big = tmp_path / "big"
+    a = lorafast.inspect(zoo["a_llama"])
+    tensors = {}
+    for m in a.modules:
+        tensors[m.a_key] = ("F32", (32, m.a_shape[1]))
+        tensors[m.b_key] = ("F32", (m.b_shape[0], 32))
+    lorafast.testing.write_peft_adapter(big, tensors, r=32, lora_alpha=64, target_modules=list(a.target_modules))
+    (pair,) = list(check([big], zoo["llama"], engine="vllm", engine_version="0.34.0"))
+    assert pair.verdict == "ok" and pair.engine is not None and pair.engine.outcome == "rejected"
+    assert pair.engine.errors == ("LoRA rank 32 is greater than max_lora_rank 16.",)
+    (pair,) = list(check([big], zoo["llama"], engine="vllm", engine_version="0.34.0", max_lora_rank=32))
+    assert pair.engine is not None and pair.engine.outcome == "accepted"
+    assert main(["check", str(big), "--engine", "vllm"]) == 2  # --engine needs --base

@@ -92,7 +92,8 @@ class ModuleCheck:
 
 @dataclass(frozen=True)
 class EngineOutcome:
-    """What the engine does with this adapter on this base: `accepted` or `rejected`, with its exact errors, or
+    """What the engine does with this adapter on this base: `accepted`, `rejected` (with its exact errors, or a
+    note where the failure comes when the weights are copied), `not_applied` (it loads and changes nothing), or
     `unknown` when it passes the rules of a version lorafast has not verified (`version_status` says which)."""
 
     engine: str
@@ -649,7 +650,9 @@ class CheckReport:
 # Engines
 
 
-def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: BaseModel, verdict: int) -> EngineOutcome:
+def _engine_outcome(
+    engine: str, version: str | None, adapter: Adapter, base: BaseModel, verdict: int, max_lora_rank: int | None
+) -> EngineOutcome:
     import inspect as _inspect
 
     from .compat import sglang, vllm
@@ -657,14 +660,13 @@ def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: Ba
     note = None
     if engine == "sglang":
         fn: Any = sglang.preflight
-        kwargs: dict[str, Any] = {"base_config": _text_config(base), "collect": True}
+        kwargs: dict[str, Any] = {"base_config": _text_config(base), "collect": True, "max_lora_rank": max_lora_rank}
     elif engine == "vllm":
         fn = vllm.preflight
-        rank = max(adapter.rank, 1)
-        allowed = [r for r in vllm.VLLM_MAX_LORA_RANKS if r >= rank]
         leaves = sorted({n.rsplit(".", 2)[-2] for n in base.weights if n.endswith(".weight") and n.count(".") >= 1})
         kwargs = {
-            "max_lora_rank": allowed[0] if allowed else max(vllm.VLLM_MAX_LORA_RANKS),
+            # the server's --max-lora-rank: vLLM's default (16) unless given, never one fitted to the adapter
+            "max_lora_rank": max_lora_rank if max_lora_rank is not None else 16,
             "collect": True,
             "expected_lora_modules": leaves,
         }
@@ -680,9 +682,11 @@ def _engine_outcome(engine: str, version: str | None, adapter: Adapter, base: Ba
         outcome = "unknown"
         note = f"passes the rules of {engine} {rules.rules}, but {rules.requested} is not verified ({rules.status})"
     elif outcome == "accepted" and verdict == NO_MATCH:
-        note = "no module reaches a base weight: it serves the base model unchanged"
+        outcome = "not_applied"
+        note = "it loads, but no module reaches a base weight: the server serves the base model unchanged"
     elif outcome == "accepted" and verdict == SHAPE_MISMATCH:
-        note = "its header checks pass; loading the weights fails with a size mismatch"
+        outcome = "rejected"
+        note = "its header checks pass, then copying its factors into the base's layers fails on their shapes"
     return EngineOutcome(engine, rules.requested, outcome, errors, note, rules.status)
 
 
@@ -704,6 +708,7 @@ def check(
     engine: str | None = None,
     engine_version: str | None = None,
     strict_version: bool = False,
+    max_lora_rank: int | None = None,
     threads: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     timeout: float | None = None,
@@ -713,7 +718,8 @@ def check(
     of bases (`BaseModel`s, or paths/URLs read with `read_base`). Reads headers only; each base once.
 
     `engine="sglang"|"vllm"` adds the engine's own outcome and exact error text per pair (`engine_version` picks
-    the engine release whose rules apply; default: the installed one, else the newest supported). An engine
+    the engine release whose rules apply; default: the installed one, else the newest supported), for a server
+    started with `max_lora_rank` (default: the engine's own, vLLM 16, SGLang the largest rank it loads). An engine
     version lorafast has not verified warns `UnverifiedEngineVersion` and makes an accepted outcome `unknown`;
     `strict_version=True` raises `UnverifiedEngineVersionError` instead. `allow_outside_shards=False` refuses a
     base whose index names shards outside its folder (`read_base`), for bases that are not trusted.
@@ -746,7 +752,7 @@ def check(
         table.append(outs)
         if engine is not None:
             for si, s in enumerate(fleet.structs):
-                engines[(bi, si)] = _engine_outcome(engine, engine_version, s, model, outs[si].verdict)
+                engines[(bi, si)] = _engine_outcome(engine, engine_version, s, model, outs[si].verdict, max_lora_rank)
     return CheckReport(fleet, models, table, engines)
 
 
@@ -768,6 +774,12 @@ def register_cli(subparsers: Any) -> None:
     )
     p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
     add_version_arguments(p, "--engine")
+    p.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=None,
+        help="with --engine: the server's --max-lora-rank (default: the engine's, vLLM 16, SGLang inferred)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--threads", type=positive_int, default=None, help="worker threads (default: cores)")
     add_remote_arguments(p, "URL bases and adapters")
@@ -779,6 +791,9 @@ def _cmd_check(args: Any) -> int:
     import sys
 
     if not args.base:
+        if args.engine is not None or args.max_lora_rank is not None:
+            print("lorafast check: error: --engine and --max-lora-rank need --base", file=sys.stderr)
+            return 2
         return _cmd_identify(args)
     report = check(
         args.adapters,
@@ -786,6 +801,7 @@ def _cmd_check(args: Any) -> int:
         engine=args.engine,
         engine_version=args.engine_version,
         strict_version=args.strict_version,
+        max_lora_rank=args.max_lora_rank,
         threads=args.threads,
         storage_options=dict(args.storage_option) or None,
         timeout=args.timeout,
