@@ -805,7 +805,7 @@ def test_cli_preflight(tmp_path: Path, peft: Callable[..., str], capsys: pytest.
     assert args.func(args) == 0
 
 
-def test_cli_engine_version(peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_engine_version(tmp_path: Path, peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
     from lorafast.compat.cli import register_cli
@@ -813,9 +813,16 @@ def test_cli_engine_version(peft: Callable[..., str], capsys: pytest.CaptureFixt
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())
     shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
-    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json"])
+    config = str(_write(tmp_path, QWEN_MOE))
+    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json",
+                              "--base-config", config])  # fmt: skip
     assert args.func(args) == 0
-    capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["passed"] == ["s"]
+    # without the base's config the first-use checks cannot run: never a silent ok
+    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23"])
+    assert args.func(args) == 1
+    out = capsys.readouterr().out
+    assert "skipped (no --base-config)" in out and out.splitlines()[-1].startswith("unknown: ")
     with pytest.raises(SystemExit) as exit_:  # a string that is not a version is a usage error
         parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "next", "--json"])
     assert exit_.value.code == 2 and "not an engine version: 'next'" in capsys.readouterr().err
@@ -825,3 +832,45 @@ def _write(root: Path, obj: Any) -> Path:
     path = root / "config.json"
     path.write_text(json.dumps(obj))
     return path
+
+
+def test_torch_weights_as_sglangs_loader_reads_them(tmp_path: Path, peft: Callable[..., str]) -> None:
+    torch = pytest.importorskip("torch")
+    cfg = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+
+    def folder(name: str, files: dict[str, dict[str, tuple[int, ...]]]) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(cfg)
+        for file, tensors in files.items():
+            torch.save({k: torch.zeros(shape) for k, shape in tensors.items()}, path / file)
+        return str(path)
+
+    # No .safetensors: the *.bin files are SGLang's weights, read here header-only (the pickle never runs).
+    st = sg.predict_loaded_weights(peft("st", attn(), target_modules=["q_proj", "v_proj"]))
+    only_bin = folder("bin", {"adapter_model.bin": attn(), "adapter_model.pt": attn(layer=1)})
+    assert sg.predict_loaded_weights(only_bin).layers == st.layers  # *.bin wins over *.pt
+    assert sg.preflight({"b": only_bin}).warnings == []
+    # *.bin matched, then training_args.bin is dropped: the .pt beside it is never looked at.
+    training = folder("training", {"training_args.bin": {}, "adapter_model.pt": attn()})
+    with pytest.raises(RuntimeError) as info:
+        sg.preflight({"t": training})
+    assert str(info.value) == f"Failed to load LoRA adapter t: Cannot find any model weights with `{training}`"
+    with pytest.raises(RuntimeError) as info:
+        sg.predict_loaded_weights(folder("args", {"training_args.bin": {}}))
+    assert str(info.value) == f"Cannot find any model weights with `{tmp_path / 'args'}`"
+
+
+def test_inkling_shared_experts_in_a_shared_outer_pool_lose_nothing() -> None:
+    # Inkling's flat shared-expert factors become [1, ...] factors; a shared-outer pool takes them whole.
+    inkling = {"architectures": ["InklingForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
+               "n_shared_experts": 2, "hidden_size": 16, "num_hidden_layers": 1}  # fmt: skip
+    shared = f"{P}0.mlp.shared_experts."
+    tensors = {shared + "gate_proj.lora_A.weight": (4, 16), shared + "gate_proj.lora_B.weight": (16, 4),
+               shared + "up_proj.lora_A.weight": (4, 16), shared + "up_proj.lora_B.weight": (16, 4),
+               shared + "down_proj.lora_A.weight": (4, 16), shared + "down_proj.lora_B.weight": (16, 4)}  # fmt: skip
+    weights = sg.predict_loaded_weights(view(tensors), base_config=inkling)
+    assert weights.layers[0][shared + "down_proj.lora_B.weight"] == (1, 16, 4)
+    for outer in (True, False):
+        problems = sg.check_expert_layout(view(tensors), experts_shared_outer=outer, base_config=inkling)
+        assert [p.code for p in problems] == []

@@ -536,9 +536,13 @@ def test_preflight_prints_the_way_out_and_it_works(tmp_path: Path, capsys: pytes
     assert f"split the set across 2 servers:  lorafast groups {shared} {stacked}" in way[1]
     commands = [shlex.split(line.strip()) for line in way[3:]]
     assert [c[:2] for c in commands] == [["lorafast", "convert"], ["lorafast", "preflight"]]
-    for argv in commands:  # the printed commands, run as printed
-        assert main(argv[1:]) == 0
-    assert "ok" in capsys.readouterr().out
+    convert, recheck = commands  # the printed commands, run as printed
+    assert main(convert[1:]) == 0
+    capsys.readouterr()
+    # the re-check passes every start-up check; without --base-config the first-use ones are undecided (exit 1)
+    assert main(recheck[1:]) == 1
+    out = capsys.readouterr().out
+    assert "Mixed shared-outer" not in out and out.splitlines()[-1].startswith("unknown: the start-up checks pass")
 
 
 def test_plan_groups_converts_only_when_it_saves_a_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

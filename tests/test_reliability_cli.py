@@ -3,6 +3,7 @@ codes, never a traceback; nonsense thread counts and a bare string path refused 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -259,3 +260,29 @@ def test_scan_index_that_is_not_an_index_is_a_usage_error(
         code, out, err = run_main(["scan", str(adapters), "--index", str(where), "--quiet"], capsys)
         assert code == 2 and words in err and str(where) in err and "Traceback" not in err
     assert garbage.read_bytes() == b"not sqlite at all" * 10
+
+
+def test_preflight_takes_a_folder_names_paths_and_cuts_long_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lorafast.testing import write_peft_adapter
+
+    fleet = tmp_path / "fleet"
+    layers = {f"base_model.model.model.layers.{i}.mlp.{p}.lora_{s}.weight": ("F32", sh)
+              for i in range(40) for p in ("up_proj", "down_proj") for s, sh in (("A", [4, 16]), ("B", [16, 4]))}  # fmt: skip
+    write_peft_adapter(fleet / "mlp", layers, r=4, lora_alpha=8, target_modules=["up_proj", "down_proj"])
+    write_peft_adapter(fleet / "dora", {k: v for k, v in list(layers.items())[:4]}, r=4, lora_alpha=8,
+                       target_modules=["up_proj", "down_proj"], use_dora=True)  # fmt: skip
+    attn = {f"base_model.model.model.layers.0.self_attn.{p}.lora_{s}.weight": ("F32", sh)
+            for p in ("q_proj", "k_proj", "v_proj") for s, sh in (("A", [4, 16]), ("B", [16, 4]))}  # fmt: skip
+    write_peft_adapter(fleet / "qkv", attn, r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"])
+    code, out, err = run_main(["preflight", "sglang", str(fleet), "--lora-target-modules", "q_proj"], capsys)
+    assert code == 1
+    assert f"[{fleet / 'dora'} (at {fleet / 'dora'})]" in out  # the folder expanded to its two adapters
+    skipped = next(line for line in out.splitlines() if "skipped because" in line)
+    assert len(skipped) < 700 and "more characters; --json has the whole message" in skipped
+    assert f"pass their own checks: {fleet / 'qkv'}\n" in out
+    assert err.startswith("lorafast preflight: sglang would refuse this set: RuntimeError:")  # no log lines
+    code, out, _ = run_main(["preflight", "sglang", str(fleet), "--json"], capsys)
+    report = json.loads(out)
+    assert {p["adapter_path"] for p in report["problems"]} >= {str(fleet / "dora")}

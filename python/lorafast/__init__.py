@@ -14,6 +14,12 @@ from .types import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH
 
 __version__: str = _core.__version__  # Cargo.toml's version, the one source (pyproject takes it too)
 
+# A library logs, the application decides what is shown: without this, Python's last-resort handler prints the
+# engines' warnings that lorafast replays (one SGLang warning lists every skipped weight) to stderr.
+import logging as _logging  # noqa: E402
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
     "Adapter": ("adapter", "Adapter"),

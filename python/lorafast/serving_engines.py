@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -340,21 +339,17 @@ def _sglang(
         return noops, [], True
     config = base.config if base is not None else None
     shared = opts.get("experts_shared_outer_loras")
-    logging.getLogger("lorafast.compat").disabled = True  # SGLang's warnings become reasons, not log lines
-    try:
-        plan = sglang.preflight(
-            startup_refs,
-            max_lora_rank=opts.get("max_lora_rank"),
-            target_modules=opts.get("lora_target_modules"),
-            max_loras_per_batch=int(opts.get("max_loras_per_batch", 8)),
-            experts_shared_outer=shared if isinstance(shared, bool) else None,
-            base_config=config,
-            strict_loading=bool(opts.get("lora_strict_loading", False)),
-            collect=True,
-            engine_version=launch.rules.requested,
-        )
-    finally:
-        logging.getLogger("lorafast.compat").disabled = False
+    plan = sglang.preflight(
+        startup_refs,
+        max_lora_rank=opts.get("max_lora_rank"),
+        target_modules=opts.get("lora_target_modules"),
+        max_loras_per_batch=int(opts.get("max_loras_per_batch", 8)),
+        experts_shared_outer=shared if isinstance(shared, bool) else None,
+        base_config=config,
+        strict_loading=bool(opts.get("lora_strict_loading", False)),
+        collect=True,
+        engine_version=launch.rules.requested,
+    )
     by_id = {r.lora_id: r for r in startup_refs}
     set_problems: list[dict[str, Any]] = []
     for p in plan.errors:

@@ -31,13 +31,25 @@ def grouped_lines(problems: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = []
     for (level, who, _), (p, n) in groups.items():
         more = f" ({n} times; --json lists each)" if n > 1 else ""
-        lines.append(f"{level} [{who}] {p.get('type') or p.get('code')}: {p.get('message')}{more}")
+        where = f" (at {p['adapter_path']})" if p.get("adapter_path") else ""
+        lines.append(f"{level} [{who}{where}] {p.get('type') or p.get('code')}: {_cut(str(p.get('message')))}{more}")
     return lines
 
 
-def way_out(adapters: Sequence[tuple[str, str]], problems: Sequence[Mapping[str, Any]]) -> list[str]:
+def _cut(text: str, width: int = 400) -> str:
+    """A message as long as one screen line or two: a warning that lists 192 weight names is cut, with a count
+    of what was left out (`--json` keeps the whole text)."""
+    if len(text) <= width:
+        return text
+    return f"{text[:width]}... ({len(text) - width} more characters; --json has the whole message)"
+
+
+def way_out(
+    adapters: Sequence[tuple[str, str]], problems: Sequence[Mapping[str, Any]], flags: Sequence[str] = ()
+) -> list[str]:
     """The commands that get a mixed-layout set served: split it, or convert the shared-outer adapters.
-    `adapters`: (name, path) as the set was given (`NAME=PATH` or `PATH`)."""
+    `adapters`: (name, path) as the set was given (`NAME=PATH` or `PATH`); `flags`: the server flags of the
+    check, carried over to the re-check (`--base-config FILE`, ...)."""
     paths = [path for _, path in adapters]
     if not any(p.get("code") in MIXED_LAYOUT_CODES for p in problems):
         return []
@@ -64,5 +76,5 @@ def way_out(adapters: Sequence[tuple[str, str]], problems: Sequence[Mapping[str,
     for src, out in converted.items():
         lines.append(f"    lorafast convert {q(src)} --to stacked_3d --out {q(out)}")
     items = [converted.get(p, p) if n == p else f"{n}={converted.get(p, p)}" for n, p in adapters]
-    lines.append(f"    lorafast preflight sglang {' '.join(q(i) for i in items)}")
+    lines.append(f"    lorafast preflight sglang {' '.join(q(i) for i in [*items, *flags])}")
     return lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -22,9 +23,28 @@ def _load_json(path: str | None) -> Any:
         return json.load(f)
 
 
+def _expand(items: list[str]) -> list[str]:
+    """`NAME=PATH` or `PATH` items, with a folder of adapters standing for every adapter under it (as `scan` finds
+    them); a folder that is itself one adapter stays one item."""
+    from lorafast import _core
+
+    out: list[str] = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if sep or "://" in item or not os.path.isdir(item):
+            out.append(item)
+            continue
+        found = [p for p, _ in _core.discover([item], True)]
+        out.extend(
+            found if len(found) > 1 or (found and os.path.normpath(found[0]) != os.path.normpath(item)) else [item]
+        )
+    return out
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from lorafast.compat import sglang, vllm
 
+    args.adapters = _expand(list(args.adapters))
     if args.engine == "sglang":
         refs = sglang.parse_lora_paths(list(args.adapters))
         shared = {"on": True, "off": False, "auto": None}[args.experts_shared_outer_loras]
@@ -65,7 +85,29 @@ def _cmd(args: argparse.Namespace) -> int:
             ],
         }
         ok, verdict, rules = vplan.ok, vplan.verdict, vplan.engine_version
-    # Exit 0 only for a verdict lorafast can stand behind: a set that passes on an unverified version is unknown.
+    # Every problem names its adapter's path, not only the engine's uuid of it (a set conflict names the uuid).
+    paths = {r.lora_id: r.path for r in refs} | {r.name: r.path for r in refs}
+    names = {r.lora_id: r.name for r in refs}
+    for p in report["problems"]:
+        p["adapter_path"] = paths.get(p.get("adapter_id") or "") or paths.get(
+            p.get("adapter_name") or p.get("adapter") or ""
+        )
+        if not (p.get("adapter_name") or p.get("adapter")) and p.get("adapter_id") in names:
+            p["adapter_name"] = names[p["adapter_id"]]  # a set conflict names the engine's uuid only
+    failed = {p.get("adapter_name") or p.get("adapter") for p in report["problems"] if p.get("fatal", True)}
+    passed = [r.name for r in refs if r.name not in failed]
+    report["passed"] = passed
+    undecided = []
+    if args.engine == "sglang" and args.base_config is None:  # the first-use checks need the model's shapes
+        undecided.append(
+            "skipped (no --base-config): SGLang's first-use checks (buffer shapes, each adapter's rank against"
+            " --max-lora-rank); `lorafast preflight -- <launch command>` reads the base the command names"
+        )
+        if verdict == "ok":
+            verdict = "unknown"
+    report["undecided"] = undecided
+    # Exit 0 only for a verdict lorafast can stand behind: a set that passes on an unverified version, or without
+    # the checks that need the base, is unknown.
     status = 0 if verdict == "ok" else 1
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
@@ -82,17 +124,24 @@ def _cmd(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{key}: {report[key]}\n")
     if report.get("skipped"):  # vLLM without --expected-modules: the model-dependent load steps
         sys.stdout.write(f"skipped (no --expected-modules): {', '.join(report['skipped'])}\n")
+    for line in undecided:
+        sys.stdout.write(line + "\n")
     from lorafast.compat._way_out import grouped_lines, way_out
 
     for line in grouped_lines(report["problems"]):  # consequential problems once, with a count
         sys.stdout.write(line + "\n")
     if rules is not None:
         sys.stdout.write(f"engine: {rules.note()}\n")
-    if verdict == "unknown" and rules is not None:
+    if passed:
+        shown = ", ".join(passed[:20]) + (f" and {len(passed) - 20} more" if len(passed) > 20 else "")
+        sys.stdout.write(f"pass their own checks: {shown}\n")
+    if verdict == "unknown" and rules is not None and not rules.verified:
         sys.stdout.write(
             f"unknown: the set passes {rules.engine} {rules.rules}'s rules, but {rules.requested} is not verified"
             " (use a verified --engine-version, or see `lorafast engines`)\n"
         )
+    elif verdict == "unknown":
+        sys.stdout.write("unknown: the start-up checks pass; the first-use checks need --base-config\n")
     else:
         sys.stdout.write("ok\n" if ok else "the engine would refuse this set\n")
     if not ok:  # the refusal on stderr too, so that a script that keeps only stderr sees why it failed
@@ -102,7 +151,10 @@ def _cmd(args: argparse.Namespace) -> int:
         )
     if not ok and args.engine == "sglang":
         given = [(a.get("name") or a["path"], a["path"]) for a in report.get("adapters", [])]
-        for line in way_out(given, report["problems"]):
+        flags = ["--base-config", args.base_config] if args.base_config else []
+        if args.max_lora_rank is not None:
+            flags += ["--max-lora-rank", str(args.max_lora_rank)]
+        for line in way_out(given, report["problems"], flags):
             sys.stdout.write(line + "\n")
     return status
 
