@@ -16,7 +16,7 @@ __version__: str = _core.__version__  # Cargo.toml's version, the one source (py
 
 # A library logs, the application decides what is shown: without this, Python's last-resort handler prints the
 # engines' warnings that lorafast replays (one SGLang warning lists every skipped weight) to stderr.
-import logging as _logging  # noqa: E402
+import logging as _logging
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
