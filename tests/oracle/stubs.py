@@ -571,7 +571,8 @@ def sglang_diffusion_pipeline_class(root: str, methods=SGLANG_DIFFUSION_METHODS)
 # 1. vLLM (`install_vllm_cli`): the third-party modules that the CLI modules import but parsing never calls
 #    (fastapi, openai's types, zmq, prometheus_client, opentelemetry, xgrammar, ...). When, and only when, an
 #    import made from the engine's own files finds no such module, it gets one whose attributes are inert
-#    classes that pydantic accepts as `Any` (request models are built at import time over openai's types).
+#    classes that pydantic accepts as `Any` (request models are built at import time over openai's types),
+#    and whose instances' methods do nothing (`@router.get(...)` hands the function back).
 #    `msgspec` is real, from `.cache/engines/sglang-deps` (`SamplingParams` is a msgspec struct).
 # 2. SGLang (`install_sglang_cli`): `install_sglang_llm`'s stubs, except that
 #    `sglang.kernels.ops.kv_canary.consts` (an enum naming the choices of `--kv-canary-real-data`) is the
@@ -586,6 +587,11 @@ def _engine_root(name: str) -> str:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"the unpacked {name} wheel is not on sys.path")
     return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
+def _inert_callable(*args: object, **kwargs: object) -> object:
+    """What an inert instance's methods return: a decorator call (`@router.get("/health")`) gets the function back."""
+    return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else _inert_callable
 
 
 def install_vllm_cli() -> None:
@@ -610,7 +616,8 @@ def install_vllm_cli() -> None:
                 raise AttributeError(name)
             cls = Meta(name, (), {"__module__": self.__name__, "__init__": _accept_anything,
                                   "__class_getitem__": classmethod(lambda c, _item: c),
-                                  "__get_pydantic_core_schema__": any_schema})  # fmt: skip
+                                  "__get_pydantic_core_schema__": any_schema,
+                                  "__getattr__": lambda obj, attr: _inert_callable})  # fmt: skip
             setattr(self, name, cls)
             return cls
 
