@@ -549,7 +549,7 @@ def test_plan_groups_converts_only_when_it_saves_a_server(tmp_path: Path, capsys
     shared = stacked_adapter(tmp_path / "in" / "shared", 22, shared_outer=True, attn=False)
     stacked = stacked_adapter(tmp_path / "in" / "stacked", 23, shared_outer=False, attn=False)
     plan = lorafast.plan_groups([shared, stacked], convert=True, convert_out=tmp_path / "converted")
-    assert len(plan.groups) == 1 and plan.groups[0].preflight == "passed"
+    assert len(plan.groups) == 1 and plan.groups[0].preflight == "passed (start-up only)"
     (step,) = plan.conversions
     assert (step.adapter, step.from_layout, step.to_layout) == (shared, "shared_outer", "stacked_3d")
     assert step.cost_bytes > 0 and os.path.isdir(step.out)

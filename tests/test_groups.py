@@ -130,7 +130,7 @@ def test_mixed_fleet_splits_into_deployable_groups(fleet: dict[str, str]) -> Non
     other = by_names[("x1",)]
     assert other.base_model == "org/other" and other.experts_shared_outer is True
     for g in result:
-        assert g.preflight == "passed", g.preflight_problems
+        assert g.preflight == "passed (start-up only)", g.preflight_problems
         preflight_group_args(g)  # raises on any start-up or first-use failure
     # the adapters no server can take, with SGLang's reasons
     reasons = {u.name: u for u in result.unservable}
@@ -150,7 +150,7 @@ def test_max_per_group_chunks_and_stays_minimal(fleet: dict[str, str]) -> None:
     assert all(len(g.adapters) <= 2 for g in result)
     assert sorted(p for g in result for p in g.paths) == sorted(paths)
     assert len(result) == result.lower_bound == 4 and result.minimal
-    assert all(g.preflight == "passed" for g in result)
+    assert all(g.preflight == "passed (start-up only)" for g in result)
     with pytest.raises(ValueError, match="max_per_group must be at least 1"):
         plan_groups(paths, max_per_group=0)
 
@@ -178,7 +178,7 @@ def test_duplicate_names_get_unique_lora_paths(tmp_path: Path) -> None:
     b = write_moe(tmp_path / "two" / "style", "dense")
     (g,) = plan_groups([a, b])
     assert g.names == ("style", "style-2")
-    assert g.preflight == "passed"  # SGLang would refuse the same name twice ("already loaded")
+    assert g.preflight == "passed (start-up only)"  # SGLang would refuse the same name twice ("already loaded")
 
 
 def test_scan_report_and_unreadable_paths(fleet: dict[str, str], tmp_path: Path) -> None:
@@ -249,7 +249,7 @@ def test_generated_fleets_are_minimal_and_valid(tmp_path: Path, seed: int) -> No
     grouped = sorted(str(a.path) for g in result for a in g.adapters)
     assert grouped == sorted(str(a.path) for a in adapters)  # a partition
     for g in result:
-        assert g.preflight == "passed", g.preflight_problems
+        assert g.preflight == "passed (start-up only)", g.preflight_problems
         assert cap is None or len(g.adapters) <= cap
         preflight_group_args(g)
     optimum = _exhaustive_minimum(adapters, cap)
@@ -307,3 +307,24 @@ def test_cli_groups(fleet: dict[str, str], capsys: pytest.CaptureFixture[str]) -
     args = parser.parse_args(["groups", fleet["s1"], fleet["m1"], "--max-lora-rank", "8"])
     assert args.func(args) == 1  # something is unservable
     assert "unservable: m1" in capsys.readouterr().out
+
+
+def test_groups_with_a_base_config_run_the_first_use_checks(fleet: dict[str, str], tmp_path: Path) -> None:
+    """Without the base's config a group passes only the start-up checks, and says so; with it, SGLang's first-use
+    checks run too, and a base the adapters do not fit fails them."""
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+            "intermediate_size": 4 * H, "moe_intermediate_size": I, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": H // 2, "num_hidden_layers": 2, "num_experts": 4,
+            "vocab_size": 64, "torch_dtype": "float16"}  # fmt: skip
+    (plain,) = plan_groups([fleet["p1"]]).groups
+    assert plain.preflight == "passed (start-up only)"
+    (fits,) = plan_groups([fleet["p1"]], base_config=qwen).groups
+    assert fits.preflight == "passed", fits.preflight_problems
+    wide = plan_groups([fleet["p1"]], base_config={**qwen, "hidden_size": 2 * H, "head_dim": H})
+    assert not wide.ok and wide.unservable[0].code == "preflight" and "buffer shape" in wide.unservable[0].reason
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(qwen))
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    args = parser.parse_args(["groups", fleet["p1"], "--base-config", str(config), "--json"])
+    assert args.func(args) == 0

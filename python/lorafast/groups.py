@@ -163,7 +163,8 @@ class ServingGroup:
     target_modules: tuple[str, ...]
     """Normalized union, sorted; ("all",) when a name is not a CLI choice."""
     preflight: str = "unavailable"
-    """"passed" or "failed"; "unavailable" only on a group built by hand."""
+    """"passed", "passed (start-up only)" (no base config: the first-use checks were not run) or "failed";
+    "unavailable" only on a group built by hand."""
     preflight_problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     served_target_modules: tuple[str, ...] = ()
@@ -306,7 +307,9 @@ def _run_preflight(refs: list[LoraRef], **kwargs: Any) -> tuple[str, list[str], 
         engine_log.setLevel(level)
     fatal = [p.message for p in problems if p.fatal]
     warnings = [p.message for p in problems if not p.fatal]
-    return ("failed" if fatal else "passed"), fatal, warnings
+    if fatal:
+        return "failed", fatal, warnings
+    return ("passed" if kwargs.get("base_config") else "passed (start-up only)"), fatal, warnings
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -481,8 +484,13 @@ def plan_groups(
     max_per_group: int | None = None,
     convert: bool = False,
     convert_out: str | os.PathLike[str] | None = None,
+    base_config: Mapping[str, Any] | None = None,
 ) -> GroupPlan:
     """Split adapters into the fewest groups that one SGLang server each can load.
+
+    `base_config` (the base model's `config.json` as a dict) lets each group's preflight run SGLang's first-use
+    checks too (buffer shapes, ranks against the pool); without it a group that passes the start-up checks is
+    `preflight="passed (start-up only)"`, never a plain "passed".
 
     `convert=True`: where converting shared-outer adapters to stacked 3-D (exact) lets them share a per-expert
     server, write them into `convert_out` (required: the folder the converted adapters are served from, never a
@@ -501,7 +509,8 @@ def plan_groups(
 
         if convert_out is None:
             raise ValueError("convert=True needs convert_out: the folder the converted adapters are served from")
-        limits = {"max_lora_rank": max_lora_rank, "target_modules": target_modules, "max_per_group": max_per_group}
+        limits = {"max_lora_rank": max_lora_rank, "target_modules": target_modules, "max_per_group": max_per_group,
+                  "base_config": base_config}  # fmt: skip
         return plan_with_conversions(adapters_or_report, convert_out, **limits)  # type: ignore[no-any-return]
     fixed_targets: set[str] | None = None
     given: list[str] | None = None
@@ -521,7 +530,7 @@ def plan_groups(
             unservable.append(Unservable(str(adapter.path), name, "unreadable", f"{type(e).__name__}: {e}"))
             continue
         layout = outer_layout(adapter, view=view)
-        problem = _single_adapter_problem(name, adapter, layout, max_lora_rank, fixed_targets, view)
+        problem = _single_adapter_problem(name, adapter, layout, max_lora_rank, fixed_targets, view, base_config)
         if problem is not None:
             unservable.append(problem)
             continue
@@ -538,7 +547,9 @@ def plan_groups(
         adapters = tuple(servable[i][1] for i in members)
         names = _unique_names([servable[i][0] for i in members])
         group_views = tuple(views[i] for i in members)
-        groups.append(_make_group(index, adapters, names, b, max_lora_rank, fixed_targets, given, group_views))
+        groups.append(
+            _make_group(index, adapters, names, b, max_lora_rank, fixed_targets, given, group_views, base_config)
+        )
     return GroupPlan(
         groups=tuple(groups),
         unservable=tuple(unservable),
@@ -556,6 +567,7 @@ def _single_adapter_problem(
     max_lora_rank: int | None,
     fixed_targets: set[str] | None,
     view: AdapterView | None = None,
+    base_config: Mapping[str, Any] | None = None,
 ) -> Unservable | None:
     """Why no server could load `adapter`, whatever it is grouped with (None when it can be served)."""
     path = str(adapter.path)
@@ -581,7 +593,7 @@ def _single_adapter_problem(
     kwargs: dict[str, Any] = {"max_lora_rank": max_lora_rank if max_lora_rank is not None else max(rank, 1)}
     explicit = fixed_targets is not None and "all" not in fixed_targets
     kwargs["target_modules"] = sorted(fixed_targets) if explicit else sorted(targets)  # type: ignore[arg-type]
-    status, problems, _ = _run_preflight([_lora_ref(name, adapter, view)], **kwargs)
+    status, problems, _ = _run_preflight([_lora_ref(name, adapter, view)], base_config=base_config, **kwargs)
     if status == "failed":
         return Unservable(path, name, "preflight", "; ".join(problems))
     return None
@@ -596,6 +608,7 @@ def _make_group(
     fixed_targets: set[str] | None,
     given_targets: list[str] | None = None,
     views: tuple[AdapterView | None, ...] | None = None,
+    base_config: Mapping[str, Any] | None = None,
 ) -> ServingGroup:
     notes: list[str] = []
     rank = max_lora_rank if max_lora_rank is not None else max([adapter_rank(a) for a in adapters] + [1])
@@ -625,7 +638,7 @@ def _make_group(
         kwargs["experts_shared_outer"] = layout is OuterLayout.SHARED
     views = views or (None,) * len(adapters)
     refs = [_lora_ref(n, a, v) for n, a, v in zip(names, adapters, views, strict=True)]
-    status, problems, engine_warnings = _run_preflight(refs, **kwargs)
+    status, problems, engine_warnings = _run_preflight(refs, base_config=base_config, **kwargs)
     notes.extend(f"SGLang would warn: {_short(w)}" for w in engine_warnings)
     return ServingGroup(
         index=index,

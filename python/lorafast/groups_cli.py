@@ -17,6 +17,13 @@ if TYPE_CHECKING:
     import argparse
 
 
+def _config(path: str | None) -> Any:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _run_cli(args: argparse.Namespace) -> int:
     from lorafast.groups import plan_groups
     from lorafast.scanner import scan
@@ -40,6 +47,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             max_per_group=args.max_per_group,
             convert=args.convert,
             convert_out=args.out,
+            base_config=_config(args.base_config),
         )
     except ValueError as e:
         print(
@@ -69,5 +77,10 @@ def register_cli(subparsers: Any) -> None:
         help="convert shared-outer adapters to stacked 3-D (exact) where that saves a server",
     )
     p.add_argument("--out", default=None, metavar="DIR", help="with --convert: where the converted adapters go")
+    p.add_argument(
+        "--base-config",
+        metavar="CONFIG.json",
+        help="the base model's config.json: each group's preflight also runs SGLang's first-use checks",
+    )
     p.add_argument("--json", action="store_true", help="print the groups as JSON")
     p.set_defaults(func=_run_cli)
