@@ -80,6 +80,23 @@ def write_adapter(folder: Path, tensors: dict | None, config: Any, *, files: dic
     return str(folder)
 
 
+# Torch weight files per class: file -> its tensors ("adapter": the adapter's, "other": another module's,
+# "none": an empty dict, as a training_args.bin stand-in).
+TORCH_FILES = {
+    "bin_only": {"adapter_model.bin": "adapter"}, "pt_only": {"adapter_model.pt": "adapter"},
+    "bin_and_pt": {"adapter_model.bin": "adapter", "adapter_model.pt": "other"},
+    "training_args_and_pt": {"training_args.bin": "none", "adapter_model.pt": "adapter"},
+    "only_training_args": {"training_args.bin": "none"},
+}  # fmt: skip
+
+
+def _torch_save(path: Path, tensors: dict) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: torch.zeros(shape) for k, (_, shape) in tensors.items()}, path)
+
+
 def _config(r: Any, targets: Any, **extra: Any) -> dict:
     return {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r if isinstance(r, int) else 8, "target_modules": targets,
             "bias": "none", "task_type": "CAUSAL_LM", **extra}  # fmt: skip
@@ -134,6 +151,8 @@ def _hand_made(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[s
         "regex_targets", "all_linear", "dict_targets", "added_tokens", "fake_added_tokens", "bad_added_tokens",
         "index_missing_shard", "index_no_weight_map", "consolidated", "config_list", "config_invalid",
         "no_weights", "no_config", "unembed", "bias_tensor", "big_rank",
+        # the loader's choice without .safetensors: *.bin, else *.pt, then training files dropped
+        "bin_only", "pt_only", "bin_and_pt", "training_args_and_pt", "only_training_args", "zero_size",
     ]  # fmt: skip
     if moe:
         classes += ["moe_2d", "moe_2d", "moe_3d", "moe_outer", "moe_outer", "moe_too_many", "moe_2d_w",
@@ -260,6 +279,13 @@ def _hand_made(rng: random.Random, out: Path, base: str, n: int) -> list[tuple[s
             t = None  # type: ignore[assignment]
         elif kind == "no_config":
             cfg = None
+        elif kind == "zero_size":  # empty tensors share one data offset; their order is the loader's
+            t.update({f"{PRE}.{layers[0]}.self_attn.{n}.lora_A.weight": ("F32", (0, H)) for n in ("zb", "za", "zc")})
+        elif kind in TORCH_FILES:
+            for file, which in TORCH_FILES[kind].items():
+                _torch_save(folder / file, t if which == "adapter" else _dense_tensors(rng, ["o_proj"], r, [0], False)
+                            if which == "other" else {})  # fmt: skip
+            t = None  # type: ignore[assignment]
         made.append((kind, write_adapter(folder, t, cfg, files=files, weights_name=name)))
     return made
 
@@ -418,7 +444,13 @@ def build(out: Path, seed: int = 11) -> dict[str, Any]:
     adapters += _mutants(rng, out / "mutants", adapters, 80)
     adapters.append(("llama", "not_a_folder", str(out / "does-not-exist")))
     adapters.append(("llama", "hub_id", "not a valid/repo id!"))
-    return {"adapters": adapters, "cases": _cases(rng, adapters), "functions": _functions(adapters)}
+    # Empty tensors at one data offset, in a file of their own: the loader's order (its iterators, directly).
+    empty = out / "empty-tensors" / "adapter_model.safetensors"
+    empty.parent.mkdir()
+    write_safetensors(empty, {f"{PRE}.0.self_attn.{m}.lora_A.weight": ("F32", (4, H) if m == "o_proj" else (0, H))
+                              for m in ("zc", "o_proj", "za", "zb")})  # fmt: skip
+    functions = [*_functions(adapters), {"fn": "iterate", "path": str(empty)}]
+    return {"adapters": adapters, "cases": _cases(rng, adapters), "functions": functions}
 
 
 def _functions(adapters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
@@ -438,6 +470,8 @@ def _functions(adapters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
     supported = (None, [], ["up_proj"], ["in_proj", "qkv_proj"], ["not_a_module", "lm_head"], ["indexer.wk"])
     for base in BASES.values():
         calls += [{"fn": "auto_detect", "base": base, "supported": s} for s in supported]
+    # `LoRAAdapter.initialize_weights` alone, per adapter (compat's `predict_loaded_weights`)
+    calls += [{"fn": "loaded_weights", "base": BASES[base], "path": path} for base, _kind, path in adapters]
     return calls
 
 

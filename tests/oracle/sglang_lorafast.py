@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -17,6 +18,8 @@ from lorafast.compat import sglang as sg
 from lorafast.compat._common import LoraRef
 
 STARTUP_STAGES = ("startup", "load")
+# The buffer, side and expert dim an "expert 0 only" warning names.
+_EXPERT0 = re.compile(r"the (\S+) lora_([AB]) buffer is per-expert \(expert_dim=(\w+),")
 
 
 def _base_config(base: dict[str, Any]) -> dict[str, Any]:
@@ -39,7 +42,10 @@ def _buffers(plan: sg.SGLangPlan) -> dict[str, list[list[int]]]:
 
 def _weights(plan: sg.SGLangPlan, ref: LoraRef) -> list:
     """The normalized weights preflight checked for `ref`: (layer, name, shape) in SGLang's dict order."""
-    weights = plan.loaded_weights[ref.lora_id]
+    return _listed(plan.loaded_weights[ref.lora_id])
+
+
+def _listed(weights: Any) -> list:
     out = [[i, name, list(shape)] for i, name, shape in weights.iter_layer_weights()]
     return out + [[None, name, list(shape)] for name, shape in weights.embedding.items()]
 
@@ -63,6 +69,8 @@ def lorafast_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
         "buffers": _buffers(plan), "ids": [r.lora_id for r in refs],
     }}  # fmt: skip
     out["weights"] = [_weights(plan, ref) for ref in refs]
+    out["expert0"] = [_EXPERT0.search(p.message).groups() for p in plan.warnings  # type: ignore[union-attr]
+                      if p.code == "sglang_shared_factor_in_per_expert_pool"]  # fmt: skip
     first = []
     for ref in refs:
         fatal = [p for p in plan.errors if p.stage == "first_use" and p.adapter_id == ref.lora_id]
@@ -90,7 +98,12 @@ def run_functions(calls: list[dict[str, Any]]) -> list[Any]:
     out: list[Any] = []
     for call in calls:
         try:
-            if call["fn"] == "normalized":
+            if call["fn"] == "loaded_weights":
+                out.append(_listed(sg.predict_loaded_weights(call["path"], base_config=_base_config(call["base"]))))
+            elif call["fn"] == "iterate":  # the order compat reads one file's tensors in (both SGLang iterators)
+                names = [name for _, name, _ in sg.predict_loaded_weights(call["path"]).iter_layer_weights()]
+                out.append([names, names])
+            elif call["fn"] == "normalized":
                 out.append(sorted(sg.get_normalized_target_modules(call["target_modules"])))
             else:
                 tree = _sglang_pool.base_model_tree(_base_config(call["base"]))

@@ -11,6 +11,9 @@ code reads) and of their LoRA wrappers (they need the kernel backend).
 Payload: {"cases": [{"id", "base": {hf config dict}, "adapters": [{"name", "path", "pinned"}], "max_lora_rank",
 "target_modules", "max_loras_per_batch", "experts_shared_outer", "strict_loading", "dynamic": [{"name", "path"}]}]}
 Result: {"results": {id: {"startup": ..., "first_use": [...], "dynamic": [...]}}}
+
+"functions" are direct calls: the name rules, each adapter's `LoRAAdapter.initialize_weights` on its own (built
+with no LoRA backend, which `initialize_weights` never touches), and the loader's safetensors iterators on a file.
 """
 
 from __future__ import annotations
@@ -115,15 +118,39 @@ def run_case(case: dict) -> dict:
     return out
 
 
+def _loaded_weights(call: dict) -> list | None:
+    """`LoRAAdapter.initialize_weights` on its own, as `load_lora_weights` runs it; None when `LoRAConfig` or the
+    adapter's constructor refuses the adapter first (compat's `predict_loaded_weights` reads no config)."""
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.lora_config import LoRAConfig
+
+    model = stubs.sglang_tiny_model(AutoConfig.for_model(**call["base"]))
+    try:
+        adapter = LoRAAdapter("oracle", LoRAConfig(call["path"]), model.config, LoadConfig(), None, base_model=model)
+    except Exception:
+        return None
+    adapter.initialize_weights()
+    return _weights(adapter)
+
+
 def run_functions(calls: list[dict]) -> list:
     """SGLang's pure name rules, called directly: `get_normalized_target_modules` on every adapter config's
-    `target_modules`, `auto_detect_lora_target_modules` on each tiny model with `supported_lora_modules`."""
+    `target_modules`, `auto_detect_lora_target_modules` on each tiny model with `supported_lora_modules`; and
+    each adapter's `LoRAAdapter.initialize_weights`."""
     from sglang.srt.lora.utils import auto_detect_lora_target_modules, get_normalized_target_modules
 
     out = []
     for call in calls:
         try:
-            if call["fn"] == "normalized":
+            if call["fn"] == "loaded_weights":
+                out.append(_loaded_weights(call))
+            elif call["fn"] == "iterate":  # the loader's tensor order in one file, both safetensors iterators
+                from sglang.srt.model_loader import weight_utils as wu
+
+                files = [call["path"]]
+                out.append([[n for n, _ in wu.safetensors_weights_iterator(files)],
+                            [n for n, _ in wu.buffered_multi_thread_safetensors_weights_iterator(files, 2)]])  # fmt: skip
+            elif call["fn"] == "normalized":
                 out.append(sorted(get_normalized_target_modules(call["target_modules"])))
             else:
                 model = stubs.sglang_tiny_model(AutoConfig.for_model(**call["base"]))

@@ -5,7 +5,9 @@ One module per SGLang stage; `lorafast.compat.sglang` re-exports the public name
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
 from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._sglang_names import MSG_NO_WEIGHTS
 from lorafast.compat._sglang_weights import NO_CONFIG, LoadedWeights, load_adapter_weights
 
 logger = logging.getLogger("lorafast.compat.sglang")
@@ -60,6 +63,40 @@ def _lora_config(view: AdapterView, base_vocab_size: int | None = None, col: Col
     return _LoraConfig(hf, target_modules, r, lora_alpha, bool(hf.get("use_dora", False)), added)
 
 
+# `filter_files_not_needed_for_inference` (sglang 0.5.23): names ending so are dropped after the file choice.
+_NOT_FOR_INFERENCE = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+def _loader_view(view: AdapterView) -> AdapterView:
+    """`view` with the weights `DefaultModelLoader` reads from a folder that has no `.safetensors` file: the
+    first of `*.bin`, `*.pt` that matches any file wins, then files not needed for inference are dropped (so
+    `training_args.bin` beside an `adapter_model.pt` leaves no weights at all: "Cannot find any model weights").
+    Each file's tensors are read header-only by the core's torch reader, in saved order, files in name order;
+    a file the reader refuses leaves the view's tensors unseen (`weights_readable` False), as before."""
+    if view.tensors or view.load_error is not None or not view.path or not os.path.isdir(view.path):
+        return view
+    names = sorted(n for n in os.listdir(view.path) if not n.startswith("."))  # glob skips hidden files
+    if any(n.endswith(".safetensors") for n in names):
+        return view
+    chosen = next(([n for n in names if n.endswith(ext)] for ext in (".bin", ".pt") if any(
+        n.endswith(ext) for n in names)), [])  # fmt: skip
+    files = [os.path.join(view.path, n) for n in chosen if not n.endswith(_NOT_FOR_INFERENCE)]
+    from lorafast.header import read_torch_header
+
+    tensors: dict[str, tuple[int, ...] | None] = {}
+    try:
+        for file in files:
+            tensors.update((k, tuple(info.shape)) for k, info in read_torch_header(file).tensors.items())
+    except Exception:  # torch.load reads what the restricted reader refuses (a legacy file, an unsafe pickle)
+        return dataclasses.replace(view, has_weights=bool(files), weights_readable=False)
+    return dataclasses.replace(view, tensors=tensors, has_weights=bool(files), weights_readable=True)
+
+
+def _resolve(adapters: Any) -> list[AdapterView]:
+    """`resolve_adapters`, with each folder's weights as SGLang's loader chooses them (`_loader_view`)."""
+    return [_loader_view(view) for view in resolve_adapters(adapters)]
+
+
 def _text_config(base_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """`base_hf_config.get_text_config()` for multimodal configs."""
     if base_config is None:
@@ -80,7 +117,7 @@ def predict_loaded_weights(
     repeat of an already fused lora_A are all applied, with SGLang's errors.
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = resolve_adapters([adapter]) if not isinstance(adapter, AdapterView) else (adapter,)
+    (view,) = _resolve([adapter])
     shared = _load_weights(view, base_config=_text_config(base_config))
     # A private copy: the normalized dicts are cached and shared between adapters of the same structure.
     return LoadedWeights(
@@ -98,6 +135,10 @@ def _load_weights(
     base_config: Mapping[str, Any] | None = None,
     lora_added_tokens_size: int = 0,
 ) -> LoadedWeights:
+    """`LoRAAdapter.initialize_weights` on a view from `_resolve`: SGLang's error when its loader finds no weights
+    file, else the normalized weights."""
+    if not view.has_weights:
+        raise RuntimeError(MSG_NO_WEIGHTS.format(path=view.path))
     if config is None and view.config is not None and view.config_file:
         target_modules = view.config.get("target_modules", NO_CONFIG)
         rank = view.config.get("r")

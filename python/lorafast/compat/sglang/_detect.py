@@ -7,12 +7,11 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
-from lorafast.compat._inputs import resolve_adapters
 from lorafast.compat._sglang_names import (
     MSG_MIXED_SHARED_OUTER,
 )
 from lorafast.compat._sglang_weights import LoadedWeights
-from lorafast.compat.sglang._config import _NUMBERED_EXPERT, _load_weights, _memo, _text_config
+from lorafast.compat.sglang._config import _NUMBERED_EXPERT, _load_weights, _memo, _resolve, _text_config
 
 
 def _shared_flags(weights: LoadedWeights, legacy: bool) -> tuple[bool | None, frozenset[bool]]:
@@ -70,7 +69,7 @@ def detect_shared_outer_loras(
     `legacy=True` is the behaviour before SGLang PR #31681: 3D tensors only, first match per adapter.
     """
     _versions.resolve("sglang", engine_version)
-    views = resolve_adapters(adapters)
+    views = _resolve(adapters)
     cfg = _text_config(base_config)
     loaded = [_load_weights(v, base_config=cfg) for v in views]
     return _detect(loaded, legacy=legacy, col=Collector(collect=False))

@@ -10,7 +10,7 @@ from typing import Any
 from lorafast.compat import _sglang_pool as _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem
-from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._inputs import AdapterView
 from lorafast.compat._sglang_first_use import first_use_error
 from lorafast.compat._sglang_names import (
     MSG_SHARED_OUTER_DICT,
@@ -26,6 +26,7 @@ from lorafast.compat.sglang._config import (
     _load_weights,
     _LoraConfig,
     _memo,
+    _resolve,
     _text_config,
     logger,
 )
@@ -86,7 +87,7 @@ def check_skipped_weights(
     (`--lora-strict-loading`) SGLang's ValueError is raised; otherwise its warning is logged.
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = resolve_adapters([adapter])
+    (view,) = _resolve([adapter])
     weights = _load_weights(view, base_config=_text_config(base_config))
     return _check_skipped(view, weights, set(target_modules), strict=strict, col=Collector(collect=False))
 
@@ -132,7 +133,7 @@ def _classify(
 
 
 def _expert_findings(
-    slots: dict[int, dict[tuple[str, str], _Slot]], experts_shared_outer: bool, num_experts: int | None, n_shared: int
+    slots: dict[int, dict[tuple[str, str], _Slot]], experts_shared_outer: bool, num_experts: int | None
 ) -> list[tuple[str, bool, str]]:
     """(code, fatal, text): SGLang's shared-outer ValueErrors (full text) and lorafast's expert-0 findings
     (text after the `LoRA adapter '<id>': ` prefix), in layer order."""
@@ -154,13 +155,13 @@ def _expert_findings(
         for (buffer, ab), slot in sorted(layer_slots.items()):
             if slot.experts is not None or slot.tensor is None or len(slot.tensor) != 3 or slot.tensor[0] != 1:
                 continue
-            if buffer.endswith("_shared_moe"):
-                expert_dim: int | None = n_shared
-            elif buffer.endswith("_moe"):
-                outer = experts_shared_outer and (buffer, ab) in _SHARED_OUTER_SLOTS
-                expert_dim = 1 if outer else num_experts
-            else:
+            # Shared-expert (`*_shared_moe`) slots, Inkling's normalized shared experts: in shared-outer mode
+            # SGLang's shared-expert buffers have expert_dim 1 there (nothing is lost), and the pool predicted
+            # here has no shared-expert buffer at all (no shared fused MoE layer), so no expert-0 loss either.
+            if not buffer.endswith("_moe") or buffer.endswith("_shared_moe"):
                 continue
+            outer = experts_shared_outer and (buffer, ab) in _SHARED_OUTER_SLOTS
+            expert_dim = 1 if outer else num_experts
             if expert_dim == 1:
                 continue
             dim_text = "num_experts" if expert_dim is None else str(expert_dim)
@@ -186,9 +187,8 @@ def _check_expert_layout(
     """lorafast's own expert-layout findings, which SGLang never reports. With `warnings_only` the fatal ones are
     left out, for callers that take SGLang's own errors from `_FirstUse`."""
     num_experts = _num_experts(base_config) if base_config and _is_moe(base_config) else None
-    n_shared = int(base_config.get("n_shared_experts") or 1) if base_config else 1
-    key = ("experts", id(slots), experts_shared_outer, num_experts, n_shared)
-    findings = _memo(memo, key, lambda: _expert_findings(slots, experts_shared_outer, num_experts, n_shared))
+    key = ("experts", id(slots), experts_shared_outer, num_experts)
+    findings = _memo(memo, key, lambda: _expert_findings(slots, experts_shared_outer, num_experts))
     ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
     for code, fatal, text in findings:
         if fatal:
@@ -214,7 +214,7 @@ def check_expert_layout(
     SGLang silently fills expert 0 only. Returns the problems found (warnings, plus errors when collecting).
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = resolve_adapters([adapter])
+    (view,) = _resolve([adapter])
     cfg = _text_config(base_config)
     weights = _load_weights(view, base_config=cfg)
     col = Collector(collect)

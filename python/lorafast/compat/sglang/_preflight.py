@@ -9,19 +9,26 @@ from typing import Any
 from lorafast.compat import _sglang_pool as _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
-from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._inputs import AdapterView
 from lorafast.compat._sglang_names import (
     MSG_ALL_ALONE,
     MSG_ID_LOADED,
     MSG_LOAD_FAILED,
     MSG_MAX_LORAS_POSITIVE,
     MSG_NEED_RANK_AND_TARGETS,
-    MSG_NO_WEIGHTS,
     MSG_SHARED_OUTER_LOG,
 )
 from lorafast.compat._sglang_weights import LoadedWeights
 from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _itemsize
-from lorafast.compat.sglang._config import _load_weights, _lora_config, _LoraConfig, _memo, _text_config, logger
+from lorafast.compat.sglang._config import (
+    _load_weights,
+    _lora_config,
+    _LoraConfig,
+    _memo,
+    _resolve,
+    _text_config,
+    logger,
+)
 from lorafast.compat.sglang._detect import _detect
 from lorafast.compat.sglang._first_use import _check_expert_layout, _check_skipped, _classify, _FirstUse
 from lorafast.compat.sglang._targets import _init_lora_shapes, predict_base_model_modules
@@ -86,7 +93,7 @@ class SGLangPlan:
         checks use this plan's target modules and shared-outer mode. Returns the problems found, warnings
         included (a shared `[1, ...]` factor entering a per-expert pool is the case SGLang never reports).
         """
-        (view,) = resolve_adapters([adapter])
+        (view,) = _resolve([adapter])
         col = Collector(collect)
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         cfg = _text_config(self.base_config)
@@ -103,8 +110,6 @@ class SGLangPlan:
             )
             peft_type = config.hf_config["peft_type"]
             assert peft_type.lower() == "lora"
-            if not view.has_weights:
-                raise RuntimeError(MSG_NO_WEIGHTS.format(path=view.path))
             weights = _load_weights(view, config=config, base_config=cfg)
         except Exception as exc:
             col.fail("sglang_load", exc, stage="load", **ids)
@@ -175,8 +180,6 @@ def _load_one(
     peft_type = config.hf_config["peft_type"]
     assert peft_type.lower() == "lora"
     config.lora_alpha / config.r  # LoRAAdapter.scaling: a string r or a zero r fails here, as in SGLang
-    if not view.has_weights:
-        raise RuntimeError(MSG_NO_WEIGHTS.format(path=view.path))
     weights = _load_weights(
         view, config=config, base_config=base_config, lora_added_tokens_size=config.lora_added_tokens_size
     )
@@ -230,7 +233,7 @@ def preflight(
         col.fail("sglang_server_args", AssertionError(MSG_ALL_ALONE), stage=stage)
     for path, code, message in getattr(adapters, "errors", None) or ():
         col.fail("scan_error", RuntimeError(f"lorafast could not scan {path}: [{code}] {message}"), stage="load")
-    views = resolve_adapters(adapters)
+    views = _resolve(adapters)
     if not views and not (max_lora_rank and cli_targets):
         col.fail("sglang_server_args", AssertionError(MSG_NEED_RANK_AND_TARGETS), stage=stage)
     if base_model_modules is None and cfg is not None:
@@ -260,7 +263,7 @@ def preflight(
         if not view.weights_readable:
             col.warn(
                 "lorafast_unreadable_weights",
-                f"{view.path} has only .bin/.pt weights: lorafast checked its "
+                f"{view.path} has .bin/.pt weights that lorafast's torch reader cannot read: lorafast checked its "
                 "config but cannot see its tensors without loading them",
                 stage="load",
                 **ids,

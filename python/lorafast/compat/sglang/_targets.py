@@ -8,7 +8,7 @@ from typing import Any
 from lorafast.compat import _sglang_pool as _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
-from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._inputs import AdapterView
 from lorafast.compat._sglang_names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
@@ -19,7 +19,7 @@ from lorafast.compat._sglang_names import (
     auto_detect_lora_target_modules,
     get_normalized_target_modules,
 )
-from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _text_config
+from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, _text_config
 
 
 def predict_base_model_modules(base_config: Mapping[str, Any], *, engine_version: str | None = None) -> set[str]:
@@ -144,7 +144,7 @@ def init_lora_shapes(
     text = _text_config(base_config)
     tree = _pool.base_model_tree(text) if text is not None and base_model_modules is None else None
     vocab = text.get("vocab_size") if text else None
-    entries = [(v, _lora_config(v, vocab)) for v in resolve_adapters(adapters)]
+    entries = [(v, _lora_config(v, vocab)) for v in _resolve(adapters)]
     return _init_lora_shapes(
         entries,
         max_lora_rank,

@@ -8,7 +8,7 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, LoraRef
-from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat._inputs import AdapterView
 from lorafast.compat._sglang_names import (
     MSG_ADDED_TOKENS,
     MSG_ALREADY_LOADED,
@@ -18,7 +18,7 @@ from lorafast.compat._sglang_names import (
     MSG_SAME_PATH,
     get_normalized_target_modules,
 )
-from lorafast.compat.sglang._config import _lora_config, _LoraConfig, logger
+from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, logger
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def can_support(
     if base_vocab_size is None:
         base = getattr(memory_pool, "base_config", None)
         base_vocab_size = base.get("vocab_size") if base else None
-    return all(_can_support_one(memory_pool, _lora_config(v, base_vocab_size)) for v in resolve_adapters(adapters))
+    return all(_can_support_one(memory_pool, _lora_config(v, base_vocab_size)) for v in _resolve(adapters))
 
 
 def _refs(loaded: Any) -> list[Any]:
@@ -59,13 +59,13 @@ def _refs(loaded: Any) -> list[Any]:
     if not loaded:
         return []
     if isinstance(loaded, Mapping) or not isinstance(loaded, Iterable) or isinstance(loaded, str):
-        return list(resolve_adapters(loaded))
+        return list(_resolve(loaded))
     out = []
     for item in loaded:
         if isinstance(item, (LoraRef, AdapterView)):
             out.append(item)
         else:
-            out.extend(resolve_adapters([item]))
+            out.extend(_resolve([item]))
     return out
 
 
@@ -137,7 +137,7 @@ def validate_new_adapter(
     given, pinning every slot). Returns SGLang's warnings (the same path loaded under another name).
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = resolve_adapters([adapter])
+    (view,) = _resolve([adapter])
     existing = _LoadedIndex(_refs(loaded))
     config = _lora_config(view, base_vocab_size)
     return _validate_new_adapter(
