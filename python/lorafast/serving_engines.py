@@ -217,6 +217,21 @@ def _vllm(
                 fix.append(f"--max-lora-rank {plan.suggested_max_lora_rank}")
             rows.append(_failed(name, path, source, problem, fix))
             continue
+        misfit = [k for k, m in base_fit.get(path, {}).items() if m.status == "shape_mismatch"]
+        if misfit:  # vLLM loads it, then copying the factors into the layer's LoRA buffers fails on their shapes
+            rows.append(
+                AdapterVerdict(
+                    name,
+                    path,
+                    source,
+                    "fails",
+                    (f"{len(misfit)} modules do not fit the base's weights (e.g. {misfit[0]}): the first request "
+                     "that uses it fails when vLLM copies the factors into the layer",),  # fmt: skip
+                    stage="first_use",
+                    fix=("serve it on the base it was trained for (lorafast check names the likely base)",),
+                )
+            )
+            continue
         lora = plan.loras.get(ref.name)
         loras = dict(lora.loras) if lora is not None else {}
         dropped: list[tuple[str, str]] = []
