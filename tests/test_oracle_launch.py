@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent / "oracle"))
 import cases_launch
 import engines
 from lorafast.compat import _launch_flags
-from lorafast.compat.launch import _SGLANG_SPEC, _VLLM_SPEC, LaunchCommand, _parser, parse_launch
+from lorafast.compat.launch import _SGLANG_SPEC, LaunchCommand, _parser, _vllm_spec, parse_launch
 
 RELEASES = [(engine, v) for engine in ("vllm", "sglang") for v in engines.PINNED[engine]]
 OUT = Path(__file__).resolve().parents[1] / "target" / "launch_flags.py"
@@ -104,7 +104,7 @@ def test_rebuilt_parser_is_the_engines(
 ) -> None:
     """The parser lorafast builds registers the same option strings, in the same order, for the same actions, and
     gives the LoRA flags (and the model's) the engine's class, nargs, type, choices, default and const."""
-    spec = _VLLM_SPEC(version) if engine == "vllm" else _SGLANG_SPEC
+    spec = _vllm_spec(version) if engine == "vllm" else _SGLANG_SPEC
     theirs = oracle[(engine, version)]["parser"]
     mine = [row for row in cases_launch.describe(_parser(engine, version, "x"), set(spec)) if row["dest"] != "help"]
     theirs = [row for row in theirs if row["dest"] != "help"]

@@ -140,7 +140,7 @@ def _program(tokens: list[str]) -> tuple[dict[str, str], str, str, list[str]]:
         if _ASSIGNMENT.match(tokens[i]):
             name, value = tokens[i].split("=", 1)
             env[name] = value
-        elif os.path.basename(tokens[i]) == "env" and not env:
+        elif os.path.basename(tokens[i]) == "env":
             while i + 1 < len(tokens) and tokens[i + 1].startswith("-"):  # env -i, env -u NAME
                 i += 2 if tokens[i + 1] in ("-u", "--unset") else 1
         else:
@@ -152,7 +152,7 @@ def _program(tokens: list[str]) -> tuple[dict[str, str], str, str, list[str]]:
     name = os.path.basename(program)
     if _PYTHON.fullmatch(name):
         j = 0
-        while j < len(rest) and rest[j] != "-m" and rest[j].startswith("-") and not rest[j].startswith("-m"):
+        while j < len(rest) and rest[j].startswith("-") and not rest[j].startswith("-m"):
             j += 2 if rest[j] in _PYTHON_OPTIONS_WITH_VALUE else 1
         if j < len(rest) and rest[j].startswith("-m"):
             if rest[j] == "-m" and j + 1 < len(rest):
@@ -254,7 +254,7 @@ def _auto_dest(strings: list[str]) -> str:
 @functools.cache
 def _parser(engine: str, version: str, prog: str) -> _Parser:
     """The engine release's parser: every flag of `_launch_flags.FLAGS`, the LoRA ones with the engine's spec."""
-    spec = _VLLM_SPEC(version) if engine == "vllm" else _SGLANG_SPEC
+    spec = _vllm_spec(version) if engine == "vllm" else _SGLANG_SPEC
     parser = _Parser(prog=prog, add_help=False)
     for line in FLAGS[(engine, version)].splitlines():
         first, *marks = line.split(" ")
@@ -398,7 +398,7 @@ class LoRAParserAction(argparse.Action):
 
 
 @functools.cache
-def _VLLM_SPEC(version: str) -> dict[str, dict[str, Any]]:
+def _vllm_spec(version: str) -> dict[str, dict[str, Any]]:
     """The LoRA flags of `make_arg_parser` (the "LoRAConfig" group and --lora-modules) and the model's."""
     boolean = EnableDisableAction if _versions.at_least("vllm", version, "0.33.0") else argparse.BooleanOptionalAction
     spec: dict[str, dict[str, Any]] = {
@@ -425,7 +425,7 @@ def _VLLM_SPEC(version: str) -> dict[str, dict[str, Any]]:
 
 
 def _vllm_lora_dests(version: str) -> list[str]:
-    return [d for d in _VLLM_SPEC(version) if d not in ("model", "model_tag")]
+    return [d for d in _vllm_spec(version) if d not in ("model", "model_tag")]
 
 
 # `vllm`'s top-level parser (vllm/entrypoints/cli/main.py): what a config file's `--no-X` is looked up in
@@ -584,7 +584,7 @@ def _merge(original: dict[str, Any], update: dict[str, Any]) -> None:
 
 
 def _parse_vllm(argv: list[str], entry: str, version: str, col: Collector) -> _Parsed:
-    spec = _VLLM_SPEC(version)
+    spec = _vllm_spec(version)
     dests = _vllm_lora_dests(version)
     out = _Parsed(model=_VLLM_DEFAULT_MODEL, options={d: _frozen(spec[d].get("default")) for d in dests})
     args = ["serve", *argv] if entry == "serve" else list(argv)
@@ -790,12 +790,21 @@ _SGLANG_SPEC: dict[str, dict[str, Any]] = {
     "lora_drain_wait_threshold": {"type": float, "default": 0.0},
 }
 _SGLANG_LORA_DESTS = [d for d in _SGLANG_SPEC if d != "model_path"]
-# Flags outside the lora namespace that check_lora_server_args reads after other resolution hooks ran.
-_SGLANG_NOT_MODELLED = {
-    "speculative_algorithm": "check_lora_speculative_compatibility (LoRA with speculative decoding)",
-    "moe_runner_backend": "check_lora_moe_runner_args (a lora_* MoE runner)",
-    "speculative_moe_runner_backend": "check_lora_moe_runner_args (the draft's MoE runner)",
-}
+
+
+def _sglang_not_modelled(ns: argparse.Namespace) -> list[str]:
+    """The checks of check_lora_server_args that read flags outside the lora namespace as earlier resolution
+    hooks left them (the speculative algorithm after NEXTN became EAGLE, the MoE runners after their defaults,
+    quantization from the model's config), or the platform: named, not answered."""
+    notes = []
+    if ns.enable_lora and ns.speculative_algorithm not in (None, "NGRAM"):
+        notes.append("--speculative-algorithm: check_lora_speculative_compatibility")
+    if ns.enable_lora and ns.lora_backend == "triton_v2" and not (ns.moe_runner_backend or "").startswith("lora"):
+        notes.append("--lora-backend triton_v2: _check_v2_lora_modes (attention DP, PD-multiplexing, TBO, ROCm)")
+    for dest in ("moe_runner_backend", "speculative_moe_runner_backend"):
+        if (getattr(ns, dest) or "").startswith("lora"):
+            notes.append(f"--{dest.replace('_', '-')} {getattr(ns, dest)}: check_lora_moe_runner_args")
+    return [f"{note} is not modelled" for note in notes]
 
 
 def _sglang_serve_argv(argv: list[str], col: Collector) -> list[str] | None:
@@ -941,8 +950,6 @@ def _check_lora_server_args(ns: argparse.Namespace, version: str, out: _Parsed, 
         ns.enable_lora = True  # "--enable-lora is set to True because --lora-paths is provided."
     paths = ns.lora_paths
     if ns.enable_lora:
-        if ns.lora_backend == "triton_v2" and not (ns.moe_runner_backend or "auto").startswith("lora"):
-            col.warn("launch_not_modelled", "--lora-backend triton_v2: _check_v2_lora_modes", stage=STAGE)
         if ns.enable_lora_overlap_loading is None:
             ns.enable_lora_overlap_loading = False
         if ns.enable_lora_overlap_loading:
@@ -975,9 +982,8 @@ def _check_lora_server_args(ns: argparse.Namespace, version: str, out: _Parsed, 
             fail("--max-lora-chunk-size must be a power of 2 between 16 and 128.")
         if not ns.lora_drain_wait_threshold >= 0.0:
             fail("--lora-drain-wait-threshold must be non-negative.")
-    for dest, check in _SGLANG_NOT_MODELLED.items():
-        if getattr(ns, dest, None) is not None and (ns.enable_lora or str(getattr(ns, dest)).startswith("lora")):
-            col.warn("launch_not_modelled", f"--{dest.replace('_', '-')}: {check} is not modelled", stage=STAGE)
+    for note in _sglang_not_modelled(ns):
+        col.warn("launch_not_modelled", note, stage=STAGE)
     out.enable_lora = ns.enable_lora
     out.options = {d: _frozen(getattr(ns, d)) for d in _SGLANG_LORA_DESTS}
     if ns.enable_lora:
