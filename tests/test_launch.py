@@ -35,6 +35,11 @@ def test_program(command: str, engine: str, entry: str, argv: tuple[str, ...], e
     assert (parsed.engine, parsed.entry, parsed.argv, dict(parsed.env)) == (engine, entry, argv, env)
 
 
+def test_pasted_multi_line_command() -> None:
+    parsed = parse_launch("python3 -m sglang.launch_server \\\n  --model-path m \\\n  --lora-paths a=/p\n")
+    assert parsed.argv == ("--model-path", "m", "--lora-paths", "a=/p") and parsed.lora_adapters == (("a", "/p"),)
+
+
 def test_argv_list_is_taken_as_is() -> None:
     parsed = parse_launch(["vllm", "serve", "my model", "--lora-modules", "a=/p q"])
     assert parsed.model == "my model" and parsed.lora_adapters == (("a", "/p q"),)

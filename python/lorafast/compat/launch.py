@@ -28,6 +28,7 @@ import shlex
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
+from types import MappingProxyType
 from typing import Any
 
 from lorafast.compat import _versions
@@ -39,6 +40,8 @@ from lorafast.compat._sglang_names import (
     MSG_NEED_RANK_AND_TARGETS,
     SUPPORTED_LORA_TARGET_MODULES,
 )
+
+__all__ = ["LaunchCommand", "parse_launch"]
 
 STAGE = "startup"
 
@@ -74,7 +77,7 @@ class LaunchCommand:
             "engine_version": self.rules.to_dict(),
             "enable_lora": self.enable_lora,
             "lora_adapters": [list(a) for a in self.lora_adapters],
-            "options": {k: _plain(v) for k, v in self.options.items()},
+            "options": _plain(dict(self.options)),
             "problems": [
                 {"code": p.code, "stage": p.stage, "exc_type": p.exc_type, "message": p.message, "fatal": p.fatal}
                 for p in self.problems
@@ -93,13 +96,17 @@ def parse_launch(
 ) -> LaunchCommand:
     """Parse an engine's launch command as that engine release does (default: `_versions`' default version).
 
-    `command` is the command line as typed (split like a POSIX shell) or its argv. `NAME=value` prefixes (and
-    `env`) are kept in `env`. Recognized programs: `vllm serve`, `python -m vllm.entrypoints.openai.api_server`
-    (or `vllm.entrypoints.cli.main serve`), `sglang serve`, `python -m sglang.launch_server` (or
-    `sglang.cli.main serve`), with any python interpreter; anything else is a `ValueError` naming the program.
-    With `collect=False` the engine's first start-up error is raised instead of returned in `problems`.
+    `command` is the command line as typed (split like a POSIX shell, `\\`-newline continuations joined) or its
+    argv. `NAME=value` prefixes (and `env`) are kept in `env`. Recognized programs: `vllm serve`, `python -m
+    vllm.entrypoints.openai.api_server` (or `vllm.entrypoints.cli.main serve`), `sglang serve`, `python -m
+    sglang.launch_server` (or `sglang.cli.main serve`), with any python interpreter; anything else is a
+    `ValueError` naming the program. With `collect=False` the engine's first start-up error is raised instead of
+    returned in `problems` (for `--help`, the engine's own `SystemExit(0)`).
     """
-    tokens = shlex.split(command) if isinstance(command, str) else [str(t) for t in command]
+    if isinstance(command, str):
+        tokens = shlex.split(_CONTINUATION.sub("", command))  # a pasted multi-line command, as the shell joins it
+    else:
+        tokens = [str(t) for t in command]
     env, engine, entry, argv = _program(tokens)
     rules = _versions.rules_for(engine, engine_version, strict=strict_version)
     col = Collector(collect)
@@ -112,17 +119,18 @@ def parse_launch(
         rules=rules,
         enable_lora=parsed.enable_lora,
         lora_adapters=tuple(parsed.adapters),
-        options=parsed.options,
+        options=MappingProxyType(parsed.options),
         problems=tuple(col.problems),
         ignored=tuple(parsed.ignored),
         entry=entry,
-        env=env,
+        env=MappingProxyType(env),
     )
 
 
 # --- the program ----------------------------------------------------------------------------------------
 
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_CONTINUATION = re.compile(r"\\\r?\n")
 _PYTHON = re.compile(r"python[0-9.]*")
 _MODULES = {  # python -m MODULE [subcommand]: (engine, entry, subcommand it needs)
     "vllm.entrypoints.openai.api_server": ("vllm", "api_server", None),
