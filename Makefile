@@ -54,11 +54,12 @@ build-release: $(BIN)/python ## optimised build of the extension into the venv (
 	$(BIN)/maturin develop --release -q
 
 .PHONY: demo
-demo: $(BIN)/python ## the main job: write 2,000 sample adapters and scan them
-	$(BIN)/pip install -q .
-	rm -rf sample-adapters
-	$(BIN)/lorafast sample --out sample-adapters -n 2000
-	$(BIN)/lorafast scan sample-adapters
+demo: $(BIN)/python ## the main job: a release build, then preflight of real launch commands on a fleet it writes (python -m lorafast.demo)
+	@echo "building lorafast, release build (fat LTO: a few minutes the first time; cargo's progress below) ..."
+	@bash -o pipefail -c '$(BIN)/pip install -v . 2>&1 | grep --line-buffered -E "^ *(Compiling|Finished|Built wheel)|Successfully installed"'
+	@$(BIN)/lorafast --version
+	rm -rf demo-fleet
+	$(BIN)/python -m lorafast.demo demo-fleet
 
 .PHONY: format
 format: ## rustfmt + ruff format
@@ -87,6 +88,8 @@ test-python: ## pytest against the installed build
 
 .PHONY: test
 test: setup test-rust test-python ## set everything up, then run the whole suite
+	@echo "make test leaves this build in $(VENV) (make build-release, or make demo, for a release one):"
+	@$(BIN)/lorafast --version
 
 # The Python fuzz harness (tests/fuzz_python.py, atheris). `make test` runs a 30 s seeded pass of it.
 FUZZ_SECONDS ?= 600

@@ -241,6 +241,17 @@ def cmd_header(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from .sample import write_samples
 
+    if args.with_bases:
+        from .sample_bases import write_with_bases
+
+        written = write_with_bases(args.out, seed=args.seed)
+        if args.json:
+            _print_json({"out": os.fspath(args.out), "paths": written})
+        else:
+            print(f"wrote {len(written)} bases and adapters that fit them to {args.out}:")
+            for name, path in written.items():
+                print(f"  {name:<14} {path}")
+        return 0
     paths = write_samples(args.out, args.n, seed=args.seed)
     if args.json:
         _print_json({"out": os.fspath(args.out), "written": len(paths)})
@@ -376,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write the adapters into")
     p.add_argument("-n", type=count, default=100, help="how many adapters (default 100)")
     p.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same fleet")
+    p.add_argument(
+        "--with-bases",
+        action="store_true",
+        help="write tiny base models and adapters that fit them (and some that do not), instead of -n samples",
+    )
     p.add_argument("--json", action="store_true", help="list what was written, machine-readable, on stdout")
     p.set_defaults(func=cmd_sample)
 

@@ -65,6 +65,31 @@ class _Bar:
         sys.stderr.flush()
 
 
+def _base_file(base: str, out: str) -> tuple[str, str]:
+    """(the base file, the output file). A base folder with one weight file (as `check --base` takes it) merges
+    into a folder of the same layout: OUT/<that file>, with the folder's other files (config.json, tokenizer)
+    copied beside it, so OUT loads as the base did."""
+    import os
+    import shutil
+
+    if not os.path.isdir(base):
+        return base, out
+    files = sorted(f for f in os.listdir(base) if f.endswith(".safetensors"))
+    if len(files) != 1:
+        raise ValueError(
+            f"{base}: a folder with {len(files)} .safetensors files; merge takes a single-file base (give the file, "
+            "or one shard at a time)"
+        )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out}: a file, but the base is a folder (give a folder to write the merged model to)")
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(base):
+        src = os.path.join(base, name)
+        if name != files[0] and os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out, name))
+    return os.path.join(base, files[0]), os.path.join(out, files[0])
+
+
 def _run(args: argparse.Namespace) -> int:
     from lorafast.merging.errors import MergeError
     from lorafast.merging.stream import merge_file
@@ -77,10 +102,15 @@ def _run(args: argparse.Namespace) -> int:
     requests = [parse_adapter(a) for a in args.adapter]
     bar = _Bar(enabled=not args.quiet and not args.json and sys.stderr.isatty())
     try:
+        base, out = _base_file(args.base, args.out)
+    except ValueError as exc:
+        print(f"lorafast merge: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         summary: dict[str, Any] = merge_file(
-            args.base,
+            base,
             requests,
-            args.out,
+            out,
             device=args.device,
             chunk_bytes=chunk,
             safe=not args.unsafe,
@@ -128,7 +158,7 @@ def register_cli(subparsers: Any) -> None:
         description="Write a merged checkpoint: W += Σ strength·scale·(B@A), accumulated in fp32, cast once. "
         "Streams tensor by tensor, so memory stays bounded by --chunk-bytes.",
     )
-    p.add_argument("--base", required=True, help="base checkpoint (.safetensors)")
+    p.add_argument("--base", required=True, help="base checkpoint: a .safetensors file, or a model folder holding one")
     p.add_argument(
         "--adapter",
         action="append",
@@ -136,7 +166,7 @@ def register_cli(subparsers: Any) -> None:
         metavar="PATH[:STRENGTH]",
         help="adapter folder or .safetensors file, with an optional strength (default 1.0); repeat to add more",
     )
-    p.add_argument("--out", required=True, help="merged checkpoint to write (.safetensors)")
+    p.add_argument("--out", required=True, help="merged checkpoint to write (.safetensors; a folder for a folder base)")
     p.add_argument("--device", default=None, help="compute device (default cpu), e.g. cuda or cuda:1")
     p.add_argument(
         "--chunk-bytes", default=str(DEFAULT_CHUNK_BYTES), help="bound on working memory, e.g. 256M (default 256M)"
