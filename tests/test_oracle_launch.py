@@ -26,6 +26,8 @@ import engines
 from lorafast.compat import _launch_flags
 from lorafast.compat.launch import _SGLANG_SPEC, LaunchCommand, _parser, _vllm_spec, parse_launch
 
+pytestmark = pytest.mark.timeout(900)  # the module's first test waits for four engine runs
+
 RELEASES = [(engine, v) for engine in ("vllm", "sglang") for v in engines.PINNED[engine]]
 OUT = Path(__file__).resolve().parents[1] / "target" / "launch_flags.py"
 
