@@ -286,3 +286,17 @@ def test_preflight_takes_a_folder_names_paths_and_cuts_long_lines(
     code, out, _ = run_main(["preflight", "sglang", str(fleet), "--json"], capsys)
     report = json.loads(out)
     assert {p["adapter_path"] for p in report["problems"]} >= {str(fleet / "dora")}
+
+
+def test_plan_suggests_flags_not_python(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafast.sample_bases import write_with_bases
+
+    p = write_with_bases(tmp_path)
+    argv = ["plan", "-a", f"a={p['flux-a']}", "-a", f"b={p['flux-b']}", "--merge-mode", "dynamic"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 1
+    # SGLang's own text stays as it is; lorafast's suggestion names the flags
+    assert "error: Dynamic LoRA currently supports only one adapter per target. Use merge_mode='merge'" in err
+    assert "--resolve plans it as a merge, or pass --merge-mode merge." in err and "resolve=True" not in err
+    code, out, _ = run_main([*argv, "--resolve"], capsys)
+    assert code == 0 and "--resolve" in out and "resolve=True" not in out

@@ -90,15 +90,33 @@ def _run_cli(args: argparse.Namespace) -> int:
                 "--allow-unreadable plans them with unknown scales)"
             )
     except ValueError as e:  # SGLang's own errors and PlanError: say why, exit 1
+        notes = [_cli_words(n) for n in getattr(e, "__notes__", [])]
         if args.json:
-            print(json.dumps({"error": str(e), "type": type(e).__name__, "notes": getattr(e, "__notes__", [])}))
+            print(json.dumps({"error": str(e), "type": type(e).__name__, "notes": notes}))
         else:
-            print(f"error: {e}", file=sys.stderr)
-            for note in getattr(e, "__notes__", []):
+            print(f"error: {e}", file=sys.stderr)  # the engine's own text, as it is
+            for note in notes:
                 print(note, file=sys.stderr)
         return 1
-    print(p.to_json(indent=2) if args.json else p.explain())
+    print(p.to_json(indent=2) if args.json else _cli_words(p.explain()))
     return 0
+
+
+# lorafast's own suggestions name the Python API; on the command line they name the flags. (SGLang's texts, which
+# say merge_mode='merge', are the engine's and stay as they are: they are never passed through this.)
+_CLI_WORDS = (
+    ("plan(..., resolve=True)", "--resolve"),
+    ("plan with resolve=True", "plan with --resolve"),
+    ("pass merge_mode='merge'", "pass --merge-mode merge"),
+    ("Use merge_mode='merge', or", "Use --merge-mode merge, or"),
+    ("resolve=True", "--resolve"),
+)
+
+
+def _cli_words(text: str) -> str:
+    for api, flag in _CLI_WORDS:
+        text = text.replace(api, flag)
+    return text
 
 
 def register_cli(subparsers: Any) -> None:
