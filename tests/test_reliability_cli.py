@@ -300,3 +300,28 @@ def test_plan_suggests_flags_not_python(tmp_path: Path, capsys: pytest.CaptureFi
     assert "--resolve plans it as a merge, or pass --merge-mode merge." in err and "resolve=True" not in err
     code, out, _ = run_main([*argv, "--resolve"], capsys)
     assert code == 0 and "--resolve" in out and "resolve=True" not in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["scan"],
+        ["inspect"],
+        ["header"],
+        ["sample"],
+        ["preflight", "sglang"],
+        ["preflight", "--threads", "0", "--", "vllm", "serve", "m"],
+        ["check", "x", "--threads", "0"],
+        ["plan"],
+        ["groups", "x", "--max-per-group", "0"],
+        ["merge", "--base", "b"],
+        ["convert"],
+        ["engines", "--bogus"],
+        ["upgrade-check", "--engine", "vllm", "x"],
+        ["nonsense"],
+    ],
+)
+def test_every_subcommand_exits_2_on_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(argv, capsys)
+    assert code == 2, (argv, err)
+    assert "Traceback" not in err and "error" in err
