@@ -86,6 +86,10 @@ test-rust: ## cargo tests (pure core, no libpython): without features, then with
 test-python: ## pytest against the installed build
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+.PHONY: test-fast
+test-fast: ## pytest without the oracle, Ray, remote, fuzz and slow families (for a quick loop; make test is the gate)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not oracle and not ray and not remote and not fuzz and not slow"
+
 .PHONY: test
 test: setup test-rust test-python ## set everything up, then run the whole suite
 	@echo "make test leaves this build in $(VENV) (make build-release, or make demo, for a release one):"
