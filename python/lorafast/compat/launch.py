@@ -815,9 +815,13 @@ def _sglang_not_modelled(ns: argparse.Namespace) -> list[str]:
     return [f"{note} is not modelled" for note in notes]
 
 
+_SGLANG_BACKENDS = ("llm", "diffusion")  # sglang/cli/serve.py's built-in serve backends
+
+
 def _sglang_serve_argv(argv: list[str], col: Collector) -> list[str] | None:
-    """`sglang serve`: `_extract_model_type_override`, `_normalize_positional_model_path`, the help and
-    model-path checks of `sglang.cli.serve.serve` (the LLM backend assumed: detection reads the model)."""
+    """`sglang serve`: `_extract_model_type_override`, `_normalize_positional_model_path`, the backend name, help
+    and model-path checks of `sglang.cli.serve.serve` (`auto` taken as the LLM server: detection reads the
+    model; out-of-tree backends are not known)."""
     backend, filtered, i = "auto", [], 0
     while i < len(argv):
         arg = argv[i]
@@ -837,11 +841,17 @@ def _sglang_serve_argv(argv: list[str], col: Collector) -> list[str] | None:
         return None
     if filtered and not filtered[0].startswith("-"):
         filtered = ["--model-path", filtered[0], *filtered[1:]]
+    if backend not in ("auto", *_SGLANG_BACKENDS):  # ServeBackendRegistry.get, before a named backend's help
+        available = ", ".join(("auto", *_SGLANG_BACKENDS))
+        message = f"Unknown serve backend {backend!r}. Available values: {available}."
+        col.fail("launch_argument_error", ValueError(message), stage=STAGE)
+        return None
     if any(h in filtered for h in ("-h", "--help")):
         _help(col)
         return None
-    if backend not in ("auto", "llm"):
-        col.warn("launch_not_modelled", f"--model-type {backend}: only SGLang's LLM server is modelled", stage=STAGE)
+    if backend == "diffusion":
+        col.warn("launch_not_modelled", "--model-type diffusion: SGLang's diffusion server is not read", stage=STAGE)
+        return None
     if _sglang_model_path(filtered) is None:
         col.fail(
             "launch_argument_error",
