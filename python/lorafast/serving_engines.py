@@ -130,6 +130,12 @@ def _decide(
         verdict = "serves"
     if verdict in ("partial", "silent_noop") and scales:
         reasons.append(f"{len(scales)} applied modules are also served at another scale than trained")
+    if undecided and verdict != "unknown":
+        # What is missing decides more than what was found: without the base the engine may refuse the adapter
+        # (vLLM's expected modules, SGLang's first use) or apply none of it, so a drop or a scale found so far is
+        # a reason, not the verdict (tests/test_oracle_serving.py holds this against the engines).
+        reasons = [*undecided, f"so far: {reasons[0]}", *reasons[1:]]
+        verdict = "unknown"
     return AdapterVerdict(
         name,
         path,
@@ -245,7 +251,7 @@ def _vllm(
                 wanted = sorted({*targets, *(m.rsplit(".", 1)[-1] for m, _ in dropped)})
                 fixes.append(f"--lora-target-modules {' '.join(wanted)}")
         fit = base_fit.get(path, {})
-        tower, text_only = _vllm_multimodal(adapter, fit, base, launch)
+        tower, text_only, tower_lora = _vllm_multimodal(adapter, fit, base, launch)
         dropped += [d for d in tower if d[0] not in {m for m, _ in dropped}]
         dropped += [d for d in _base_drops(adapter, fit) if d[0] not in {m for m, _ in dropped} | text_only]
         if any(w.startswith("match") for _, w in dropped):
@@ -263,6 +269,9 @@ def _vllm(
         undecided = _base_undecided(base, note)
         if plan.skipped:
             undecided.append(f"vLLM's model-dependent load steps ({', '.join(plan.skipped)}): need the base model")
+        if tower_lora:
+            undecided.append(f"{len(tower_lora)} tower/connector modules under --enable-tower-connector-lora "
+                             "(lorafast does not model which of them vLLM wraps)")  # fmt: skip
         rows.append(_decide(name, path, source, adapter, dropped, scales, undecided, fixes, len(loras)))
     return rows, [], True
 
@@ -293,8 +302,9 @@ def _text_name(weight: str) -> str:
 
 def _vllm_multimodal(
     adapter: Adapter | None, fit: Mapping[str, ModuleCheck], base: BaseModel | None, launch: LaunchCommand
-) -> tuple[list[tuple[str, str]], set[str]]:
-    """vLLM on a multimodal base: (the modules it does not wrap, the text-only modules it applies anyway).
+) -> tuple[list[tuple[str, str]], set[str], list[str]]:
+    """vLLM on a multimodal base: (the modules it does not wrap, the text-only modules it applies anyway, the
+    tower/connector modules that `--enable-tower-connector-lora` may wrap: not modelled, so undecided).
 
     The manager gives a punica wrapper to the language model alone unless tower/connector LoRA is enabled
     (`_maybe_init_mm`), and `_create_lora_modules` skips every module without one: the vision tower's and the
@@ -304,22 +314,25 @@ def _vllm_multimodal(
     from .compat import _versions
 
     if adapter is None or base is None or not _is_multimodal(base):
-        return [], set()
+        return [], set(), []
     text_fallback = _versions.at_least("vllm", launch.rules.requested, "0.33.0")
     tower_lora = bool(launch.options.get("enable_tower_connector_lora"))
     drops: list[tuple[str, str]] = []
     text_only: set[str] = set()
+    towers: list[str] = []
     for m in adapter.modules:
         c = fit.get(m.key)
         if c is None or c.weight is None:
             continue
         if not c.weight.startswith((*_LM_PREFIXES, "lm_head.")):
-            if not tower_lora:
+            if tower_lora:
+                towers.append(m.name)
+            else:
                 drops.append((m.name, "not wrapped: vLLM applies LoRA to a multimodal model's language model only "
                                       "(its tower and connector need --enable-tower-connector-lora)"))  # fmt: skip
         elif c.status == "prefix_only" and text_fallback and _text_name(c.weight) == m.name:
             text_only.add(m.name)
-    return drops, text_only
+    return drops, text_only, towers
 
 
 def _is_multimodal(base: BaseModel) -> bool:
@@ -365,6 +378,11 @@ def _sglang(
         collect=True,
         engine_version=launch.rules.requested,
     )
+    needs_base = next((p for p in plan.errors if p.code == "sglang_needs_base_model"), None)
+    if needs_base is not None:  # lorafast cannot resolve `all` without the base: SGLang would, so nothing is known
+        why = f"SGLang's target modules ({needs_base.message.removeprefix('lorafast: ')}): {note or 'give the base'}"
+        rows = [AdapterVerdict(n, p, s, "unknown", (why,), undecided=(why,)) for n, p, s in fleet.entries]
+        return rows, [], None
     by_id = {r.lora_id: r for r in startup_refs}
     set_problems: list[dict[str, Any]] = []
     for p in plan.errors:
