@@ -572,6 +572,7 @@ def test_plan_groups_converts_only_when_it_saves_a_server(tmp_path: Path, capsys
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafast.converting import bits
     from lorafast.tensors import TensorFile, TruncatedFileError
 
     src = stacked_adapter(tmp_path / "shared", 25, shared_outer=True)
@@ -579,15 +580,15 @@ def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytes
     out.mkdir()
     (out / "old.txt").write_text("kept")
     calls = [0]
-    real_view = TensorFile.view
+    real_array = bits.array
 
-    def failing_view(self: TensorFile, name: str) -> torch.Tensor:
+    def failing_array(tf: TensorFile, name: str) -> object:
         calls[0] += 1
         if calls[0] == 3:  # the file shrinks under us half-way through the output
-            raise TruncatedFileError(f"{self.path}: file was truncated", self.path)
-        return real_view(self, name)
+            raise TruncatedFileError(f"{tf.path}: file was truncated", tf.path)
+        return real_array(tf, name)
 
-    monkeypatch.setattr(TensorFile, "view", failing_view)
+    monkeypatch.setattr(bits, "array", failing_array)
     with pytest.raises(ConvertError) as info:
         convert(src, "stacked_3d", out, overwrite=True)
     assert info.value.code == "truncated" and calls[0] == 3

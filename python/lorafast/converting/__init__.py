@@ -1,7 +1,10 @@
 """Layout conversion: rewrite adapters into the layout an engine takes, exactly, so one server loads a fleet.
 
-- `convert(adapter, to, out, *, overwrite=False) -> ConvertResult`
-- `ConvertError` (`.code` in `CONVERT_ERROR_CODES`), `LAYOUTS`
+- `convert(adapter, to, out, *, overwrite=False) -> ConvertResult`; `convert([adapters or folders], to, out_dir)`
+  -> one `ConvertResult` or `ConvertError` per adapter, each written to `out_dir/<name>`
+- `ConvertError` (`.code` in `CONVERT_ERROR_CODES`, `.cli` as the CLI says it), `LAYOUTS`
+
+No conversion imports torch (`bits`): each moves bits, with numpy and the OS's copies.
 - `register_cli(subparsers)`: the `lorafast convert` command.
 """
 

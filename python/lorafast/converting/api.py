@@ -1,4 +1,5 @@
-"""`lorafast.convert(adapter, to, out)`: rewrite an adapter into another layout, exactly, streamed."""
+"""`lorafast.convert(adapter, to, out)`: rewrite an adapter into another layout, exactly, streamed;
+`lorafast.convert([adapters or folders], to, out_dir)`: many, each into `out_dir/<name>`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, overload
 
 from lorafast.adapter import Adapter
 from lorafast.converting import kohya, moe
@@ -62,7 +64,16 @@ def detect_layout(adapter: Adapter) -> str:
     return moe.source_layout(adapter)
 
 
-def _inspect(adapter: Adapter | str | os.PathLike[str]) -> Adapter:
+AdapterLike = Adapter | str | os.PathLike[str]
+
+
+def _unreadable(path: str, code: str | None, message: object) -> ConvertError:
+    """A source that cannot be read (its header's error code, when it has one)."""
+    why = "truncated" if code == "incomplete_buffer" else "bad_source"
+    return ConvertError(f"cannot read adapter {path}: {message}", why, path)
+
+
+def _inspect(adapter: AdapterLike) -> Adapter:
     if isinstance(adapter, Adapter):
         return adapter
     from lorafast.errors import HeaderError
@@ -72,10 +83,26 @@ def _inspect(adapter: Adapter | str | os.PathLike[str]) -> Adapter:
     try:
         return inspect(path)
     except HeaderError as exc:
-        code = "truncated" if exc.code == "incomplete_buffer" else "bad_source"
-        raise ConvertError(f"cannot read adapter {path}: {exc}", code, path) from exc
+        raise _unreadable(path, exc.code, exc) from exc
     except (LorafastError, OSError) as exc:
-        raise ConvertError(f"cannot read adapter {path}: {exc}", "bad_source", path) from exc
+        raise _unreadable(path, None, exc) from exc
+
+
+def expand(items: Sequence[AdapterLike]) -> list[Adapter | ConvertError]:
+    """The adapters `items` name, in order: a folder of adapters stands for every adapter `lorafast.scan` finds
+    under it; what cannot be read (or a path with no adapter) is a `ConvertError` in its place."""
+    from lorafast.scanner import scan
+
+    out: list[Adapter | ConvertError] = []
+    for item in items:
+        if isinstance(item, Adapter):
+            out.append(item)
+            continue
+        path = os.fspath(item)
+        report = scan([path], progress=False)
+        found = [*report, *(_unreadable(str(p), str(code), msg) for p, code, msg in report.errors)]
+        out.extend(found or [ConvertError(f"no adapter found at {path}", "bad_source", path)])
+    return out
 
 
 def _content_hash(fd: int, start: int, box: list[str | BaseException]) -> None:
@@ -98,15 +125,39 @@ def _content_hash(fd: int, start: int, box: list[str | BaseException]) -> None:
         os.close(fd)
 
 
+@overload
 def convert(
-    adapter: Adapter | str | os.PathLike[str],
+    adapter: AdapterLike,
     to: str,
     out: str | os.PathLike[str],
     *,
     overwrite: bool = False,
     source_layout: str | None = None,
     gate_up: str | None = None,
-) -> ConvertResult:
+) -> ConvertResult: ...
+
+
+@overload
+def convert(
+    adapter: list[AdapterLike] | tuple[AdapterLike, ...],
+    to: str,
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    source_layout: str | None = None,
+    gate_up: str | None = None,
+) -> list[ConvertResult | ConvertError]: ...
+
+
+def convert(
+    adapter: AdapterLike | list[AdapterLike] | tuple[AdapterLike, ...],
+    to: str,
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    source_layout: str | None = None,
+    gate_up: str | None = None,
+) -> ConvertResult | list[ConvertResult | ConvertError]:
     """Write `adapter` converted to layout `to` (one of `LAYOUTS`) as a PEFT folder `out`.
 
     `source_layout` (`--from`) asserts the source layout; without it the scan's classification is used. The
@@ -115,7 +166,50 @@ def convert(
     whose fused gate_up alternates gate and up rows; `concatenated` otherwise; default: `interleaved` when the
     adapter config's `base_model_name_or_path` names a GPT-OSS. It orders the `target_parameters` side only: the
     SGLang layouts always hold gate rows then up rows (SGLang interleaves them itself on load).
+
+    A list (or tuple) of adapters, paths or folders of adapters (expanded as `lorafast.scan` finds them) writes
+    each adapter to `out/<name>` and returns one entry per adapter, in order: its `ConvertResult`, or the
+    `ConvertError` that refused it (nothing of it written; the others go on).
+
+    No conversion needs torch: each one moves bits (numpy, `sendfile`, `writev`, `preadv`), whatever the dtype.
+    torch is imported only to read fp8 values: an fp8 kohya `.alpha`, and the max difference that an fp8
+    adapter's `lossy` refusal reports (`bits.as_float64`).
     """
+    if isinstance(adapter, (list, tuple)):
+        return _convert_many(adapter, to, out, overwrite=overwrite, source_layout=source_layout, gate_up=gate_up)
+    return _convert_one(adapter, to, out, overwrite, source_layout, gate_up)
+
+
+def _convert_many(
+    items: Sequence[AdapterLike], to: str, out_dir: str | os.PathLike[str], **options: Any
+) -> list[ConvertResult | ConvertError]:
+    results: list[ConvertResult | ConvertError] = []
+    taken: dict[str, str] = {}  # output -> the source written there by this call
+    for found in expand(items):
+        if isinstance(found, ConvertError):
+            results.append(found)
+            continue
+        dest = os.path.join(os.fspath(out_dir), found.name)
+        if dest in taken:  # two sources with one name: neither may replace the other's output
+            why = f"{dest} is the output of {taken[dest]} already; convert {found.path} on its own"
+            results.append(ConvertError(why, "exists", dest))
+            continue
+        taken[dest] = found.path
+        try:
+            results.append(_convert_one(found, to, dest, **options))
+        except ConvertError as exc:
+            results.append(exc)
+    return results
+
+
+def _convert_one(
+    adapter: AdapterLike,
+    to: str,
+    out: str | os.PathLike[str],
+    overwrite: bool = False,
+    source_layout: str | None = None,
+    gate_up: str | None = None,
+) -> ConvertResult:
     started = time.perf_counter()
     if to not in LAYOUTS:
         raise ConvertError(f"unknown layout {to!r}; expected one of {', '.join(LAYOUTS)}", "unsupported")
@@ -126,10 +220,12 @@ def convert(
         raise ConvertError(f"{path} is {found}, not {source_layout}", "layout_mismatch", path)
     if found not in _FROM[to]:
         why = "already is" if found == to else "is"
+        takes = f"takes {', '.join(_FROM[to])}"
         raise ConvertError(
-            f"{path} {why} {found}; --to {to} takes {', '.join(_FROM[to])}",
+            f"{path} {why} {found}; to={to!r} {takes}",
             "layout_mismatch" if found in ("dense",) or found == to else "unsupported",
             path,
+            cli=f"{path} {why} {found}; --to {to} {takes}",
         )
     weights = [w for w in ad.weight_files if w.endswith(".safetensors")]
     if len(ad.weight_files) != 1 or not weights:
@@ -268,4 +364,4 @@ def _plan(
     return tensors, build(ad.config, wants, params, widest=True), notes, wants
 
 
-__all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout"]
+__all__ = ["LAYOUTS", "ConvertResult", "convert", "detect_layout", "expand"]

@@ -19,15 +19,21 @@ CONVERT_ERROR_CODES = (
 
 class ConvertError(LorafastError, ValueError):
     """A conversion refused: `.code` (one of `CONVERT_ERROR_CODES`) and `.path` (the source adapter; the output
-    for `exists` and `write_error`)."""
+    for `exists` and `write_error`). `.cli`: the message as `lorafast convert` prints it, naming its flags
+    (`--overwrite`) where the message names `convert`'s arguments (`overwrite=True`)."""
 
-    def __init__(self, message: str, code: str, path: str | None = None) -> None:
+    def __init__(self, message: str, code: str, path: str | None = None, *, cli: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.path = path
+        self.cli = cli if cli is not None else message
 
-    def __reduce__(self):  # keep code and path through pickling
-        return (type(self), (self.args[0], self.code, self.path))
+    def __reduce__(self):  # keep code, path and the CLI message through pickling
+        return (_rebuild, (type(self), self.args[0], self.code, self.path, self.cli))
+
+
+def _rebuild(cls: type[ConvertError], message: str, code: str, path: str | None, cli: str) -> ConvertError:
+    return cls(message, code, path, cli=cli)
 
 
 __all__ = ["CONVERT_ERROR_CODES", "ConvertError"]

@@ -1,6 +1,7 @@
 """kohya (`lora_down`/`lora_up`/`.alpha`) and old diffusers (`to_q_lora.down`, `lora_linear_layer`) to a PEFT folder.
 
-Keys are renamed to `<component>.<module>.lora_A.weight` / `lora_B.weight`; the tensors are copied unchanged.
+Keys are renamed to `<component>.<module>.lora_A.weight` / `lora_B.weight`; the tensors are copied unchanged,
+as byte ranges of the source (no torch).
 Each module's alpha (kohya's `.alpha` tensor; 0 or none means alpha = rank) goes into the config: the most
 common (rank, alpha) become `r`/`lora_alpha`, the others `rank_pattern`/`alpha_pattern` entries, so every
 module keeps its exact scale.
@@ -29,6 +30,7 @@ import re
 from functools import partial
 
 from lorafast.adapter import Adapter, AdapterFormat
+from lorafast.converting import bits
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.peftconfig import Want
 from lorafast.converting.writer import OutTensor, SourceBytes
@@ -296,7 +298,7 @@ def plan_peft(adapter: Adapter, tf: TensorFile) -> tuple[list[OutTensor], list[W
         if m.alpha_key is not None and m.alpha_key in tf:
             used.add(m.alpha_key)
             if m.alpha:  # the exact value the merge reads (the tensor's, not a rounded copy)
-                alpha = tf.load_scalar(m.alpha_key)
+                alpha = bits.scalar(tf, m.alpha_key)
         for key, blocks in parts:  # each part: the whole lora_down, its rows of lora_up, the original's alpha
             tensors.append(_rows(tf, m.a_key, f"{key}.lora_A.weight", 1, ((0, 1),)))
             tensors.append(_rows(tf, m.b_key, f"{key}.lora_B.weight", units, blocks))

@@ -23,6 +23,8 @@ Every target layout is then written from that model, so each pair of layouts is 
 - transformers 4 → 5: numbered `experts.N.w1/w3/w2` (or gate/up/down_proj) become the `target_parameters` keys
   PEFT loads into transformers 5 fused experts (`experts.base_layer` for gate_up, `experts` for down), and
   Mixtral's `block_sparse_moe` becomes `mlp`, as transformers 5 renames it.
+
+Every step moves bits (`bits`: numpy arrays of unsigned integers of the element's width), so none needs torch.
 """
 
 from __future__ import annotations
@@ -34,15 +36,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from lorafast.adapter import _SGLANG_W_RENAMES, Adapter, LoraModule, MoeLayout
+from lorafast.converting import bits
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.writer import OutTensor, Part, SourceBytes
 from lorafast.merging.sources import peft_pattern_value
-from lorafast.tensors import _ST_DTYPES, TensorFile, torch_dtype
+from lorafast.tensors import _ST_DTYPES, TensorFile
 
 if TYPE_CHECKING:
-    import numpy as np
-    import torch
+    from numpy.typing import NDArray
+
+    #: a tensor's bits (`bits.array`)
+    Bits = NDArray[np.unsignedinteger]
 
 #: target layouts this module writes
 MOE_TARGETS = ("stacked_3d", "shared_outer", "per_expert_2d", "peft_target_parameters", "transformers5")
@@ -57,7 +64,7 @@ class Factor:
     experts: int
     stored: int
     shape: tuple[int, int]
-    expert: Callable[[int], torch.Tensor]  # the 2-D matrix of expert e (a view; maybe not contiguous)
+    expert: Callable[[int], Bits]  # the 2-D matrix of expert e (a view; maybe not contiguous)
     whole: Callable[[], Part] | None = None  # the bytes of the 3-D [stored, d1, d2] stack in one part
     raw: Callable[[int], SourceBytes] | None = None  # expert e's matrix, when it is a source byte range unchanged
     source: tuple[TensorFile, str] | None = None  # the source tensor whose bytes are that stack, row-major
@@ -65,7 +72,7 @@ class Factor:
     def stacked(self) -> Iterator[Part]:
         """The bytes of the full [E, d1, d2] stack, as a sequence of parts."""
         if self.stored == 1 and self.experts > 1:
-            one = self.expert(0).clone()  # a private copy, listed E times by the writer: no further copies
+            one = self.expert(0).copy()  # a private copy, listed E times by the writer: no further copies
             for _ in range(self.experts):
                 yield one
         elif self.whole is not None:
@@ -119,14 +126,11 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
         experts,
         stored,
         (e.shape[1], e.shape[2]),
-        lambda i: tf.view(key)[i if stored > 1 else 0],
+        lambda i: bits.array(tf, key)[i if stored > 1 else 0],
         lambda: SourceBytes(tf, key),
         lambda i: SourceBytes(tf, key, (i if stored > 1 else 0) * per, per),
         (tf, key),
     )
-
-
-_UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 class _Scratch(threading.local):
@@ -147,8 +151,6 @@ class _Scratch(threading.local):
         return f"out{self.turn}"
 
     def get(self, which: str, nbytes: int) -> np.ndarray:
-        import numpy as np
-
         buf = self.bufs.get(which)
         if buf is None or buf.nbytes < nbytes:
             buf = self.bufs[which] = np.empty(nbytes, dtype=np.uint8)
@@ -163,7 +165,7 @@ def release_scratch() -> None:
     _SCRATCH.bufs.clear()
 
 
-def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
+def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> Bits:
     """Source tensor `key` read as a (rows, cols) matrix and returned transposed, (cols, rows), contiguous.
 
     Read with `preadv` (so the source's pages are not mapped into this process: its RSS stays a few tensors)
@@ -171,38 +173,34 @@ def transposed(tf: TensorFile, key: str, rows: int, cols: int) -> torch.Tensor:
     of source rows, which stay in cache (the fastest block here: 3.4 GB per CPU-second for bf16, against 1.6 at
     64 KiB and 2.7 at 2 MiB). The buffers are the thread's scratch: the result is valid until the call after
     next in the same thread; `writer.write_file` has written it by then."""
-    import numpy as np
-    import torch
-
     e = tf.entry(key)
-    width = _ST_DTYPES[e.dtype][1]
     nbytes = e.end - e.begin
     raw = _SCRATCH.get("in", nbytes)
-    tf.read_into(key, torch.from_numpy(raw))
-    src = raw.view(_UINT[width]).reshape(rows, cols)
+    bits.read_into(tf, key, raw)
+    src = raw.view(bits.uint(e.dtype)).reshape(rows, cols)
     out = _SCRATCH.get(_SCRATCH.next_out(), nbytes).view(src.dtype).reshape(cols, rows)
-    step = max(1, (256 << 10) // max(1, cols * width))
+    step = max(1, (256 << 10) // max(1, cols * src.itemsize))
     for i in range(0, rows, step):
         np.copyto(out[:, i : i + step], src[i : i + step].T)
-    return torch.from_numpy(out.view(np.uint8)).view(torch_dtype(e.dtype)).view(cols, rows)
+    return out
 
 
-def _named(tf: TensorFile, keys: list[str], i: int) -> torch.Tensor:
-    return tf.view(keys[i])
+def _named(tf: TensorFile, keys: list[str], i: int) -> Bits:
+    return bits.array(tf, keys[i])
 
 
 def _named_raw(tf: TensorFile, keys: list[str], i: int) -> SourceBytes:
     return SourceBytes(tf, keys[i])
 
 
-def _tp_a_expert(tf: TensorFile, key: str, e: int, r: int, i: int) -> torch.Tensor:
+def _tp_a_expert(tf: TensorFile, key: str, e: int, r: int, i: int) -> Bits:
     """Expert i's A of a target_parameters A `(r·E, in)`: rows i·r .. (i+1)·r (expert-major)."""
-    return tf.view(key).view(e, r, -1)[i]
+    return bits.array(tf, key).reshape(e, r, -1)[i]
 
 
-def _tp_b_expert(tf: TensorFile, key: str, e: int, r: int, i: int) -> torch.Tensor:
+def _tp_b_expert(tf: TensorFile, key: str, e: int, r: int, i: int) -> Bits:
     """Expert i's B of a target_parameters B `(out, r·E)`: columns j·E + i (rank-major), a strided view."""
-    return tf.view(key).view(-1, r, e)[:, :, i]
+    return bits.array(tf, key).reshape(-1, r, e)[:, :, i]
 
 
 def _rows(tf: TensorFile, key: str, per: int, i: int) -> SourceBytes:
@@ -213,9 +211,9 @@ def _one(t: Callable[[], Part]) -> Iterator[Part]:
     yield t()
 
 
-def _b_expert_major(tf: TensorFile, key: str, out: int, r: int, e: int) -> torch.Tensor:
+def _b_expert_major(tf: TensorFile, key: str, out: int, r: int, e: int) -> Bits:
     """target_parameters' B `(out, r·E)`, column `j·E + e`, as the [E, out, r] stack: one 2-D transpose."""
-    return transposed(tf, key, out * r, e).view(e, out, r)
+    return transposed(tf, key, out * r, e).reshape(e, out, r)
 
 
 def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]]:
@@ -333,17 +331,17 @@ def gate_up_order(adapter: Adapter, asked: str | None) -> str:
     return "interleaved" if "gpt-oss" in base else "concatenated"
 
 
-def _deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
+def _deinterleave_rows(x: Bits) -> Bits:
     """(2I, r) rows gate0, up0, gate1, ... -> gate0..gateI-1, up0..upI-1."""
-    return x.reshape(-1, 2, x.shape[-1]).transpose(0, 1).reshape(x.shape)
+    return x.reshape(-1, 2, x.shape[-1]).swapaxes(0, 1).reshape(x.shape)
 
 
-def _interleave_rows(x: torch.Tensor) -> torch.Tensor:
+def _interleave_rows(x: Bits) -> Bits:
     """(2I, r) rows gate then up -> gate0, up0, gate1, up1, ..."""
-    return x.reshape(2, -1, x.shape[-1]).transpose(0, 1).reshape(x.shape)
+    return x.reshape(2, -1, x.shape[-1]).swapaxes(0, 1).reshape(x.shape)
 
 
-def _reordered(g: Group, fn: Callable[[torch.Tensor], torch.Tensor], path: str) -> Group:
+def _reordered(g: Group, fn: Callable[[Bits], Bits], path: str) -> Group:
     if g.proj != "gate_up_proj":
         return g
     b = g.b
@@ -368,11 +366,14 @@ def interleave(groups: list[Group], path: str) -> list[Group]:
 def _fuse(gate: Group, up: Group, path: str) -> Group:
     """gate and up into one gate_up_proj, as PEFT's transformers-5 conversion: A concatenated along r, B
     block-diagonal; rank doubles and so does alpha (alpha/r is kept exactly: both are doubled)."""
-    import torch
 
-    if (gate.rank, gate.alpha, gate.rslora, gate.experts) != (up.rank, up.alpha, up.rslora, up.experts):
+    def kind(g: Group) -> tuple[object, ...]:
+        return g.rank, g.alpha, g.rslora, g.experts, g.a.dtype, g.b.dtype
+
+    if kind(gate) != kind(up):
         raise ConvertError(
-            f"{gate.owner}: gate and up have different rank, scale or expert count; fusing them would change the scale",
+            f"{gate.owner}: gate and up have different rank, scale, dtype or expert count; fusing them would change "
+            "the scale or the values",
             "lossy",
             path,
         )
@@ -389,13 +390,18 @@ def _fuse(gate: Group, up: Group, path: str) -> Group:
         e,
         1 if ga.stored == ua.stored == 1 else e,
         (2 * r, ga.shape[1]),
-        lambda i: torch.cat([ga.expert(i), ua.expert(i)], 0),
+        lambda i: np.concatenate([ga.expert(i), ua.expert(i)], 0),
     )
-    b = Factor(
-        gb.dtype, e, e, (gb.shape[0] + ub.shape[0], 2 * r), lambda i: torch.block_diag(gb.expert(i), ub.expert(i))
-    )
+    b = Factor(gb.dtype, e, e, (gb.shape[0] + ub.shape[0], 2 * r), lambda i: _block_diag(gb.expert(i), ub.expert(i)))
     alpha = None if gate.alpha is None else 2 * gate.alpha
     return Group(gate.prefix, gate.owner, "gate_up_proj", a, b, 2 * r, alpha, False)
+
+
+def _block_diag(x: Bits, y: Bits) -> Bits:
+    out = np.zeros((x.shape[0] + y.shape[0], x.shape[1] + y.shape[1]), dtype=x.dtype)  # zero bits: +0.0
+    out[: x.shape[0], : x.shape[1]] = x
+    out[x.shape[0] :, x.shape[1] :] = y
+    return out
 
 
 def fuse_gate_up(groups: list[Group], path: str) -> list[Group]:
@@ -425,8 +431,6 @@ def pad_rank(groups: list[Group], path: str) -> list[Group]:
     """Every expert group at the largest rank among them, by zero rows of A and zero columns of B (exact), with
     alpha scaled alike. SGLang's MoE buffers take one rank per adapter: after gate/up fusion doubled it, down must
     follow."""
-    import torch
-
     top = max((g.rank for g in groups), default=0)
     out = []
     for g in groups:
@@ -439,13 +443,13 @@ def pad_rank(groups: list[Group], path: str) -> list[Group]:
             )
         a, b, extra = g.a, g.b, top - g.rank
 
-        def a_pad(i: int, a: Factor = a, extra: int = extra) -> torch.Tensor:
+        def a_pad(i: int, a: Factor = a, extra: int = extra) -> Bits:
             x = a.expert(i)
-            return torch.cat([x, x.new_zeros((extra, x.shape[1]))], 0)
+            return np.concatenate([x, np.zeros((extra, x.shape[1]), x.dtype)], 0)
 
-        def b_pad(i: int, b: Factor = b, extra: int = extra) -> torch.Tensor:
+        def b_pad(i: int, b: Factor = b, extra: int = extra) -> Bits:
             x = b.expert(i)
-            return torch.cat([x, x.new_zeros((x.shape[0], extra))], 1)
+            return np.concatenate([x, np.zeros((x.shape[0], extra), x.dtype)], 1)
 
         pa = Factor(a.dtype, a.experts, a.stored, (top, a.shape[1]), a_pad)
         pb = Factor(b.dtype, b.experts, b.stored, (b.shape[0], top), b_pad)
@@ -528,19 +532,14 @@ def _stack_out(name: str, f: Factor, outer: bool) -> OutTensor:
 
 def _require_identical(f: Factor, what: str, path: str) -> None:
     """Shared-outer keeps one copy: every expert's factor must be bit-identical to expert 0's."""
-    import torch
-
     if f.stored == 1:
         return
     first = f.expert(0)
     worst = 0.0
     for e in range(1, f.experts):
         other = f.expert(e)
-        if not torch.equal(
-            first.view(torch.uint8) if first.is_contiguous() else first.contiguous().view(torch.uint8),
-            other.contiguous().view(torch.uint8),
-        ):
-            worst = max(worst, float((other.double() - first.double()).abs().max()))
+        if not np.array_equal(first, other):  # the bits
+            worst = max(worst, bits.max_difference(other, first, f.dtype))
             if worst == 0.0:  # same values, different bits (-0.0, NaN payloads): still not a copy
                 worst = float("nan")
     if worst != 0.0:
@@ -570,8 +569,6 @@ def write_target_parameters(
 ) -> tuple[list[OutTensor], list[OutModule]]:
     """PEFT ParamWrapper keys: gate_up at `experts.base_layer` (the inner wrapper), down at `experts`;
     `interleaved`: gate_up's B rows in GPT-OSS's alternating order."""
-    import torch
-
     tensors: list[OutTensor] = []
     mods: list[OutModule] = []
     fused = fuse_gate_up(groups, path)
@@ -588,7 +585,7 @@ def write_target_parameters(
             if b.source is not None and b.stored == b.experts:  # [E, out, r] -> (out, r, E): col = j·E + e
                 yield transposed(b.source[0], b.source[1], b.experts, b.shape[0] * b.shape[1])
             else:
-                yield torch.stack([b.expert(i) for i in range(b.experts)], dim=2)
+                yield np.stack([b.expert(i) for i in range(b.experts)], axis=2)
 
         tensors.append(OutTensor(f"{key}.lora_B.weight", b.dtype, (out, r * e), b_cols))
         mods.append(OutModule(f"{owner}.{g.proj}", g.proj, g.rank, g.alpha, parameter=True))

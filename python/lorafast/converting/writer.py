@@ -10,6 +10,10 @@ first and each tensor follows as its producer yields its parts:
 - a permuted view is made contiguous first, so peak memory is about one tensor.
 Writeback to disk is started after each tensor (`sync_file_range`, Linux), so the final `fsync` waits for
 little. The source sha256 is computed meanwhile and patched into a fixed-width placeholder at the end.
+In-memory parts are numpy arrays of the tensor's bits (`bits`): no torch here.
+
+The output's modes follow the umask, as `cp` makes them: the folder is created 0777 and the files 0666, both
+less the umask, so a server running as another user reads them when the umask lets it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import struct
 import sys
@@ -25,13 +30,12 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
+
+import numpy as np
 
 from lorafast.converting.errors import ConvertError
 from lorafast.tensors import _ST_DTYPES, TensorFile, TensorReadError, TruncatedFileError
-
-if TYPE_CHECKING:
-    import torch
 
 #: placeholder written in the header and replaced by the source's sha256 once it is known
 SHA_PLACEHOLDER = "0" * 64
@@ -63,7 +67,7 @@ class SourceBytes:
     length: int | None = None
 
 
-Part = Union["torch.Tensor", SourceBytes]
+Part = np.ndarray | SourceBytes
 
 
 @dataclass(frozen=True)
@@ -186,15 +190,13 @@ def _prepared(t: OutTensor) -> list[Part]:
             continue
         if part is not last:
             last = part
-            ready = part if part.is_contiguous() else part.contiguous()  # a permuted view: one tensor's memory
+            ready = np.ascontiguousarray(part)  # a permuted view: one tensor's memory
         assert ready is not None
         parts.append(ready)
     return parts
 
 
 def _write_parts(sink: _Sink, t: OutTensor, parts: list[Part]) -> int:
-    import torch
-
     written = 0
     last: object = None
     last_mv = memoryview(b"")
@@ -204,7 +206,7 @@ def _write_parts(sink: _Sink, t: OutTensor, parts: list[Part]) -> int:
             continue
         if part is not last:  # the same part again: the same buffer, listed again in the writev, no copy
             last = part
-            last_mv = part.reshape(-1).view(torch.uint8).numpy().data if part.numel() else memoryview(b"")
+            last_mv = part.reshape(-1).view(np.uint8).data if part.size else memoryview(b"")
         if len(last_mv):
             sink.add(last_mv)
             written += len(last_mv)
@@ -227,7 +229,7 @@ def write_file(
     head = header_bytes(tensors, metadata)
     shown = shown or path
     with writing(shown):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         sink = _Sink(fd, shown)
         sink.add(memoryview(struct.pack("<Q", len(head)) + head))
@@ -257,13 +259,34 @@ def write_file(
         os.close(fd)
 
 
+def _exists(out: str) -> ConvertError:
+    return ConvertError(
+        f"{out} exists; pass overwrite=True to replace it",
+        "exists",
+        out,
+        cli=f"{out} exists; pass --overwrite to replace it",
+    )
+
+
+def _make_folder(parent: str) -> str:
+    """A new folder in `parent` with mode 0777 less the umask (`tempfile.mkdtemp` makes it 0700, which another
+    user cannot read once it is renamed into place)."""
+    while True:
+        path = os.path.join(parent, f".lorafast-convert-{secrets.token_hex(6)}")
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+
+
 class OutputFolder:
     """A temporary folder next to `out`, renamed to `out` by `commit()`; removed if never committed."""
 
     def __init__(self, out: str, overwrite: bool) -> None:
         self.out = os.path.abspath(out)
         if os.path.lexists(self.out) and not overwrite:
-            raise ConvertError(f"{out} exists; pass overwrite=True (--overwrite) to replace it", "exists", out)
+            raise _exists(out)
         parent = os.path.dirname(self.out)
         #: the folders above `out` this call makes, removed again when it fails
         self.made: list[str] = []
@@ -276,7 +299,7 @@ class OutputFolder:
         try:
             with writing(self.out):
                 os.makedirs(parent, exist_ok=True)
-                self.tmp = tempfile.mkdtemp(prefix=".lorafast-convert-", dir=parent)
+                self.tmp = _make_folder(parent)
         except BaseException:
             self.discard()
             raise
@@ -293,7 +316,7 @@ class OutputFolder:
             old = None
             if os.path.lexists(self.out):
                 if not self.overwrite:  # created meanwhile by someone else
-                    raise ConvertError(f"{self.out} exists; pass overwrite=True to replace it", "exists", self.out)
+                    raise _exists(self.out)
                 old = tempfile.mkdtemp(prefix=".lorafast-old-", dir=os.path.dirname(self.out))
                 try:
                     os.rename(self.out, os.path.join(old, "x"))
