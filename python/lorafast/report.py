@@ -1,10 +1,10 @@
 """A scan report's tables for Arrow, pandas, polars and Parquet, built from the Rust columns.
 
-Two tables: `adapters` (one row per adapter, failed ones included; `row` is the report's row) and
-`modules` (one row per module of every adapter that was read; `row` names its adapter). Repeated strings
-(formats, module names, keys, dtypes) come from the core dictionary-encoded, as codes and their distinct
-values, so no Python object is made per row for them. pyarrow, pandas and polars are optional: each export
-imports its library when called (`pip install lorafast[arrow]`, `[pandas]`, `[polars]`).
+Two tables: `adapters` (one row per adapter, failed ones included, null in every column that describes content;
+`row` is the report's row) and `modules` (one row per module of every adapter that was read; `row` names its
+adapter). Repeated strings (formats, module names, keys, dtypes) come from the core dictionary-encoded, as codes
+and their distinct values, so no Python object is made per row for them. pyarrow, pandas and polars are
+optional: each export imports its library when called (`pip install lorafast[arrow]`, `[pandas]`, `[polars]`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> Iterator[tuple[str
     text); with "exact", only a column that needed no escape (a path that is not UTF-8 stays a str of
     `os.fsdecode`, in a list). Each string column is made when it is reached, so that an export which copies it
     (polars) lets it go before the next one is made."""
-    from .scanner import FLAGS, FORMATS, MOE_LAYOUTS
+    from .scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR
 
     cols = report.columns()
+    # A failed row is null in every column that tells what the adapter holds: the core's columns have 0, "unknown"
+    # and "dense" there, which a filter would take for data. One mask, from the status column, for every export.
+    read = cols["status"] != STATUS_ERROR
     buffers = getattr(report._result, "string_buffers", None) if utf8 else None  # None: a merged result
     extra = report._result.table() if buffers is None else report._result.table(strings=False)
 
@@ -57,21 +60,29 @@ def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> Iterator[tuple[str
             extra.update(report._result.table())
         return ("str", report.paths if name == "path" else extra[name])
 
+    def content(name: str) -> Column:
+        return ("nullable", cols[name], read)
+
+    def codes(name: str, names: tuple[str, ...]) -> Column:
+        values = cols[name].astype(np.int32)
+        values[~read] = -1  # code -1: null
+        return ("dict", values, list(names))
+
     yield "row", ("num", cols["path_index"])
     yield "path", strings("path")
     yield "status", ("dict", cols["status"].astype(np.int32), list(STATUS_NAMES))
-    yield "format", ("dict", cols["format"].astype(np.int32), list(FORMATS))
-    yield "peft_type", ("dict", *extra["peft_type"])
+    yield "format", codes("format", FORMATS)
+    yield "peft_type", ("dict", *extra["peft_type"])  # the core's own nulls: -1 for failed rows
     yield "base_model_name_or_path", ("dict", *extra["base_model_name_or_path"])
-    yield "rank", ("num", cols["rank"])
-    yield "num_tensors", ("num", cols["num_tensors"])
-    yield "moe_layout", ("dict", cols["moe_layout"].astype(np.int32), list(MOE_LAYOUTS))
-    yield "num_experts", ("num", cols["num_experts"])
-    yield "num_layers", ("num", cols["num_layers"])
-    yield "flags", ("num", cols["flags"])
+    yield "rank", content("rank")
+    yield "num_tensors", content("num_tensors")
+    yield "moe_layout", codes("moe_layout", MOE_LAYOUTS)
+    yield "num_experts", content("num_experts")
+    yield "num_layers", content("num_layers")
+    yield "flags", content("flags")
     for bit, name in enumerate(FLAGS):
-        yield f"flag_{name}", ("num", ((cols["flags"] >> bit) & 1).astype(bool))
-    yield "num_problems", ("num", cols["num_problems"])
+        yield f"flag_{name}", ("nullable", ((cols["flags"] >> bit) & 1).astype(bool), read)
+    yield "num_problems", content("num_problems")
     yield "weight_file", strings("weight_file")
     yield "config_path", strings("config_path")
     yield "header_size", ("nullable", *extra["header_size"])
@@ -180,6 +191,8 @@ def to_pandas(report: ScanReport, table: Table = "adapters") -> Any:
             values, valid = col[1], col[2]
             if values.dtype.kind == "f":
                 data[name] = pd.arrays.FloatingArray(values, ~valid)
+            elif values.dtype.kind == "b":
+                data[name] = pd.arrays.BooleanArray(values, ~valid)
             else:
                 data[name] = pd.arrays.IntegerArray(values, ~valid)
         elif kind == "dict":

@@ -241,7 +241,11 @@ class ScanReport:
 
     def columns(self) -> dict[str, np.ndarray]:
         """Columns as numpy arrays, one row per adapter: path_index, status, format, rank,
-        num_tensors, moe_layout, num_experts, num_layers, flags (bits, see `FLAGS`), num_problems."""
+        num_tensors, moe_layout, num_experts, num_layers, flags (bits, see `FLAGS`), num_problems.
+
+        numpy has no nulls: a failed row (status `STATUS_ERROR`) holds placeholders that are not data (0 in every
+        number column, format "unknown", layout "dense"). Mask them with `status != STATUS_ERROR`, as the table
+        exports do, where those rows are null."""
         return self._result.columns()
 
     def record(self, i: int) -> dict[str, Any] | None:
@@ -296,8 +300,9 @@ class ScanReport:
 
     def to_arrow(self, table: Literal["adapters", "modules"] = "adapters") -> Any:
         """A `pyarrow.Table` (`pip install lorafast[arrow]`): `table="adapters"`, one row per adapter (`row` is
-        the report's row, failed rows included, repeated strings dictionary-encoded, a `flag_*` column per
-        flag); or `table="modules"`, one row per module of every adapter read, `row` naming its adapter."""
+        the report's row, failed rows included and null in every column but `row`, `path`, `status`, `error_code`
+        and `error_message`, repeated strings dictionary-encoded, a `flag_*` column per flag); or
+        `table="modules"`, one row per module of every adapter read, `row` naming its adapter."""
         from .report import to_arrow
 
         return to_arrow(self, table)
