@@ -535,7 +535,7 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
             self.layers.insert(l);
         }
         let config = self.configs.for_key(g.key, &self.components);
-        let config_rank = config.and_then(|c| c.rank_for(&name));
+        let config_rank = config.and_then(|c| c.rank_for(names::pattern_name(g.key)));
         let dims = self.module_dims(kind, g, f, config_rank, &name, out);
         check_factors(
             kind,
@@ -660,7 +660,7 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
             // `rank_pattern` to read, but the alpha may come from an `alpha_pattern`).
             let name = names::strip_prefix(g.key);
             let config = self.configs.for_key(g.key, &self.components);
-            let config_rank = config.and_then(|c| c.rank_for(name));
+            let config_rank = config.and_then(|c| c.rank_for(names::pattern_name(g.key)));
             // Everything else in its record is the template's (a kohya `lora_mid`, which a
             // template does not compare, is not).
             if g.mid.is_none() {
@@ -680,7 +680,7 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
                     layer: parts.layer,
                     expert: parts.expert,
                     num_experts: n_exp,
-                    alpha: self.alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(name))),
+                    alpha: self.alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(names::pattern_name(g.key)))),
                     config_rank,
                 };
                 if self.modules.push_like(like, &own) {
@@ -835,7 +835,7 @@ impl<'h, 'c> ModuleLoop<'h, 'c> {
             b_key: tname(f.b),
             a_shape: f.a_shape,
             b_shape: f.b_shape,
-            alpha: self.alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(name))),
+            alpha: self.alphas[gi].or_else(|| config.and_then(|c| c.alpha_for(names::pattern_name(g.key)))),
             alpha_key: tname(g.alpha),
             bias_key: tname(g.bias),
             magnitude_key: tname(g.magnitude),

@@ -246,6 +246,15 @@ pub fn strip_prefix(key: &str) -> &str {
     rest.unwrap_or(key)
 }
 
+/// The module path PEFT matches `rank_pattern`/`alpha_pattern` keys against (`get_pattern_key`): the key
+/// without PEFT's `base_model.model.` wrapper, a diffusers component prefix kept, since SDXL's two text
+/// encoders share everything after it. A key that matches the prefix-free name matches this one too.
+pub fn pattern_name(key: &str) -> &str {
+    key.strip_prefix("peft_model.base_model.model.")
+        .or_else(|| key.strip_prefix("base_model.model."))
+        .unwrap_or(key)
+}
+
 /// Reads the number right after `marker` when it is followed by `.` or `_` (e.g. `layers.12.`).
 #[inline]
 fn number_after(name: &str, marker: &str) -> Option<u32> {

@@ -539,7 +539,7 @@ def test_cli_plan(fleet: dict[str, str], tmp_path: Path, capsys: pytest.CaptureF
     args = _cli(["plan", "-a", f"a={fleet['a']}", "-a", f"b={fleet['b']}", "--merge-mode", "dynamic"])
     assert args.func(args) == 1
     err = capsys.readouterr().err
-    assert DYNAMIC_MULTI_ADAPTER_ERROR in err and "resolve=True" in err
+    assert DYNAMIC_MULTI_ADAPTER_ERROR in err and "--resolve plans it as a merge" in err
     args = _cli(["plan", "-a", f"a={fleet['a']}", "-a", f"b={fleet['b']}", "--merge-mode", "dynamic", "--resolve"])
     assert args.func(args) == 0
     assert "(resolved)" in capsys.readouterr().out
