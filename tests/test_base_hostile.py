@@ -73,7 +73,10 @@ def _in_child(site: Any, mode: str) -> dict[str, Any]:
             out["base"] = [type(e).__name__, getattr(e, "code", None), str(e)]
         report = lorafast.scan([{site["near"].url + "/" + mode + "/adapter"!r}], timeout=3)
         out["scan"] = [list(e) for e in report.errors]
-        out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+        # VmHWM is this process's own peak: ru_maxrss keeps the parent's at fork across exec (here the whole
+        # test session's, about 1 GB once every test module is imported).
+        hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+        out["peak_mb"] = int(hwm.split()[1]) >> 10
         print(json.dumps(out))
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
