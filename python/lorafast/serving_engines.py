@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -196,13 +197,12 @@ def _vllm(
     opts = launch.options
     targets = opts.get("lora_target_modules")
     refs = parse_lora_paths([f"{name}={path}" for name, path, _ in fleet.entries]) if fleet.entries else []
-    leaves = None
-    if base is not None:  # the model's LoRA-capable leaves, as check names them for vLLM
-        leaves = sorted({n.rsplit(".", 2)[-2] for n in base.weights if n.endswith(".weight") and n.count(".") >= 1})
+    leaves, moe_layers = _vllm_model_modules(base) if base is not None else (None, [])
     plan = vllm.preflight(
         refs,
         max_lora_rank=int(opts.get("max_lora_rank") or 16),
         expected_lora_modules=leaves,
+        moe_modules=moe_layers,
         collect=True,
         engine_version=launch.rules.requested,
     )
@@ -231,8 +231,10 @@ def _vllm(
                     path,
                     source,
                     "fails",
-                    (f"{len(misfit)} modules do not fit the base's weights (e.g. {misfit[0]}): the first request "
-                     "that uses it fails when vLLM copies the factors into the layer",),  # fmt: skip
+                    (
+                        f"{len(misfit)} modules do not fit the base's weights (e.g. {misfit[0]}): the first request "
+                        "that uses it fails when vLLM copies the factors into the layer",
+                    ),  # fmt: skip
                     stage="first_use",
                     fix=("serve it on the base it was trained for (lorafast check names the likely base)",),
                 )
@@ -240,6 +242,29 @@ def _vllm(
             continue
         lora = plan.loras.get(ref.name)
         loras = dict(lora.loras) if lora is not None else {}
+        fused = _vllm_fused_moe_at_2d(loras, moe_layers, targets, launch)
+        if fused:  # 0.30: loaded and registered; the request that activates it fails in the MoE layer's set_lora
+            rows.append(
+                AdapterVerdict(
+                    name,
+                    path,
+                    source,
+                    "fails",
+                    (
+                        f"AssertionError in FusedMoEWithLoRA.set_lora: fused 3-D MoE LoRA weights for {fused!r} under "
+                        "vLLM's 2-D MoE LoRA wrapper (no load check before 0.33): the first request that uses it "
+                        "fails",
+                    ),  # fmt: skip
+                    stage="first_use",
+                    exc_type="AssertionError",
+                    message="",
+                    fix=(
+                        "convert the experts to numbered per-expert modules (lorafast convert --to per_expert_2d), "
+                        "or serve it on vLLM 0.33+ with --enable-mixed-moe-lora-format",
+                    ),  # fmt: skip
+                )
+            )
+            continue
         dropped: list[tuple[str, str]] = []
         fixes: list[str] = []
         if targets is not None:
@@ -250,6 +275,10 @@ def _vllm(
             if dropped:
                 wanted = sorted({*targets, *(m.rsplit(".", 1)[-1] for m, _ in dropped)})
                 fixes.append(f"--lora-target-modules {' '.join(wanted)}")
+        if moe_layers:  # the model's experts sit at the checkpoint's paths (Mixtral: block_sparse_moe.experts)
+            why = f"not wrapped: vLLM's MoE layers are at the checkpoint's paths ({moe_layers[0]}, ...)"
+            wrong = [m for m in loras if _vllm_experts_layer(m) not in (None, *moe_layers)]
+            dropped += [(m, why) for m in wrong if m not in {d for d, _ in dropped}]
         fit = base_fit.get(path, {})
         tower, text_only, tower_lora = _vllm_multimodal(adapter, fit, base, launch)
         dropped += [d for d in tower if d[0] not in {m for m, _ in dropped}]
@@ -274,6 +303,55 @@ def _vllm(
                              "(lorafast does not model which of them vLLM wraps)")  # fmt: skip
         rows.append(_decide(name, path, source, adapter, dropped, scales, undecided, fixes, len(loras)))
     return rows, [], True
+
+
+def _vllm_model_modules(base: BaseModel) -> tuple[list[str], list[str]]:
+    """(the model's LoRA module names as `_load_adapter`'s expected modules hold them, its MoE layers), from the
+    base's weights.
+
+    A weight gives its module's leaf (`...self_attn.q_proj.weight`: `q_proj`), except a numbered expert's
+    (`...mlp.experts.3.gate_proj.weight`, the checkpoint of a model whose experts vLLM wraps with the 2-D
+    `FusedMoEWithLoRA`): for it vLLM expects `experts` and the packed expert names
+    (`process_packed_modules_mapping`: `experts.3.gate_proj`), never the bare leaf, so a dense `mlp.gate_proj`
+    is unexpected on such a model; its layer (`...mlp.experts`) is one of the MoE layers, in model order."""
+    leaves: set[str] = set()
+    layers: dict[str, None] = {}
+    for n in base.weights:
+        if not n.endswith(".weight") or n.count(".") < 1:
+            continue
+        module = n.removesuffix(".weight")
+        head, sep, tail = module.rpartition(".experts.")
+        if sep and tail.split(".", 1)[0].isdigit() and "." in tail:
+            leaves.update(("experts", f"experts.{tail}"))
+            layers[f"{head}.experts"] = None
+        else:
+            leaves.add(module.rsplit(".", 1)[-1])
+    natural = lambda name: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]  # noqa: E731
+    return sorted(leaves), sorted(layers, key=natural)
+
+
+def _vllm_experts_layer(module: str) -> str | None:
+    """The experts layer an adapter module belongs to (`X.experts` for `X.experts`, `X.experts.base_layer` and
+    `X.experts.N.proj`), None for any other module."""
+    found = re.fullmatch(r"(.*\.experts)(\.base_layer|\.\d+\..+)?", module)
+    return None if found is None else found.group(1)
+
+
+def _vllm_fused_moe_at_2d(
+    loras: Mapping[str, Any], moe_layers: list[str], targets: Any, launch: LaunchCommand
+) -> str | None:
+    """vLLM before 0.33: the first wrapped 2-D MoE layer for which the adapter holds one fused (3-D,
+    `target_parameters`) LoRA tensor. Activation hands that tensor to `FusedMoEWithLoRA.set_lora`, which asserts
+    a per-expert list; 0.33 refuses such an adapter at load (`_validate_moe_lora_format`, in `compat.vllm`)."""
+    from .compat import _versions, vllm
+
+    if _versions.at_least("vllm", launch.rules.requested, "0.31.0"):
+        return None
+    packed = dict(vllm.DEFAULT_PACKED_MODULES_MAPPING)
+    for layer in moe_layers:
+        if layer in loras and (targets is None or vllm.is_in_target_modules(layer, list(targets), packed)):
+            return layer
+    return None
 
 
 def _vllm_wrapped_module(module: str, packed: Mapping[str, list[str]]) -> str:
@@ -322,6 +400,11 @@ def _vllm_multimodal(
     towers: list[str] = []
     for m in adapter.modules:
         c = fit.get(m.key)
+        if c is not None and c.weight is None and c.status == "missing" and _lm_weight(m.name, base):
+            # check() finds a text-only `model.embed_tokens` under no language-model prefix: the weight is there
+            if text_fallback:
+                text_only.add(m.name)
+            continue
         if c is None or c.weight is None:
             continue
         if not c.weight.startswith((*_LM_PREFIXES, "lm_head.")):
@@ -333,6 +416,15 @@ def _vllm_multimodal(
         elif c.status == "prefix_only" and text_fallback and _text_name(c.weight) == m.name:
             text_only.add(m.name)
     return drops, text_only, towers
+
+
+def _lm_weight(name: str, base: BaseModel) -> str | None:
+    """The multimodal base's language-model weight of a text-only (`model.*`) module name, if it has one."""
+    if not name.startswith("model."):
+        return None
+    rest = name.removeprefix("model.")
+    return next((w for p in ("model.language_model.", "language_model.model.") if (w := f"{p}{rest}.weight")
+                 in base.weights), None)  # fmt: skip
 
 
 def _is_multimodal(base: BaseModel) -> bool:
@@ -442,6 +534,9 @@ def _sglang_unapplied(adapter: Adapter | None) -> list[tuple[str, str]]:
     if adapter is None:
         return []
     saved = sorted({t.removeprefix("base_model.model.").rsplit(".", 1)[0] for t in adapter.full_weight_tensors})
+    # `<module>.base_layer.weight`: the frozen base weight of a LoRA-wrapped embedding or head, which PEFT saves
+    # with the factors (save_embedding_layers), not a trained part: the base's own weight serves in its place
+    saved = [s for s in saved if not s.endswith(".base_layer")]
     out = [(s, "modules_to_save full weights: SGLang loads LoRA factors only") for s in saved]
     out += [
         (f"{m.name}.lora_B.bias", "lora_bias: SGLang applies lora_A and lora_B weights, not lora_B's bias")
