@@ -65,6 +65,62 @@ def make_moe(root: Path) -> Any:
     return model
 
 
+def _qwen3_moe_cfg() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+
+
+def make_qwen3_moe(root: Path) -> Any:
+    """A tiny Qwen3-MoE. transformers 5 holds its experts fused (`mlp.experts.gate_up_proj`, 3-D) and saves them
+    back per expert (`mlp.experts.N.gate_proj.weight`), as the Hub's Qwen3-MoE checkpoints are."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM(_qwen3_moe_cfg())
+    model.save_pretrained(root, max_shard_size=SHARD)
+    return model
+
+
+def qwen3_moe_v4_tree() -> Any:
+    """`make_qwen3_moe`'s model as transformers 4 built it: one `nn.Linear` per expert projection
+    (`model.layers.N.mlp.experts.E.gate_proj`), the names and shapes of its saved checkpoint. PEFT wraps it into
+    the per-expert adapter layout that a transformers-5 model can no longer give (see
+    /work/shared/reference/fixture-notes.md)."""
+    import torch
+
+    cfg = _qwen3_moe_cfg()
+    nn, hidden, head = torch.nn, cfg.hidden_size, cfg.head_dim
+
+    def lin(i: int, o: int) -> Any:
+        return nn.Linear(i, o, bias=False)
+
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.embed_tokens = nn.Embedding(cfg.vocab_size, hidden)
+    root.model.layers = nn.ModuleList()
+    for _ in range(cfg.num_hidden_layers):
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        layer.self_attn.q_proj = lin(hidden, cfg.num_attention_heads * head)
+        layer.self_attn.k_proj = lin(hidden, cfg.num_key_value_heads * head)
+        layer.self_attn.v_proj = lin(hidden, cfg.num_key_value_heads * head)
+        layer.self_attn.o_proj = lin(cfg.num_attention_heads * head, hidden)
+        layer.mlp = nn.Module()
+        layer.mlp.gate = lin(hidden, cfg.num_experts)
+        layer.mlp.experts = nn.ModuleList()
+        for _ in range(cfg.num_experts):
+            expert = nn.Module()
+            expert.gate_proj = lin(hidden, cfg.moe_intermediate_size)
+            expert.up_proj = lin(hidden, cfg.moe_intermediate_size)
+            expert.down_proj = lin(cfg.moe_intermediate_size, hidden)
+            layer.mlp.experts.append(expert)
+        root.model.layers.append(layer)
+    root.lm_head = lin(hidden, cfg.vocab_size)
+    return root
+
+
 def peft_adapter(model: Any, out: Path, targets: list[str], r: int = 4, **kw: Any) -> Path:
     """A PEFT adapter trained (well, initialised) on `model`, saved the usual way."""
     import torch

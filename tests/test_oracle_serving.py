@@ -1,13 +1,14 @@
 """`lorafast.preflight`'s verdicts against what the engines' released code serves, adapter by adapter.
 
-The fleet (tests/oracle/serving_cases.py) is real PEFT output on tiny Llama, Qwen2, Llava and Mixtral models, with
-the scale PEFT trained each module at (`LoraLayer.scaling` of the `PeftModel`). For each engine version and
-launch command, the engine's own code decides, in one child interpreter per version:
+The fleet (tests/oracle/serving_cases.py) is real PEFT output on tiny Llama, Qwen2, Llava, Mixtral and Qwen3-MoE
+models, with the scale PEFT trained each module at (`LoraLayer.scaling` of the `PeftModel`). For each engine
+version and launch command, the engine's own code decides, in one child interpreter per version:
 
 - vLLM 0.30.0, 0.33.0, 0.34.0 (tests/oracle/vllm_serving_runner.py): `_load_adapter` raises or gives the
   `LoRAModel`; the manager's target filter (`is_in_target_modules`, the punica wrappers of a multimodal model)
   decides which modules are wrapped; registration packs the adapter's modules onto them; the scale each wrapped
-  module serves at is measured from what activation hands to `set_lora`;
+  module serves at is measured from what activation hands to `set_lora` (a MoE layer's through the guard of the
+  wheel's `FusedMoEWithLoRA.set_lora`);
 - SGLang 0.5.23 (tests/oracle/sglang_serving_runner.py): start-up, dynamic load and first use raise or pass; the
   memory pool's buffers show which of the adapter's tensors it took, and where; the scale is
   `LoRAAdapter.scaling` (and what the pool copy multiplied in).
@@ -46,16 +47,10 @@ SGLANG_VERSIONS = engines.PINNED["sglang"]
 TOLERANCE = 1e-5
 
 # Cases where lorafast cannot give the engine's verdict yet, each with why; docs/compat.md "Serving verdicts".
-# Keys: (engine, version or None for all, launch label or None, adapter name).
-LIMITS: dict[tuple[str, str | None, str | None, str], str] = {
-    ("vllm", None, label, "m_experts"): (
-        "a transformers-5 Mixtral adapter of fused 3-D experts (target_parameters, `mlp.experts`): vLLM loads it "
-        "(its expected modules have `experts`) and applies only the attention modules (its Mixtral's experts sit "
-        "at `block_sparse_moe.experts`, which `mlp.experts` never matches); lorafast describes the model's LoRA "
-        "modules from the base's weight leaves, which have no `experts`, so it says fails at load"
-    )
-    for label, _ in sc.VLLM_LAUNCHES
-}
+# Keys: (engine, version or None for all, launch label or None, adapter name). None at present: the transformers-5
+# Mixtral adapter of fused experts (`m_experts`), once one, is decided since lorafast reads vLLM's MoE layers from
+# the base's per-expert weights.
+LIMITS: dict[tuple[str, str | None, str | None, str], str] = {}
 
 
 # --- the fleet and the launch commands ----------------------------------------------------------------------
@@ -77,7 +72,7 @@ def vllm_launches(fleet: sc.Fleet) -> list[dict[str, Any]]:
     """One launch per base and flag set, every adapter of the base named in --lora-modules."""
     out = []
     for base, names in sc.SERVED_ON.items():
-        for label, flags in sc.VLLM_LAUNCHES:
+        for label, flags in [*sc.VLLM_LAUNCHES, *sc.VLLM_BASE_LAUNCHES.get(base, [])]:
             mods = [f"{n}={fleet.adapters[n]}" for n in names]
             argv = ["vllm", "serve", str(fleet.bases[base]), "--enable-lora", *flags, "--lora-modules", *mods]
             out.append({"id": f"{base}/{label}", "base": base, "label": label, "argv": argv, "names": names,
@@ -91,7 +86,7 @@ def sglang_launches(fleet: sc.Fleet) -> list[dict[str, Any]]:
     out = []
     for base in sc.SGLANG_BASES:
         names = sc.SERVED_ON[base]
-        for label, flags, how in sc.SGLANG_LAUNCHES:
+        for label, flags, how in [*sc.SGLANG_LAUNCHES, *sc.SGLANG_BASE_LAUNCHES.get(base, [])]:
             head = ["python", "-m", "sglang.launch_server", "--model-path", str(fleet.bases[base]), "--enable-lora"]
             if how == "startup":
                 for n in names:
@@ -186,9 +181,13 @@ def _text(message: str) -> str:
     """An error text without what describes the model rather than the adapter: vLLM's unexpected-modules error
     prints the model's expected module set and the names after the model's weights mapper, and keeps
     `base_model.model.` in names only under a mapper. lorafast describes the model from the base's weights (the
-    texts themselves are proven in tests/test_oracle_vllm.py, on vLLM's own model descriptions)."""
+    texts themselves are proven in tests/test_oracle_vllm.py, on vLLM's own model descriptions). A printed set of
+    names is compared as a set."""
     message = re.sub(r"expected target modules in \{[^}]*\} but received \[[^]]*\]", "expected ... received ...",
                      message)  # fmt: skip
+    # a set of names prints in the interpreter's hash order (SGLang's "Cannot find target module name for ... in
+    # {...}"): compared as a set
+    message = re.sub(r"\{'[^{}]*'\}", lambda m: "{" + ", ".join(sorted(m.group(0)[1:-1].split(", "))) + "}", message)
     return message.replace("base_model.model.", "")
 
 

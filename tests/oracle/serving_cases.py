@@ -1,13 +1,16 @@
-"""The fleet and launch commands of tests/test_oracle_serving.py: real PEFT adapters of tiny Llama, Qwen2, Llava and
-Mixtral models (tests/check_fixtures.py), with the scale PEFT trained each module at, and how vLLM's model files
-describe each base to the LoRA manager.
+"""The fleet and launch commands of tests/test_oracle_serving.py: real PEFT adapters of tiny Llama, Qwen2, Llava,
+Mixtral and Qwen3-MoE models (tests/check_fixtures.py), with the scale PEFT trained each module at, and how vLLM's
+model files describe each base to the LoRA manager.
 
 Every adapter is made by PEFT (`get_peft_model` on the tiny model, B initialised non-zero, `save_pretrained`);
 its trained scale per module is PEFT's own `LoraLayer.scaling["default"]`, read from that `PeftModel` before it is
 saved. The classes: plain, rsLoRA, `alpha_pattern`, `rank_pattern`, MLP or attention-only modules (which a
 `--lora-target-modules` may leave unwrapped), an adapter of the multimodal Llava on the causal Llama and the
 reverse (Llava's language model has Llama's shapes), a rank above the server's limit, DoRA, `lora_bias`,
-`modules_to_save`, and adapters the engines refuse at load.
+`modules_to_save`, LoRA on `embed_tokens` and `lm_head`, and adapters the engines refuse at load. On Qwen3-MoE:
+attention only, attention with the experts fused as transformers 5 holds them (`target_parameters`), and attention
+with per-expert modules (`mlp.experts.N.gate_proj`, PEFT on `check_fixtures.qwen3_moe_v4_tree`, the transformers-4
+layout of the same checkpoint, which adapters in the wild mostly have).
 """
 
 from __future__ import annotations
@@ -49,6 +52,20 @@ ADAPTERS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # transformers 5 fuses Mixtral's experts into 3-D parameters: PEFT reaches them with target_parameters
     "m_experts": ("mixtral", ["q_proj"], {"r": 4, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}),
     "l_mlp_only": ("llama", ["gate_proj", "up_proj", "down_proj"], {"r": 4}),
+    # LoRA on the embedding and the head (PEFT saves the embedding's full weight too: save_embedding_layers)
+    "l_embed": ("llama", ["embed_tokens", "lm_head", "q_proj", "v_proj"], {"r": 8}),
+    "q3_attn": ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], {"r": 8}),
+    "q3_alpha": ("qwen3_moe", ["q_proj", "v_proj"], {"r": 8, "alpha_pattern": {"v_proj": 32}}),
+    "q3_big": ("qwen3_moe", ["q_proj", "v_proj"], {"r": 64}),
+    # transformers 5 fuses Qwen3-MoE's experts too (`mlp.experts.gate_up_proj`, 3-D): target_parameters
+    "q3_experts": (
+        "qwen3_moe",
+        ["q_proj", "v_proj"],
+        {"r": 4, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+    ),
+    # the per-expert layout (transformers 4's module tree of the same checkpoint)
+    "q3_experts_2d": ("qwen3_moe_v4", ALL_LINEAR, {"r": 4}),
+    "q3_embed": ("qwen3_moe", ["embed_tokens", "lm_head", "q_proj", "v_proj"], {"r": 4}),
 }
 # Broken copies of real adapters, as the oracle tests of the loaders have them: (copied from, what changes).
 VARIANTS: dict[str, tuple[str, str]] = {
@@ -62,6 +79,8 @@ SERVED_ON: dict[str, list[str]] = {
     "llava": [n for n, (f, _, _) in ADAPTERS.items() if f in ("llava", "llama")],
     # Mixtral's attention has Llama's shapes: a dense-MLP adapter meets a model whose MLP is its experts
     "mixtral": [n for n, (f, _, _) in ADAPTERS.items() if f == "mixtral"] + ["l_o_down", "l_mlp_only"],
+    # Qwen3-MoE's attention has Llama's shapes too (head_dim 8), and every layer's MLP is its experts
+    "qwen3_moe": [n for n, (f, _, _) in ADAPTERS.items() if f.startswith("qwen3_moe")] + ["l_o_down", "l_mlp_only"],
 }
 
 
@@ -109,7 +128,8 @@ def build_fleet(root: Path) -> Fleet:
 
     torch.manual_seed(0)
     fleet = Fleet()
-    makers = {"llama": cf.make_llama, "qwen2": cf.make_qwen2, "llava": cf.make_llava, "mixtral": cf.make_moe}
+    makers = {"llama": cf.make_llama, "qwen2": cf.make_qwen2, "llava": cf.make_llava, "mixtral": cf.make_moe,
+              "qwen3_moe": cf.make_qwen3_moe}  # fmt: skip
     models = {}
     for family, make in makers.items():
         folder = root / "bases" / family
@@ -122,6 +142,7 @@ def build_fleet(root: Path) -> Fleet:
             (folder / "config.json").write_text(json.dumps(config, indent=2))
         fleet.bases[family] = folder
         fleet.configs[family] = config
+    models["qwen3_moe_v4"] = cf.qwen3_moe_v4_tree()  # adapters only: served on the qwen3_moe base
     for name, (family, targets, kw) in ADAPTERS.items():
         out = root / "adapters" / name
         fleet.trained[name], fleet.saved[name] = _peft_adapter(models[family], out, targets, **kw)
@@ -140,10 +161,11 @@ def build_fleet(root: Path) -> Fleet:
 
 
 # --- vLLM: each base as vLLM's model files describe it to the LoRA manager ----------------------------------
-# vllm/model_executor/models/{llama,qwen2,llava,mixtral}.py, the same in 0.30.0, 0.33.0 and 0.34.0: the modules the
-# manager can wrap (LinearBase/FusedMoE/embedding layers, in model order), their leaves
-# (`get_supported_lora_modules`), `packed_modules_mapping` (Mixtral's experts expanded as
-# `FusedMoE.make_expert_params_mapping` orders them), the weights mapper and the multimodal mapping.
+# vllm/model_executor/models/{llama,qwen2,llava,mixtral,qwen3_moe}.py, the same in 0.30.0, 0.33.0 and 0.34.0: the
+# modules the manager can wrap (LinearBase/FusedMoE/embedding layers, in model order), their leaves
+# (`get_supported_lora_modules`), `packed_modules_mapping` (the experts of a 2-D MoE model expanded as
+# `RoutedExperts.get_expert_mapping` orders them: expert-major, (gate, down, up) in the checkpoint's names), the
+# weights mapper (its rename part, which the LoRA loader applies) and the multimodal mapping.
 
 
 def _decoder(prefix: str, layers: int, mlp: list[str]) -> list[str]:
@@ -174,6 +196,18 @@ def vllm_model(family: str, config: dict[str, Any]) -> dict[str, Any]:
         setup.update(supported=["qkv_proj", "o_proj", "gate", "experts", "embed_tokens", "lm_head"],
                      packed={**qkv, "experts": packed_experts}, moe_modules=moe,
                      mapper={"substr": {".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}})  # fmt: skip
+        serve["moe_modules"] = moe
+    elif family == "qwen3_moe":
+        # Qwen3MoeForCausalLM: `mlp.gate` (ReplicatedLinear; 0.33 on GateLinear, one of them), `mlp.experts`
+        # (FusedMoE, 2-D: `is_3d_moe_weight` is False), packing qkv only (gate_up_proj only with mlp_only_layers);
+        # its hf_to_vllm_mapper is stacked names only, which `get_rename_mapper` drops: no renames.
+        layers, experts = config["num_hidden_layers"], config["num_local_experts"]
+        assert not config.get("mlp_only_layers") and config.get("decoder_sparse_step", 1) == 1
+        modules = _decoder("model.", layers, ["mlp.gate", "mlp.experts"]) + ["lm_head"]
+        moe = [f"model.layers.{i}.mlp.experts" for i in range(layers)]
+        packed_experts = [f"experts.{e}.{w}" for e in range(experts) for w in ("gate_proj", "down_proj", "up_proj")]
+        setup.update(supported=["qkv_proj", "o_proj", "gate", "experts", "embed_tokens", "lm_head"],
+                     packed={**qkv, "experts": packed_experts}, moe_modules=moe)  # fmt: skip
         serve["moe_modules"] = moe
     elif family == "llava":
         text = config["text_config"]
@@ -206,10 +240,24 @@ VLLM_LAUNCHES: list[tuple[str, list[str]]] = [
     ("targets_qkv_o", ["--max-lora-rank", "32", "--lora-target-modules", "qkv_proj", "o_proj"]),
     ("targets_mlp", ["--max-lora-rank", "32", "--lora-target-modules", "o_proj", "gate_up_proj", "down_proj"]),
 ]
+# Launches for one base only: (label, flags), after the common ones.
+VLLM_BASE_LAUNCHES: dict[str, list[tuple[str, list[str]]]] = {
+    # a MoE server that wraps the experts and takes rank 64
+    "qwen3_moe": [
+        ("rank64_attn_experts", ["--max-lora-rank", "64", "--lora-target-modules", "qkv_proj", "o_proj", "experts"])
+    ],  # fmt: skip
+}
 SGLANG_LAUNCHES: list[tuple[str, list[str], str]] = [
     # (label, flags, how the adapters come: "startup" one per server in --lora-paths, or "dynamic" loads)
     ("startup", ["--max-lora-rank", "32"], "startup"),
     ("startup_targets_q_v", ["--max-lora-rank", "32", "--lora-target-modules", "q_proj", "v_proj"], "startup"),
     ("dynamic_all", ["--max-lora-rank", "32", "--lora-target-modules", "all"], "dynamic"),
 ]
-SGLANG_BASES = ("llama", "qwen2", "mixtral")  # the module trees tests/oracle/stubs.py builds for SGLang
+SGLANG_BASE_LAUNCHES: dict[str, list[tuple[str, list[str], str]]] = {
+    "qwen3_moe": [
+        ("startup_rank64_all", ["--max-lora-rank", "64", "--lora-target-modules", "all"], "startup"),
+        ("startup_rank64_attn", ["--max-lora-rank", "64", "--lora-target-modules", "q_proj", "k_proj", "v_proj",
+                                 "o_proj"], "startup"),
+    ],
+}  # fmt: skip
+SGLANG_BASES = ("llama", "qwen2", "mixtral", "qwen3_moe")  # the module trees tests/oracle/stubs.py builds for SGLang

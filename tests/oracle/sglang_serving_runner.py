@@ -117,8 +117,9 @@ def _home(module: str) -> str:
 
 def _wrapped(mgr, target: str, layer_id: int | None) -> str | None:
     """The module that reads the buffer of (target, layer)."""
-    if layer_id is None:
-        return target
+    if layer_id is None:  # embed_tokens / lm_head: the wrapper `update_lora_info` hands that buffer to
+        wrapper = getattr(mgr, {"embed_tokens": "embed_tokens_module", "lm_head": "lm_head_module"}[target], None)
+        return next((n for n, m in mgr.base_model.named_modules() if wrapper is not None and m is wrapper), None)
     moe = target.endswith("_moe")
     for name, module in mgr.lora_modules[layer_id].items():
         if moe and type(module).__name__ == "FusedMoEWithLoRA":

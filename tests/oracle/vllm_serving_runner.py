@@ -12,7 +12,11 @@ on `vllm_runner`'s stubs (tests/oracle/stubs.py, vLLM section) and adds none. Pe
    tower/connector LoRA is enabled, so they are not wrapped), and `_register_packed_modules`;
 3. the adapter's registration, `_create_merged_loras_inplace` (packing q/k/v and gate/up and the experts, the text
    fallback of a multimodal model, folding each scaling into `lora_b`), and activation's lookup
-   `_get_lora_layer_weights` for every wrapped module, as `activate_adapter` calls it.
+   `_get_lora_layer_weights` for every wrapped module, as `activate_adapter` calls it; for a MoE layer, what
+   activation hands it goes through the guard of the wheel's `FusedMoEWithLoRA.set_lora` (compiled from
+   lora/layers/fused_moe.py by `stubs.compile_members`, run up to its first buffer write): a fused 3-D adapter
+   under the 2-D wrapper, which 0.30 has no load check for, fails there on the request that activates it
+   (stage `first_use`).
 
 The served scale of a module is measured, not read: its `lora_b` as activation would hand it to `set_lora`
 (times any scaling still pending) over the `lora_b` the file holds. The module tree, the packed mapping and the
@@ -28,6 +32,7 @@ Result: {"results": {id: {"error": [type, message], "stage": "load"} | {"ok": {"
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -35,6 +40,7 @@ import sys
 import traceback
 import types
 
+import stubs
 import torch
 import vllm_runner  # installs the stubs; its stdout is already stderr
 from safetensors import safe_open
@@ -54,6 +60,35 @@ METHODS = (
 Shell = type(
     "LoRAModelManagerShell", (), {n: LoRAModelManager.__dict__[n] for n in METHODS if n in LoRAModelManager.__dict__}
 )
+
+
+class _Reached(Exception):
+    """`set_lora` got past its argument checks to its first buffer write (`reset_lora`)."""
+
+
+def _moe_set_lora() -> type:
+    """`FusedMoEWithLoRA.set_lora`, compiled unmodified from the wheel's source (the module imports kernels)."""
+    lora_dir = importlib.util.find_spec("vllm.lora").submodule_search_locations[0]
+    path = os.path.join(lora_dir, "layers", "fused_moe.py")
+    return stubs.compile_members(path, "FusedMoEWithLoRA", ["set_lora"], {"torch": torch}, "MoESetLora")
+
+
+MoESetLora = _moe_set_lora()
+
+
+def activate_moe(weights) -> None:
+    """What `activate_adapter` does with a MoE layer's weights: `module.set_lora(index, lora_a, lora_b)`, up to the
+    first write into the layer's buffers (not modelled: the runner measures the packed weights instead)."""
+    shell = MoESetLora.__new__(MoESetLora)
+
+    def reached(index):
+        raise _Reached
+
+    shell.reset_lora = reached
+    try:
+        shell.set_lora(0, weights.lora_a, weights.lora_b)
+    except _Reached:
+        pass
 
 
 def manager(case: dict) -> object:
@@ -133,10 +168,16 @@ def serve(case: dict) -> dict:
     except Exception as exc:
         return _error(exc, "load")
     applied: dict[str, float | None] = {}
+    moe_modules = set(case["serve"].get("moe_modules", ()))
     for name in wrapped:
         weights = mgr._get_lora_layer_weights(lora, name)  # what activate_adapter hands to set_lora
         if not weights:
             continue
+        if name in moe_modules:
+            try:
+                activate_moe(weights)
+            except Exception as exc:  # the first request that activates the adapter
+                return _error(exc, "first_use")
         keys = slices[name]
         if not isinstance(weights.lora_b, list):
             if keys[0] is not None:
