@@ -188,20 +188,25 @@ def _cmd_upgrade_transformers(args: argparse.Namespace) -> int:
         sys.stderr.write("lorafast upgrade-check: error: --engine transformers needs --from-base and --to-base\n")
         return 2
     diff = diff_bases(list(args.adapters), args.from_base, args.to_base, labels=(args.from_version, args.to_version))
+    title = (
+        f"transformers {args.from_version or ''} base {diff.old_base} -> {args.to_version or ''} base {diff.new_base}"
+    )
+    return _print_diff(args, diff, title, lambda o: f"{o.verdict:<15} {len(o.matched)} modules reach a weight")
+
+
+def _print_diff(args: argparse.Namespace, diff: Any, title: str, side: Any) -> int:
+    """An upgrade check's answer: JSON, or a summary line and each changed adapter, old and new (`side(outcome)`).
+    Exit 1 when some adapter changes."""
     if args.json:
         sys.stdout.write(json.dumps(diff.to_dict(), indent=2) + "\n")
         return 1 if diff.changes else 0
     s = diff.summary()
-    sys.stdout.write(
-        f"transformers {args.from_version or ''} base {diff.old_base} -> {args.to_version or ''} base {diff.new_base}: "
-        f"{s['changed']} of {s['adapters']} adapters change"
-        + (" (" + ", ".join(f"{n} {k}" for k, n in s["kinds"].items()) + ")" if s["kinds"] else "")
-        + "\n"
-    )
+    kinds = " (" + ", ".join(f"{n} {k}" for k, n in s["kinds"].items()) + ")" if s["kinds"] else ""
+    sys.stdout.write(f"{title}: {s['changed']} of {s['adapters']} adapters change{kinds}\n")
     for c in diff.changes[: args.limit]:
         sys.stdout.write(f"{c.name}  [{', '.join(c.kinds)}]  {c.old.path}\n")
-        for side, o in (("old", c.old), ("new", c.new)):
-            sys.stdout.write(f"    {side} {o.verdict:<15} {len(o.matched)} modules reach a weight\n")
+        for label, o in (("old", c.old), ("new", c.new)):
+            sys.stdout.write(f"    {label} {side(o)}\n")
     if len(diff.changes) > args.limit:
         sys.stdout.write(f"... and {len(diff.changes) - args.limit} more (--limit, or --json for all)\n")
     return 1 if diff.changes else 0
@@ -231,24 +236,13 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
         strict_version=args.strict_version,
         **options,
     )
-    if args.json:
-        sys.stdout.write(json.dumps(diff.to_dict(), indent=2) + "\n")
-        return 1 if diff.changes else 0
-    s = diff.summary()
-    sys.stdout.write(
-        f"{args.engine} {diff.old.requested} ({diff.old.status}) -> {diff.new.requested} ({diff.new.status}): "
-        f"{s['changed']} of {s['adapters']} adapters change"
-        + (" (" + ", ".join(f"{n} {k}" for k, n in s["kinds"].items()) + ")" if s["kinds"] else "")
-        + "\n"
-    )
-    for c in diff.changes[: args.limit]:
-        sys.stdout.write(f"{c.name}  [{', '.join(c.kinds)}]  {c.old.path}\n")
-        for side, o in (("old", c.old), ("new", c.new)):
-            detail = f"{o.exc_type}: {_short(o.message)}" if o.outcome == "fails" else f"{len(o.modules)} modules"
-            sys.stdout.write(f"    {side} {o.outcome:<6} {o.stage + ' ' if o.stage else ''}{detail}\n")
-    if len(diff.changes) > args.limit:
-        sys.stdout.write(f"... and {len(diff.changes) - args.limit} more (--limit, or --json for all)\n")
-    return 1 if diff.changes else 0
+    title = f"{args.engine} {diff.old.requested} ({diff.old.status}) -> {diff.new.requested} ({diff.new.status})"
+
+    def side(o: Any) -> str:
+        detail = f"{o.exc_type}: {_short(o.message)}" if o.outcome == "fails" else f"{len(o.modules)} modules"
+        return f"{o.outcome:<6} {o.stage + ' ' if o.stage else ''}{detail}"
+
+    return _print_diff(args, diff, title, side)
 
 
 def _short(text: str, width: int = 200) -> str:
