@@ -106,6 +106,16 @@ fuzz-python: $(BIN)/python ## long pass of the Python fuzz harness (FUZZ_SECONDS
 	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -artifact_prefix=tests/fuzz-corpus/python/ \
 	  .cache/fuzz-python tests/fuzz-corpus/python .cache/fuzz-seeds
 
+# The torch reader's differential harness (tests/fuzz_torch.py, atheris, against torch.load(weights_only=True)).
+# `make test` runs a 20 s seeded pass of it (tests/test_fuzz_torch.py).
+.PHONY: fuzz-torch
+fuzz-torch: $(BIN)/python ## long pass of the torch reader's fuzz harness against torch.load (FUZZ_SECONDS=600); findings go to tests/fuzz-corpus/torch
+	$(BIN)/python tests/fuzz_torch.py --seeds .cache/fuzz-torch-seeds
+	@mkdir -p .cache/fuzz-torch
+	LORAFAST_FUZZ_OUT=tests/fuzz-corpus/torch $(BIN)/python tests/fuzz_torch.py -seed=$(FUZZ_SEED) \
+	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -artifact_prefix=tests/fuzz-corpus/torch/ \
+	  .cache/fuzz-torch tests/fuzz-corpus/torch .cache/fuzz-torch-seeds
+
 .PHONY: bench
 bench: build-release ## benchmarks (ratios against baselines measured in the same run)
 	$(BIN)/python benches/bench_header.py
@@ -125,7 +135,8 @@ bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
 # pass, from a new seed each run; failing inputs are saved in tests/fuzz-corpus/.
 FUZZ_CASES ?= 100000
 .PHONY: fuzz
-fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, names, config), new seed; then fuzz-python
+fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, names, config), new seed; then fuzz-python and fuzz-torch
 	LORAFAST_FUZZ_CASES=$(FUZZ_CASES) LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
 	  cargo test --no-default-features --test fuzz_header --test fuzz_classify --test fuzz_names --test fuzz_config -- --nocapture
 	$(MAKE) fuzz-python
+	$(MAKE) fuzz-torch

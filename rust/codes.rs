@@ -141,7 +141,7 @@ code_enum! {
         /// The pickle exceeds a size or depth limit.
         PickleLimit = "pickle_limit",
         /// A tensor past its storage, a missing or short storage record, a storage declared twice
-        /// differently, or a dtype with no safetensors name.
+        /// differently or at an unknown location, or a dtype with no safetensors name.
         InvalidTorchTensor = "invalid_torch_tensor",
         /// The pickle is no mapping of names to tensors.
         NotAStateDict = "not_a_state_dict",

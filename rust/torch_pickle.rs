@@ -232,6 +232,8 @@ struct Container {
 #[derive(Debug)]
 struct Tuple {
     depth: u32,
+    /// Whether every item is hashable (a tuple is then a valid dict key or set item).
+    hashable: bool,
     items: Vec<Value>,
 }
 
@@ -280,11 +282,94 @@ impl Value {
         }
     }
 
+    /// Whether Python could hash it (use it as a dict key or set item).
+    fn hashable(&self) -> bool {
+        match self {
+            Value::Tuple(t) => t.hashable,
+            Value::Dict(_) | Value::List(_) => false,
+            Value::Opaque(kind) => !matches!(*kind, "set" | "bytearray" | "Counter"),
+            _ => true,
+        }
+    }
+
     /// Marks a container as held by another value: it cannot change from now on.
     fn freeze(&self) {
         if let Value::Dict(c) | Value::List(c) = self {
             c.frozen.set(true);
         }
+    }
+}
+
+/// The device types `torch.device` accepts.
+const DEVICE_TYPES: &[&str] = &[
+    "cpu",
+    "cuda",
+    "ipu",
+    "xpu",
+    "mkldnn",
+    "opengl",
+    "opencl",
+    "ideep",
+    "hip",
+    "ve",
+    "fpga",
+    "maia",
+    "xla",
+    "lazy",
+    "vulkan",
+    "mps",
+    "meta",
+    "hpu",
+    "mtia",
+    "privateuseone",
+];
+/// The layouts `torch.serialization._get_layout` knows.
+const LAYOUTS: &[&str] = &[
+    "torch.strided",
+    "torch.sparse_coo",
+    "torch.sparse_csr",
+    "torch.sparse_csc",
+    "torch.sparse_bsr",
+    "torch.sparse_bsc",
+    "torch._mkldnn",
+    "torch.jagged",
+];
+
+/// Whether a storage's location is one `torch.save` writes and `torch.load` restores (given the
+/// device, or a `map_location`): `cpu`, `meta`, or a backend with an optional index (`cuda:0`).
+/// torch cannot restore any other without a `map_location`.
+fn saved_location(location: &str) -> bool {
+    let (device, index) = location.split_once(':').unwrap_or((location, "0"));
+    match device {
+        "cpu" | "meta" => index == "0" && !location.contains(':'),
+        "cuda" | "mps" | "hpu" | "xpu" | "mtia" => !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()),
+        _ => false,
+    }
+}
+
+/// Whether `args` are what pickle's protocol 2 writes for a `kind` value (`Global::Value`), which
+/// `torch.load` then builds without fail. Other arguments may fail there (`complex("x")`,
+/// `torch.device("gpu")`, a list in a set), and the file would not load, so they are refused.
+fn value_args(kind: &str, args: &[Value]) -> bool {
+    let latin1 = |s: &str| s.chars().all(|c| u32::from(c) <= 0xFF);
+    let known = |list: &[&str], s: &str| list.contains(&s);
+    match (kind, args) {
+        ("bytes", [Value::Str(s), Value::Str(codec)]) => &**codec == "latin1" && latin1(s),
+        ("bytearray", [Value::Opaque("bytes")]) => true,
+        ("bytearray", [Value::Str(s), Value::Str(codec)]) => &**codec == "latin-1" && latin1(s),
+        ("set", [Value::List(c)]) => c.items.borrow().iter().all(Value::hashable),
+        ("bytearray" | "set" | "Counter", []) | ("Counter", [Value::Dict(_)]) => true,
+        ("complex", _) => {
+            args.len() <= 2
+                && args
+                    .iter()
+                    .all(|v| matches!(v, Value::Int(_) | Value::Float | Value::Bool))
+        }
+        ("torch.device", [Value::Str(t)]) => known(DEVICE_TYPES, t),
+        // An index past 127 is wrapped or refused, depending on torch's version.
+        ("torch.device", [Value::Str(t), Value::Int(i)]) => known(DEVICE_TYPES, t) && (0..128).contains(i),
+        ("torch.layout", [Value::Str(name)]) => known(LAYOUTS, name),
+        _ => false,
     }
 }
 
@@ -493,7 +578,8 @@ impl<'p> Machine<'p> {
         let depth = 1 + items.iter().map(Value::depth).max().unwrap_or(0);
         self.check_depth(depth)?;
         items.iter().for_each(Value::freeze);
-        Ok(Value::Tuple(Rc::new(Tuple { depth, items })))
+        let hashable = items.iter().all(Value::hashable);
+        Ok(Value::Tuple(Rc::new(Tuple { depth, hashable, items })))
     }
 
     fn check_depth(&self, depth: u32) -> Result<(), TorchError> {
@@ -531,7 +617,7 @@ impl<'p> Machine<'p> {
         }
         if dict {
             for key in items.iter().step_by(2) {
-                if matches!(key, Value::Dict(_) | Value::List(_)) {
+                if !key.hashable() {
                     return Err(invalid(at, format!("unhashable {} used as a dict key", key.kind())));
                 }
             }
@@ -596,9 +682,14 @@ impl<'p> Machine<'p> {
             return Err(not_storage());
         };
         let storage = match t.items.as_slice() {
-            [Value::Str(tag), Value::Global(Global::StorageType(dtype)), Value::Str(key), Value::Str(_location), Value::Int(numel)]
+            [Value::Str(tag), Value::Global(Global::StorageType(dtype)), Value::Str(key), Value::Str(location), Value::Int(numel)]
                 if &**tag == "storage" && *numel >= 0 =>
             {
+                if !saved_location(location) {
+                    return Err(bad_tensor(format!(
+                        "storage {key:?}: location {location:?} is no device torch.save names"
+                    )));
+                }
                 let numel = *numel as u64;
                 if numel.checked_mul(dtype.itemsize()).is_none() {
                     return Err(bad_tensor(format!(
@@ -656,7 +747,13 @@ impl<'p> Machine<'p> {
             | (Global::RebuildParameterWithState, [t @ Value::Tensor(_), Value::Bool, Value::Dict(_), _]) => {
                 Ok(t.clone())
             }
-            (Global::Value(kind), _) => {
+            (Global::Value(kind), args) => {
+                if !value_args(kind, args) {
+                    return Err(invalid(
+                        at,
+                        format!("{kind} built from arguments torch.save does not write"),
+                    ));
+                }
                 self.count(1)?;
                 Ok(Value::Opaque(kind))
             }

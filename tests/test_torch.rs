@@ -436,6 +436,18 @@ fn deep_nesting_and_long_stacks_hit_limits() {
 }
 
 #[test]
+fn unhashable_dict_keys_are_refused() {
+    // {"k": {(1, [2]): 3}}: Python cannot hash a tuple holding a list, so torch.load fails.
+    let p = P::new().op(b"}(").str("k").op(b"}((K\x01]K\x02atK\x03uu").done();
+    let (code, message) = pickle_code(&p);
+    assert_eq!(code, "invalid_pickle");
+    assert!(message.contains("unhashable tuple"), "{message}");
+    // A tuple of hashable items is a fine key.
+    let p = P::new().op(b"}(").str("k").op(b"}((K\x01K\x02tK\x03uu").done();
+    assert!(read_state_dict(&p).is_ok());
+}
+
+#[test]
 fn containers_cannot_be_made_to_hold_themselves() {
     // d = {}; d['x'] = d
     let p = P::new().op(b"}q\x00X\x01\x00\x00\x00xh\x00s").done();

@@ -9,6 +9,8 @@ create a marker file, the marker is never there after lorafast read the file, an
 
 from __future__ import annotations
 
+import codecs
+import collections
 import json
 import pickle
 import shutil
@@ -24,16 +26,18 @@ torch = pytest.importorskip("torch")
 import lorafast  # noqa: E402
 from lorafast import _core  # noqa: E402
 from lorafast.errors import AdapterError  # noqa: E402
-from torch_files import Storage, Tensor, state_pickle, torch_zip  # noqa: E402
+from torch_files import (  # noqa: E402
+    ST_DTYPES,
+    Call,
+    Storage,
+    Tensor,
+    random_state_dict,
+    state_pickle,
+    tensor_bytes,
+    torch_zip,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
-
-ST_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}  # fmt: skip
 
 
 def expected_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -43,13 +47,6 @@ def expected_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def read_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, dtype, tuple(shape)) for name, dtype, shape, _ in _core.read_torch_header(str(path))["tensors"]]
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of `t`'s elements in order (a fresh buffer: a view's strides may not allow a byte view)."""
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def mixed_state_dict() -> OrderedDict[str, torch.Tensor]:
@@ -96,36 +93,10 @@ def test_torch_save_state_dict_reads_as_torch_load(tmp_path: Path) -> None:
     assert header.header_size > 0 and header.file_size == len(raw)
 
 
-def random_view(base: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """A view of `base`: sliced, stepped, transposed, expanded or selected, at random."""
-    t = base
-    for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
-        op = int(torch.randint(0, 4, (1,), generator=g))
-        if op == 0 and t.dim() >= 2:
-            t = t.transpose(0, 1)
-        elif op == 1 and t.dim() and t.shape[0] > 1:
-            t = t[1 :: int(torch.randint(1, 3, (1,), generator=g))]
-        elif op == 2 and t.dim() and t.shape[-1] == 1:
-            t = t.expand(*t.shape[:-1], 3)
-        elif op == 3 and t.dim() and t.shape[0]:
-            t = t[0]
-    return t
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_random_state_dicts_read_as_torch_load(tmp_path: Path, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float8_e5m2, torch.int64]
-    sd: dict[str, torch.Tensor] = {}
-    for i in range(int(torch.randint(1, 12, (1,), generator=g))):
-        shape = [int(d) for d in torch.randint(0, 5, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g)]
-        dtype = dtypes[int(torch.randint(0, len(dtypes), (1,), generator=g))]
-        base = torch.randn(shape, generator=g).to(dtype)
-        sd[f"t{i}"] = base
-        if base.dim():
-            sd[f"t{i}.view"] = random_view(base, g)  # shares base's storage
     path = tmp_path / "r.bin"
-    torch.save(sd, path)
+    torch.save(random_state_dict(seed), path)
     assert read_entries(path) == expected_entries(path)
     raw, header = path.read_bytes(), lorafast.read_torch_header(path)
     for name, t in torch.load(path, weights_only=True).items():
@@ -470,3 +441,52 @@ def test_a_storage_key_declared_again_must_agree_with_its_first_declaration(tmp_
     torch_zip(path, state_pickle(double), records)
     assert torch.load(path, weights_only=True)["b"].shape == (32,)
     assert "then as 32 float64" in str(refused(path, "invalid_torch_tensor"))
+
+
+# ---- what tests/fuzz_torch.py found: files lorafast accepted that torch.load cannot load ----
+
+
+@pytest.mark.parametrize(
+    ("value", "code"),
+    [
+        (Call(codecs.encode, "x", "latin0"), "invalid_pickle"),
+        (Call(codecs.encode, "\u20ac", "latin1"), "invalid_pickle"),
+        (Call(torch.device, "gpu"), "invalid_pickle"),
+        (Call(torch.device, "cuda", -1), "invalid_pickle"),
+        (Call(set, [[1]]), "invalid_pickle"),
+        (Call(complex, "x"), "invalid_pickle"),
+        (Call(collections.Counter, 7), "invalid_pickle"),
+        (Call(torch.serialization._get_layout, "torch.nope"), "invalid_pickle"),
+        (Tensor(Storage(torch.FloatStorage, "1", 4, location="cpX"), (4,), (1,)), "invalid_torch_tensor"),
+    ],
+    ids=[
+        "codec",
+        "not_latin1",
+        "device",
+        "device_index",
+        "set_of_lists",
+        "complex_str",
+        "counter_int",
+        "layout",
+        "location",
+    ],
+)
+def test_values_torch_cannot_build_are_refused(tmp_path: Path, value: object, code: str) -> None:
+    path = tmp_path / "v.pt"
+    torch_zip(path, state_pickle({"w": Tensor(Storage(torch.FloatStorage, "0", 4), (4,), (1,)), "v": value}),
+              {"0": bytes(16), "1": bytes(16)})  # fmt: skip
+    with pytest.raises(Exception):  # noqa: B017 (each fails its own way inside torch)
+        torch.load(path, weights_only=True)
+    refused(path, code)
+
+
+def test_values_as_torch_save_writes_them_are_read(tmp_path: Path) -> None:
+    # Saved from a GPU (location cuda:0) and holding every value torch.load allows, as pickle writes them.
+    path = tmp_path / "gpu.pt"
+    state = {"w": Tensor(Storage(torch.FloatStorage, "0", 4, location="cuda:0"), (4,), (1,)),
+             "v": [b"\x00\xff", bytearray(b"xy"), bytearray(), {1, (2, "a")}, set(), 1 + 2j, collections.Counter("ab"),
+                   torch.device("cuda", 1), torch.device("meta"), Call(torch.serialization._get_layout, "torch.sparse_csr")]}  # fmt: skip
+    torch_zip(path, state_pickle(state), {"0": bytes(16)})
+    loaded = torch.load(path, weights_only=True, map_location="cpu")
+    assert loaded["v"][-1] is torch.sparse_csr
+    assert read_entries(path) == [("w", "F32", (4,))]
