@@ -135,8 +135,17 @@ bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
 # pass, from a new seed each run; failing inputs are saved in tests/fuzz-corpus/.
 FUZZ_CASES ?= 100000
 .PHONY: fuzz
-fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, names, config), new seed; then fuzz-python and fuzz-torch
+fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, names, config), new seed; then fuzz-python, fuzz-torch and fuzz-differential
 	LORAFAST_FUZZ_CASES=$(FUZZ_CASES) LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
 	  cargo test --no-default-features --test fuzz_header --test fuzz_classify --test fuzz_names --test fuzz_config -- --nocapture
 	$(MAKE) fuzz-python
 	$(MAKE) fuzz-torch
+	$(MAKE) fuzz-differential
+
+# The hypothesis differential passes (tests/fuzzing.py): convert against PEFT and merge equality, Index.scan against a
+# fresh scan under rewrites and concurrent scans. `make test` runs them short and seeded; this runs FUZZ_CASES inputs
+# each from a new seed (LORAFAST_FUZZ_SEED to replay one).
+.PHONY: fuzz-differential
+fuzz-differential: $(BIN)/python ## long pass of the convert and Index differential fuzz (FUZZ_CASES inputs each)
+	LORAFAST_FUZZ_CASES=$${LORAFAST_FUZZ_CASES:-500} LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 0 tests/test_convert_fuzz.py tests/test_index_fuzz.py
