@@ -148,4 +148,4 @@ fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, n
 .PHONY: fuzz-differential
 fuzz-differential: $(BIN)/python ## long pass of the convert and Index differential fuzz (FUZZ_CASES inputs each)
 	LORAFAST_FUZZ_CASES=$${LORAFAST_FUZZ_CASES:-500} LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
-	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 0 tests/test_convert_fuzz.py tests/test_index_fuzz.py
+	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 0 tests/test_convert_fuzz.py tests/test_index_fuzz.py tests/test_base_fuzz.py

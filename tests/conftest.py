@@ -29,7 +29,10 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("oracle", ("test_oracle_", "test_sglang_first_use_replay", "test_engine_versions")),
     ("ray", ("test_distributed_ray",)),
     ("remote", ("test_remote_", "test_check_remote", "test_index_remote", "test_base_hostile", "test_netproxy")),
-    ("fuzz", ("test_fuzz_", "test_convert_fuzz", "test_index_fuzz", "test_compat_sglang_differential")),
+    (
+        "fuzz",
+        ("test_fuzz_", "test_convert_fuzz", "test_index_fuzz", "test_base_fuzz", "test_compat_sglang_differential"),
+    ),
     ("slow", ("test_demo", "test_check", "test_merge_reference", "test_convert_memory", "test_serving")),
 )
 
