@@ -12,7 +12,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
-use crate::classify::{Format, Modules, MoeLayout};
+use crate::classify::{Format, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
 use crate::error::Error;
 use crate::header::{self, Dtype, ReadMode};
@@ -22,6 +22,7 @@ use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target}
 use crate::torch;
 
 mod adapters;
+mod index;
 mod instances;
 mod module_values;
 mod parquet_columns;
@@ -819,36 +820,6 @@ impl ScanResult {
         Ok(d)
     }
 
-    /// Every row encoded for the index (`rust/store.rs`): (row bytes, for each row the index of its
-    /// classification in the third list or None for a failed row, the encoded classifications), each
-    /// distinct classification encoded once.
-    #[allow(clippy::type_complexity)]
-    fn encode<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<Option<usize>>, Vec<Bound<'py, PyBytes>>)> {
-        let (rows, row_classes, classes) = py.detach(|| {
-            let mut seen: rustc_hash::FxHashMap<*const Modules, usize> = Default::default();
-            let mut classes: Vec<Vec<u8>> = Vec::new();
-            let row_classes: Vec<Option<usize>> = self
-                .rows
-                .iter()
-                .map(|r| {
-                    r.as_ref().ok().map(|a| {
-                        *seen.entry(std::sync::Arc::as_ptr(&a.class.modules)).or_insert_with(|| {
-                            classes.push(crate::store::encode_class(&a.class));
-                            classes.len() - 1
-                        })
-                    })
-                })
-                .collect();
-            let rows: Vec<Vec<u8>> = self.rows.iter().map(crate::store::encode_row).collect();
-            (rows, row_classes, classes)
-        });
-        let bytes = |v: &Vec<Vec<u8>>| v.iter().map(|b| PyBytes::new(py, b)).collect::<Vec<_>>();
-        Ok((bytes(&rows), row_classes, bytes(&classes)))
-    }
-
     /// Target-module leaves of every successful row: (unique names, in order of first use, and
     /// per-row lists of indices; with `per_row` false, no lists: the summary needs only the names,
     /// and 20,000 one-item lists were 1.7 MB of Python objects).
@@ -1196,48 +1167,6 @@ fn scan(
     Ok(ScanResult { rows })
 }
 
-/// A scan result from rows that `ScanResult.encode` wrote: `class_ids[i]` names row i's classification
-/// in `classes` (None for a failed row). Each classification is decoded once, its modules shared.
-#[pyfunction]
-fn assemble(
-    py: Python<'_>,
-    rows: Vec<Bound<'_, PyBytes>>,
-    class_ids: Vec<Option<String>>,
-    classes: &Bound<'_, PyDict>,
-) -> PyResult<ScanResult> {
-    if rows.len() != class_ids.len() {
-        return Err(PyValueError::new_err("rows and class_ids differ in length"));
-    }
-    let rows: Vec<Vec<u8>> = rows.iter().map(|b| b.as_bytes().to_vec()).collect();
-    let mut bodies: rustc_hash::FxHashMap<String, Vec<u8>> = Default::default();
-    for (k, v) in classes.iter() {
-        bodies.insert(k.extract()?, v.cast_into::<PyBytes>()?.as_bytes().to_vec());
-    }
-    let rows = py
-        .detach(|| {
-            let mut decoded: rustc_hash::FxHashMap<&str, crate::classify::Classification> = Default::default();
-            rows.iter()
-                .zip(&class_ids)
-                .map(|(r, id)| {
-                    crate::store::decode_row(r, || {
-                        let id = id.as_deref().ok_or("stored row: no classification id")?;
-                        if let Some(c) = decoded.get(id) {
-                            return Ok(c.clone());
-                        }
-                        let body = bodies
-                            .get(id)
-                            .ok_or_else(|| format!("stored row: no classification {id}"))?;
-                        let c = crate::store::decode_class(body)?;
-                        decoded.insert(id, c.clone());
-                        Ok(c)
-                    })
-                })
-                .collect::<Result<Vec<_>, String>>()
-        })
-        .map_err(PyValueError::new_err)?;
-    Ok(ScanResult { rows })
-}
-
 /// One discovered adapter as plain data: (path, weights, config, error code, error message).
 type TargetItem = (
     OsString,
@@ -1285,43 +1214,6 @@ fn target_item(r: Result<Target, Error>) -> TargetItem {
             Some(e.detail()),
         ),
     }
-}
-
-/// A remote object as discovery saw it: (size, ETag, last-modified in ns since the epoch).
-type ObjectStatItem = (u64, Option<String>, Option<i64>);
-
-/// `discover_targets`, each item with what the store says of its weights and config (`lorafast.Index`
-/// keys remote adapters by it): `(item, weights, config, missing)`, the stats None for local files
-/// and where the store would not say, `missing` when the store says a file is not there. The stats
-/// come from the listing where the store lists, else from one HEAD each; no header is read.
-#[pyfunction]
-#[pyo3(signature = (paths, recursive = true, threads = None, storage_options = None, timeout = None, concurrency = None))]
-#[allow(clippy::type_complexity)]
-fn discover_target_stats(
-    py: Python<'_>,
-    paths: Vec<PathBuf>,
-    recursive: bool,
-    threads: Option<usize>,
-    storage_options: Option<Vec<(String, String)>>,
-    timeout: Option<Timeout>,
-    concurrency: Option<Concurrency>,
-) -> PyResult<Vec<(TargetItem, Option<ObjectStatItem>, Option<ObjectStatItem>, bool)>> {
-    use remote::Stat;
-    let ropts = remote_options(storage_options, timeout, concurrency);
-    let item = |s: &Stat| match s {
-        Stat::Found(o) => Some((o.size, o.etag.clone(), o.last_modified_ns)),
-        Stat::Unknown | Stat::Missing => None,
-    };
-    detach_contained(py, Path::new(""), || {
-        Ok(remote::Session::new(threads, &ropts)
-            .discover_stat(&paths, recursive)
-            .into_iter()
-            .map(|(t, w, c)| {
-                let missing = w == Stat::Missing || c == Stat::Missing;
-                (target_item(t), item(&w), item(&c), missing)
-            })
-            .collect())
-    })
 }
 
 /// Loads `discover_targets` items (a shard of them); failed items stay failed rows, in place.
@@ -1478,12 +1370,13 @@ mod _core {
     #[pymodule_export]
     use super::adapters::ModuleCache;
     #[pymodule_export]
+    use super::index::IndexScan;
+    #[pymodule_export]
     use super::parquet_columns::write_parquet;
     #[pymodule_export]
     use super::{
-        _debug_panic_on, assemble, discover, discover_target_stats, discover_targets, inspect, inspect_many,
-        make_modules, map_file, read_header, read_torch_header, read_url_header, read_url_range, scan, scan_targets,
-        MappedFile, ScanResult,
+        _debug_panic_on, discover, discover_targets, inspect, inspect_many, make_modules, map_file, read_header,
+        read_torch_header, read_url_header, read_url_range, scan, scan_targets, MappedFile, ScanResult,
     };
 
     #[pymodule_init]

@@ -144,16 +144,21 @@ fn peft_target(dir: &Path, config: PathBuf) -> Result<Target, Error> {
 
 /// A PEFT target whose weights file is there (checked by `stat`, where nothing opens it).
 fn with_weights(t: Target) -> Result<Target, Error> {
+    with_weights_stat(t).map(|(t, _)| t)
+}
+
+/// `with_weights`, with the weights' metadata where it was the `stat` that checked them.
+fn with_weights_stat(t: Target) -> Result<(Target, Option<fs::Metadata>), Error> {
     if t.config.is_none() {
-        return Ok(t);
+        return Ok((t, None));
     }
     let missing = match fs::metadata(&t.weights) {
-        Ok(m) if m.is_file() => return Ok(t),
+        Ok(m) if m.is_file() => return Ok((t, Some(m))),
         Ok(m) if !m.is_dir() => return Err(not_regular(&t.weights, &m)),
         Ok(_) => missing_weights(&t.path),
         Err(e) => weights_error(&t, e),
     };
-    torch_fallback(t, missing)
+    torch_fallback(t, missing).map(|t| (t, None))
 }
 
 /// A PEFT folder without `adapter_model.safetensors` is read from `adapter_model.bin`, else
@@ -218,10 +223,27 @@ enum Found {
 /// The bytes of a config file, read while deciding what its folder is.
 type ConfigBytes = Vec<u8>;
 
+/// What a walk kept of a PEFT folder's config while telling the folder's kind. A scan reads it (its load
+/// needs the bytes next); discovery alone `stat`s it, which tells the same (see `stat_config_file`) in one
+/// syscall instead of an open, two reads and a close, and keeps the stat (`lorafast.Index` signs it).
+enum Probed {
+    Bytes(ConfigBytes),
+    Stat(fs::Metadata),
+}
+
+impl Probed {
+    fn bytes(self) -> Option<ConfigBytes> {
+        match self {
+            Probed::Bytes(b) => Some(b),
+            Probed::Stat(_) => None,
+        }
+    }
+}
+
 /// What a folder holds, by the discovery rules.
 enum Folder {
-    /// A PEFT adapter, with its config's bytes unless reading them failed (loading reports why).
-    Peft(Target, Option<ConfigBytes>),
+    /// A PEFT adapter, with what telling it kept of its config (none when that failed: loading reports why).
+    Peft(Target, Option<Probed>),
     /// One adapter file (a folder without a config holding one `.safetensors` file).
     Single(Target),
     /// Adapter files, and sub-folders to search (with `recursive`).
@@ -261,10 +283,28 @@ fn read_config_file(path: &Path) -> Result<Option<ConfigBytes>, Error> {
     }
 }
 
-fn resolve_folder(dir: &Path, recursive: bool, top: bool) -> Result<Folder, Error> {
+/// `read_config_file`'s answer without the read: the config's metadata, None when there is no such file
+/// (or it is a folder). Any other file, or a failure that is not its absence, makes the folder a PEFT one
+/// either way: the read would only pass the bytes, or the error, on to the load.
+fn stat_config_file(path: &Path) -> Result<Option<fs::Metadata>, Error> {
+    match fs::metadata(path) {
+        Ok(m) if m.is_dir() => Ok(None),
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+/// The kind of folder `dir` is; with `stat`, its config is told by a `stat` rather than read (`Probed`).
+fn resolve_folder(dir: &Path, recursive: bool, top: bool, stat: bool) -> Result<Folder, Error> {
     let config = dir.join(CONFIG_NAME);
-    match read_config_file(&config) {
-        Ok(Some(bytes)) => return Ok(Folder::Peft(peft_paths(dir, config), Some(bytes))),
+    let probed = if stat {
+        stat_config_file(&config).map(|m| m.map(Probed::Stat))
+    } else {
+        read_config_file(&config).map(|b| b.map(Probed::Bytes))
+    };
+    match probed {
+        Ok(Some(probed)) => return Ok(Folder::Peft(peft_paths(dir, config), Some(probed))),
         Ok(None) => {}
         // The folder cannot be searched (no `x` permission): say so of the folder, not of a file
         // in it. Told apart from an unreadable config by one `lstat`, on this failure path only.
@@ -319,7 +359,7 @@ fn missing_weights(dir: &Path) -> Error {
 }
 
 /// The entries of one input path; its sub-folders are left for the walk.
-fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
+fn expand_input(path: &Path, recursive: bool, stat_configs: bool) -> Vec<Result<Found, Error>> {
     let meta = match stat(path) {
         Ok(m) => m,
         Err(e) => return vec![Err(e)],
@@ -334,7 +374,7 @@ fn expand_input(path: &Path, recursive: bool) -> Vec<Result<Found, Error>> {
             config: None,
         }))];
     }
-    match resolve_folder(path, recursive, true) {
+    match resolve_folder(path, recursive, true, stat_configs) {
         Ok(Folder::Peft(t, _)) => vec![with_weights(t).map(Found::Target)],
         Ok(Folder::Single(t)) => vec![Ok(Found::Target(t))],
         Ok(Folder::Entries(found)) => found.into_iter().map(Ok).collect(),
@@ -352,6 +392,8 @@ const WALK_CHUNK: usize = 8;
 /// and each error (`failed`), and the rows so far, each with its `Key`.
 struct Walk<'a, V, F, R> {
     recursive: bool,
+    /// Tell PEFT folders by a `stat` of their config (`Probed`).
+    stat: bool,
     visit: &'a V,
     failed: &'a F,
     rows: Mutex<Vec<(Key, R)>>,
@@ -359,7 +401,7 @@ struct Walk<'a, V, F, R> {
 
 impl<V, F, R> Walk<'_, V, F, R>
 where
-    V: Fn(Target, Option<ConfigBytes>) -> R + Sync,
+    V: Fn(Target, Option<Probed>) -> R + Sync,
     F: Fn(Error) -> R + Sync,
     R: Send,
 {
@@ -372,7 +414,7 @@ where
 
     /// A sub-folder reached: its one row, or the entries in it to walk next.
     fn enter(&self, dir: &Path) -> Result<R, Vec<Found>> {
-        match resolve_folder(dir, self.recursive, false) {
+        match resolve_folder(dir, self.recursive, false, self.stat) {
             Err(e) => Ok((self.failed)(e)),
             Ok(Folder::Peft(t, config)) => Ok((self.visit)(t, config)),
             Ok(Folder::Single(t)) => Ok((self.visit)(t, None)),
@@ -419,17 +461,20 @@ where
     }
 }
 
-/// Walks `found` in parallel and in order, resolving sub-folders on the way: `visit` gets each
-/// adapter (with its config's bytes when already read), `failed` each error. Runs on the pool of
-/// the caller's `with_pool` (never rayon's global pool, which hangs in a forked child).
+/// Walks `found` in parallel and in order, resolving sub-folders on the way (`stat`: see `Probed`):
+/// `visit` gets each adapter (with what telling its folder kept of its config), `failed` each error.
+/// Runs on the pool of the caller's `with_pool` (never rayon's global pool, which hangs in a forked
+/// child).
 fn walk<R: Send>(
     found: Vec<Result<Found, Error>>,
     recursive: bool,
-    visit: &(impl Fn(Target, Option<ConfigBytes>) -> R + Sync),
+    stat: bool,
+    visit: &(impl Fn(Target, Option<Probed>) -> R + Sync),
     failed: &(impl Fn(Error) -> R + Sync),
 ) -> Vec<R> {
     let walk = Walk {
         recursive,
+        stat,
         visit,
         failed,
         rows: Mutex::new(Vec::with_capacity(found.len())),
@@ -438,14 +483,31 @@ fn walk<R: Send>(
     walk.into_rows()
 }
 
-fn expand_inputs(paths: &[PathBuf], recursive: bool) -> Vec<Result<Found, Error>> {
-    paths.iter().flat_map(|p| expand_input(p, recursive)).collect()
+fn expand_inputs(paths: &[PathBuf], recursive: bool, stat: bool) -> Vec<Result<Found, Error>> {
+    paths.iter().flat_map(|p| expand_input(p, recursive, stat)).collect()
 }
 
-/// Finds every adapter under `paths`; folders are searched in parallel.
+/// Finds every adapter under `paths`; folders are searched in parallel, and configs are not read.
 pub fn discover(paths: &[PathBuf], recursive: bool) -> Vec<Result<Target, Error>> {
-    let visit = |t: Target, _config: Option<ConfigBytes>| with_weights(t);
-    walk(expand_inputs(paths, recursive), recursive, &visit, &Err)
+    let visit = |t: Target, _config: Option<Probed>| with_weights(t);
+    walk(expand_inputs(paths, recursive, true), recursive, true, &visit, &Err)
+}
+
+/// A discovered adapter with the metadata of its weights and config where discovery had them (None
+/// where it had no need to look), for `lorafast.Index`'s signatures.
+pub type Stated = Result<(Target, Option<fs::Metadata>, Option<fs::Metadata>), Error>;
+
+/// `discover`, each adapter with the metadata its discovery got: a PEFT folder's weights and config
+/// cost two `stat`s in all, which are its signature's too.
+pub fn discover_stated(paths: &[PathBuf], recursive: bool) -> Vec<Stated> {
+    let visit = |t: Target, config: Option<Probed>| {
+        let config = match config {
+            Some(Probed::Stat(m)) => Some(m),
+            _ => None,
+        };
+        with_weights_stat(t).map(|(t, weights)| (t, weights, config))
+    };
+    walk(expand_inputs(paths, recursive, true), recursive, true, &visit, &Err)
 }
 
 /// Finds and loads every adapter under `paths` in one parallel walk, in `discover`'s order:
@@ -458,7 +520,7 @@ pub fn scan_paths(
     progress: bool,
 ) -> Vec<Result<AdapterResult, Error>> {
     with_progress(progress, |done| {
-        let found = expand_inputs(paths, recursive);
+        let found = expand_inputs(paths, recursive, false);
         // Without folders to walk, the inputs are all the work there is.
         let work = if found.iter().any(|f| matches!(f, Ok(Found::Folder(_)))) {
             usize::MAX
@@ -467,12 +529,12 @@ pub fn scan_paths(
         };
         with_pool(threads.map(|n| n.min(work.max(1))), || {
             done.total.store(found.len(), Ordering::Relaxed);
-            let visit = |t: Target, config: Option<ConfigBytes>| {
-                let r = load_read(t, config, opts);
+            let visit = |t: Target, config: Option<Probed>| {
+                let r = load_read(t, config.and_then(Probed::bytes), opts);
                 done.count.fetch_add(1, Ordering::Relaxed);
                 r
             };
-            walk(found, recursive, &visit, &Err)
+            walk(found, recursive, false, &visit, &Err)
         })
     })
 }

@@ -19,6 +19,7 @@ import lorafast
 import numpy as np
 import pytest
 from lorafast import _core
+from lorafast.index import SCHEMA_VERSION
 from lorafast.sample import write_samples
 from lorafast.testing import write_attention_adapter as peft
 
@@ -55,26 +56,26 @@ def test_first_scan_equals_a_full_scan_and_a_rescan_reads_nothing(tmp_path, flee
     assert (again.added, again.changed, again.removed, again.reads) == ([], [], [], 0)
 
 
-def test_unchanged_rescan_reads_no_header(tmp_path, fleet, monkeypatch):
-    """Proof without timing: the core's reader is never given an adapter (only the failed discovery, for its
-    row), and the core's panic hook on one adapter is never reached."""
+def test_unchanged_rescan_reads_no_header(tmp_path, fleet):
+    """Proof without timing: the core's panic hook on one adapter's weights is never reached by an unchanged
+    rescan, and is by the rescan that reads that adapter again."""
     db = tmp_path / "fleet.db"
     want = lorafast.Index(db).scan([fleet])
-    real = _core.scan_targets
-    asked: list[str] = []
-
-    def scan_targets(items, *args):
-        asked.extend(item[0] for item in items if item[1] is not None)  # an adapter with weights to read
-        return real(items, *args)
-
-    monkeypatch.setattr(_core, "scan_targets", scan_targets)
-    _core._debug_panic_on(want.ok_paths[0])
+    first = next(iter(want))
+    weights = first.weight_files[0]
+    _core._debug_panic_on(weights)
     try:
         got = lorafast.Index(db).scan([fleet])
+        os.utime(weights, ns=(0, 0))  # another mtime: read again
+        again = lorafast.Index(db).scan([fleet])
     finally:
         _core._debug_panic_on(None)
-    assert got.reads == 0 and asked == []
+    assert got.reads == 0
     same_report(got, want)
+    assert again.reads == 1
+    assert [(code, "debug hook" in message) for path, code, message in again.errors if path == first.path] == [
+        ("internal", True)
+    ]
 
 
 def _rewrite_in_place(path, old: bytes, new: bytes) -> None:
@@ -107,36 +108,49 @@ def test_a_rewrite_that_keeps_size_and_mtime_is_read_again(tmp_path):
     assert lorafast.Index(db).scan([root]).reads == 0
 
 
-def test_rows_stored_without_a_ctime_are_read_again_and_still_move(tmp_path):
-    """An index written before the ctime was in the signature: each of its rows is read again once (it cannot
-    tell a rewrite that kept size and mtime), and a moved adapter's old row still moves, unread."""
+def _schema_1_index(db, root) -> None:
+    """An index as lorafast wrote it before schema 2: JSON signatures and rows, hex class ids. Its signatures
+    are those of the files as they are, so only the schema tells that its rows are not to be trusted."""
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.executescript(
+            """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema', '1');
+            CREATE TABLE adapters (path BLOB PRIMARY KEY, signature TEXT NOT NULL, row BLOB NOT NULL, class TEXT);
+            CREATE TABLE classes (id TEXT PRIMARY KEY, body BLOB NOT NULL);"""
+        )
+        for name in sorted(os.listdir(root)):
+            files = [str(root / name / f) for f in ("adapter_model.safetensors", "adapter_config.json")]
+            stats = [[s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev, s.st_ctime_ns] for s in map(os.stat, files)]
+            sig = json.dumps([files[0], stats[0], files[1], stats[1], {"content_hash": False, "v": 1}])
+            row = json.dumps({"v": 1, "path": str(root / name), "weights": files[0], "config": files[1]})
+            con.execute("INSERT INTO adapters VALUES (?, ?, ?, ?)", (os.fsencode(root / name), sig, row, "ab" * 32))
+        con.execute("INSERT INTO classes VALUES (?, ?)", ("ab" * 32, b'{"format": "peft", "modules": []}'))
+        con.commit()
+
+
+def test_an_index_of_an_older_schema_is_read_again_once(tmp_path):
     root = tmp_path / "f"
     for name in ("a", "b", "c"):
         peft(root / name, r=4)
     db = tmp_path / "i.db"
-    lorafast.Index(db).scan([root])
-    with contextlib.closing(sqlite3.connect(db)) as con:
-        for path, sig in con.execute("SELECT path, signature FROM adapters").fetchall():
-            weights, wstat, config, cstat, options = json.loads(sig)
-            old = json.dumps([weights, wstat[:4], config, cstat and cstat[:4], options])
-            con.execute("UPDATE adapters SET signature = ? WHERE path = ?", (old, path))
-        con.commit()
-    _rewrite_in_place(root / "a" / "adapter_config.json", b'"r": 4', b'"r": 8')
-    os.rename(root / "c", root / "moved")
-    report = lorafast.Index(db).scan([root])
+    _schema_1_index(db, root)
+    index = lorafast.Index(db)
+    assert len(index) == 0  # emptied when opened, never misread
+    report = index.scan([root])
+    assert (report.reads, sorted(report.added)) == (3, [str(root / n) for n in ("a", "b", "c")])
     same_report(report, lorafast.scan([root]))
-    assert {a.path: a.r for a in report}[str(root / "a")] == 8
-    assert sorted(report.changed) == [str(root / "a"), str(root / "b")] and report.added == [str(root / "moved")]
-    assert report.reads == 2
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        assert con.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),)
     assert lorafast.Index(db).scan([root]).reads == 0
 
 
 def _future_index(path, wal: bool) -> None:
-    """An index as a newer lorafast might write it: schema 2, tables of its own, its own journal mode."""
+    """An index as a newer lorafast might write it: a newer schema, tables of its own, its own journal mode."""
     with contextlib.closing(sqlite3.connect(path)) as con:
         con.execute(f"PRAGMA journal_mode={'WAL' if wal else 'DELETE'}")
         con.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        con.execute("INSERT INTO meta VALUES ('schema', '2')")
+        con.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION + 1),))
         con.execute("CREATE TABLE rows_v2 (path BLOB PRIMARY KEY, body BLOB)")
         con.commit()
 
@@ -146,7 +160,8 @@ def test_an_index_of_a_newer_schema_is_refused_unchanged(tmp_path, wal):
     db = tmp_path / "new.db"
     _future_index(db, wal)
     before = db.read_bytes()
-    with pytest.raises(ValueError, match=r"new\.db: index schema 2, this lorafast writes 1"):
+    newer = f"index schema {SCHEMA_VERSION + 1}, this lorafast writes {SCHEMA_VERSION}"
+    with pytest.raises(ValueError, match=rf"new\.db: {newer}"):
         lorafast.Index(db)
     assert db.read_bytes() == before
     assert os.listdir(tmp_path) == ["new.db"]  # no -wal or -shm made either
@@ -156,7 +171,7 @@ def test_an_index_of_a_newer_schema_is_refused_unchanged(tmp_path, wal):
         other.commit()
         files = sorted(os.listdir(tmp_path))
         before = db.read_bytes()
-        with pytest.raises(ValueError, match="index schema 2"):
+        with pytest.raises(ValueError, match=newer):
             lorafast.Index(db)
         assert db.read_bytes() == before and sorted(os.listdir(tmp_path)) == files
 
@@ -349,16 +364,25 @@ def test_moved_files_keep_their_rows_unread(tmp_path):
     assert index.scan([root]).reads == 0
 
 
-def test_a_damaged_row_is_read_again(tmp_path):
+def test_a_damaged_row_or_classification_is_read_again(tmp_path):
+    """An entry that does not parse is that one adapter read again; a row or classification that does not decode
+    is every adapter read again (and written over). Either way the report is a full scan's."""
     for i in range(3):
-        peft(tmp_path / "f" / f"a{i}", r=4)
+        peft(tmp_path / "f" / f"a{i}", r=4 * (i + 1))
     db = tmp_path / "i.db"
-    lorafast.Index(db).scan([tmp_path / "f"])
-    with contextlib.closing(sqlite3.connect(db)) as con:
-        con.execute("UPDATE adapters SET row = ? WHERE path = ?", (b"{not json", os.fsencode(tmp_path / "f" / "a1")))
-        con.execute("DELETE FROM classes")  # every classification gone
-        con.commit()
-    report = lorafast.Index(db).scan([tmp_path / "f"])
-    assert report.reads == 3
-    same_report(report, lorafast.scan([tmp_path / "f"]))
-    assert lorafast.Index(db).scan([tmp_path / "f"]).reads == 0
+    want = lorafast.Index(db).scan([tmp_path / "f"])
+    damages = [
+        ("UPDATE adapters SET entry = x'7b6e6f74206a736f6e' WHERE path = ?", 1),  # b"{not json"
+        ("UPDATE adapters SET entry = 'text' WHERE path = ?", 1),  # not bytes
+        ("UPDATE adapters SET entry = substr(entry, 1, length(entry) - 1) WHERE path = ?", 3),  # row cut short
+        ("UPDATE classes SET body = x'00' WHERE id = (SELECT class FROM adapters WHERE path = ?)", 3),
+        ("DELETE FROM classes WHERE id = (SELECT class FROM adapters WHERE path = ?)", 3),  # a classification gone
+    ]
+    for damage, reads in damages:
+        with contextlib.closing(sqlite3.connect(db)) as con:
+            con.execute(damage, (os.fsencode(tmp_path / "f" / "a1"),))
+            con.commit()
+        report = lorafast.Index(db).scan([tmp_path / "f"])
+        assert report.reads == reads, damage
+        same_report(report, want)
+        assert lorafast.Index(db).scan([tmp_path / "f"]).reads == 0

@@ -17,14 +17,13 @@ __all__ = [
     "PROBLEM_CODES",
     "TORCH_ERROR_CODES",
     "__version__",
+    "IndexScan",
     "MappedFile",
     "ModuleCache",
     "ScanResult",
     "_debug_panic_on",
-    "assemble",
     "build_profile",
     "discover",
-    "discover_target_stats",
     "discover_targets",
     "inspect",
     "inspect_many",
@@ -186,18 +185,6 @@ def discover_targets(
     timeout: float | None = None,
     concurrency: int | None = None,
 ) -> list[_TargetItem]: ...
-
-#: (size, ETag, last-modified in ns since the epoch) of a remote object, as its listing or a HEAD gave it.
-_ObjectStat = tuple[int, str | None, int | None]
-
-def discover_target_stats(
-    paths: list[str],
-    recursive: bool = True,
-    threads: int | None = None,
-    storage_options: _StorageOptions = None,
-    timeout: float | None = None,
-    concurrency: int | None = None,
-) -> list[tuple[_TargetItem, _ObjectStat | None, _ObjectStat | None, bool]]: ...
 def scan_targets(
     items: list[_TargetItem],
     threads: int | None = None,
@@ -239,9 +226,34 @@ class ScanResult:
     def table(self, strings: bool = True) -> dict[str, Any]: ...
     def string_buffers(self, name: str) -> tuple[Any, Any, Any, bool] | None: ...
     def module_table(self) -> dict[str, Any]: ...
-    def encode(self) -> tuple[list[bytes], list[int | None], list[bytes]]: ...
 
-def assemble(rows: list[bytes], class_ids: list[str | None], classes: dict[str, bytes]) -> ScanResult: ...
+@final
+class IndexScan:
+    # One `lorafast.Index` rescan: walks and signs on creation; then `plan`, `read`, `result` (rust/py/index.rs).
+    def __new__(
+        cls,
+        paths: list[str],
+        recursive: bool,
+        threads: int | None,
+        context: bytes,
+        storage_options: _StorageOptions = None,
+        timeout: float | None = None,
+        concurrency: int | None = None,
+    ) -> IndexScan: ...
+    def plan(self, stored: list[tuple[Any, Any]], trust: bool) -> None: ...
+    @property
+    def reads(self) -> int: ...
+    @property
+    def added(self) -> list[str]: ...
+    @property
+    def changed(self) -> list[str]: ...
+    @property
+    def removed(self) -> list[str]: ...
+    def class_ids(self) -> list[bytes]: ...
+    def read(
+        self, mode: str, content_hash: bool, progress: bool
+    ) -> tuple[list[tuple[bytes, bytes | None, bytes]], list[tuple[bytes, bytes]]]: ...
+    def result(self, bodies: dict[bytes, bytes]) -> ScanResult: ...
 
 @final
 class MappedFile:

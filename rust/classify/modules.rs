@@ -14,6 +14,8 @@ use std::ops::Range;
 use super::ModuleKind;
 use crate::header::Dtype;
 
+mod stored;
+
 /// A range of [`Modules`]' text or dims. 32 bits are enough: the text of one adapter's records
 /// is at most a few times its header, which is at most 100 MB.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
