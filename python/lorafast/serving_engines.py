@@ -473,8 +473,7 @@ def _sglang(
     needs_base = next((p for p in plan.errors if p.code == "sglang_needs_base_model"), None)
     if needs_base is not None:  # lorafast cannot resolve `all` without the base: SGLang would, so nothing is known
         why = f"SGLang's target modules ({needs_base.message.removeprefix('lorafast: ')}): {note or 'give the base'}"
-        rows = [AdapterVerdict(n, p, s, "unknown", (why,), undecided=(why,)) for n, p, s in fleet.entries]
-        return rows, [], None
+        return [AdapterVerdict(n, p, s, "unknown", (why,), undecided=(why,)) for n, p, s in fleet.entries], [], None
     by_id = {r.lora_id: r for r in startup_refs}
     set_problems: list[dict[str, Any]] = []
     for p in plan.errors:
