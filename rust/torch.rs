@@ -4,7 +4,6 @@
 //! `Header`, so these adapters get the same classification and checks as safetensors ones.
 
 use std::borrow::Cow;
-use std::collections::hash_map::Entry;
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
@@ -136,34 +135,33 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
     let pickle = zip.read(pkl, MAX_PICKLE_BYTES.min(file_size))?;
     let mut state = read_state_dict(&pickle)?;
     drop(pickle);
+    check_version(&zip)?;
 
-    // Each storage once: its record must hold exactly the bytes the persistent id declares. The
-    // reader gives one `Storage` per key, so its address names it.
+    // Each storage once, used by a tensor of the state dict or not (torch reads them all): its
+    // record must hold exactly the bytes its persistent id declares. The reader gives one `Storage`
+    // per key, so its address names it.
     let mut starts: FxHashMap<*const Storage, u64> = FxHashMap::default();
-    for (name, t) in &state.tensors {
-        let Entry::Vacant(slot) = starts.entry(Rc::as_ptr(&t.storage)) else {
-            continue;
-        };
-        let key = &t.storage.key;
+    for storage in &state.storages {
+        let key = &storage.key;
         let record = zip.record(&format!("data/{key}")).ok_or_else(|| {
             TorchError::new(
                 TorchErrorCode::InvalidTorchTensor,
-                format!("tensor {name:?}: its storage record data/{key} is missing"),
+                format!("storage record data/{key} is missing"),
             )
         })?;
-        if record.size != t.storage.nbytes() {
+        if record.size != storage.nbytes() {
             return Err(TorchError::new(
                 TorchErrorCode::InvalidTorchTensor,
                 format!(
-                    "tensor {name:?}: storage data/{key} holds {} bytes, its {} {} elements need {}",
+                    "storage data/{key} holds {} bytes, its {} {} elements need {}",
                     record.size,
-                    t.storage.numel,
-                    t.storage.dtype.name(),
-                    t.storage.nbytes()
+                    storage.numel,
+                    storage.dtype.name(),
+                    storage.nbytes()
                 ),
             ));
         }
-        slot.insert(zip.data_offset(record)?);
+        starts.insert(Rc::as_ptr(storage), zip.data_offset(record)?);
     }
 
     let mut tensors = Vec::with_capacity(state.tensors.len());
@@ -220,6 +218,41 @@ pub fn read_torch_file(file: &File, file_size: u64) -> Result<TorchHeader, Torch
         pickle_size: pkl.size,
         prefix: zip.prefix().to_owned(),
     })
+}
+
+/// The format versions torch 2.x reads (`kMinSupportedFileFormatVersion` to `kMax...`); `torch.save`
+/// writes 3.
+const FORMAT_VERSIONS: std::ops::RangeInclusive<u64> = 1..=10;
+
+/// Refuses an archive without the `version` record torch requires, or of a version it cannot read.
+fn check_version(zip: &Archive<'_>) -> Result<(), TorchError> {
+    let record = zip.record("version").or_else(|| zip.record(".data/version"));
+    let Some(record) = record else {
+        return Err(TorchError::new(
+            TorchErrorCode::InvalidZip,
+            format!("no {}/version record: not a torch.save file", zip.prefix()),
+        ));
+    };
+    let text = if record.size <= 16 {
+        zip.read(record, 16)?
+    } else {
+        Vec::new()
+    };
+    let version = std::str::from_utf8(&text)
+        .ok()
+        .and_then(|t| t.trim().parse::<u64>().ok());
+    if !version.is_some_and(|v| FORMAT_VERSIONS.contains(&v)) {
+        return Err(TorchError::new(
+            TorchErrorCode::InvalidZip,
+            format!(
+                "format version {:?}; torch reads {} to {}",
+                String::from_utf8_lossy(&text),
+                FORMAT_VERSIONS.start(),
+                FORMAT_VERSIONS.end()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Appends `t`'s shape to `dims`; returns where it starts. The reader's budget keeps `dims` far

@@ -110,6 +110,12 @@ impl TorchDtype {
         DTYPES[self.0 as usize].3
     }
 
+    /// Whether a tensor of it can require gradients (floating point and complex types).
+    fn is_floating(self) -> bool {
+        let name = self.name();
+        name.starts_with("float") || name.starts_with("bfloat") || name.starts_with("complex")
+    }
+
     fn by_name(name: &str) -> Option<Self> {
         DTYPES.iter().position(|d| d.0 == name).map(|i| TorchDtype(i as u8))
     }
@@ -179,6 +185,9 @@ pub struct StateDict {
     pub tensors: Vec<(String, Rc<Tensor>)>,
     /// Keys whose values are not tensors.
     pub skipped: Vec<String>,
+    /// Every storage the pickle declares, each once, in order: torch reads each one's record, also
+    /// when no tensor of the state dict uses it.
+    pub storages: Vec<Rc<Storage>>,
 }
 
 /// The callables and types a torch state dict names.
@@ -240,8 +249,7 @@ struct Tuple {
 #[derive(Debug, Clone)]
 enum Value {
     None,
-    /// Its value is never needed (requires_grad).
-    Bool,
+    Bool(bool),
     Int(i64),
     Float,
     Str(Rc<str>),
@@ -259,7 +267,7 @@ impl Value {
     fn kind(&self) -> &'static str {
         match self {
             Value::None => "None",
-            Value::Bool => "bool",
+            Value::Bool(_) => "bool",
             Value::Int(_) => "int",
             Value::Float => "float",
             Value::Str(_) => "str",
@@ -339,11 +347,10 @@ const LAYOUTS: &[&str] = &[
 /// device, or a `map_location`): `cpu`, `meta`, or a backend with an optional index (`cuda:0`).
 /// torch cannot restore any other without a `map_location`.
 fn saved_location(location: &str) -> bool {
-    let (device, index) = location.split_once(':').unwrap_or((location, "0"));
-    match device {
-        "cpu" | "meta" => index == "0" && !location.contains(':'),
-        "cuda" | "mps" | "hpu" | "xpu" | "mtia" => !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()),
-        _ => false,
+    let backend = |d: &str| matches!(d, "cuda" | "mps" | "hpu" | "xpu" | "mtia");
+    match location.split_once(':') {
+        None => matches!(location, "cpu" | "meta") || backend(location),
+        Some((device, index)) => backend(device) && !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()),
     }
 }
 
@@ -363,7 +370,7 @@ fn value_args(kind: &str, args: &[Value]) -> bool {
             args.len() <= 2
                 && args
                     .iter()
-                    .all(|v| matches!(v, Value::Int(_) | Value::Float | Value::Bool))
+                    .all(|v| matches!(v, Value::Int(_) | Value::Float | Value::Bool(_)))
         }
         ("torch.device", [Value::Str(t)]) => known(DEVICE_TYPES, t),
         // An index past 127 is wrapped or refused, depending on torch's version.
@@ -485,8 +492,10 @@ struct Machine<'p> {
     values: usize,
     max_values: usize,
     limits: Limits,
-    /// Each storage key's first declaration: torch reuses it for every later one.
+    /// Each storage key's first declaration (torch reuses it for every later one), and the keys in
+    /// the order they were declared.
     storages: FxHashMap<String, Rc<Storage>>,
+    declared: Vec<Rc<Storage>>,
 }
 
 impl<'p> Machine<'p> {
@@ -722,6 +731,7 @@ impl<'p> Machine<'p> {
         }
         let storage = Rc::new(storage);
         self.storages.insert(storage.key.clone(), Rc::clone(&storage));
+        self.declared.push(Rc::clone(&storage));
         Ok(Value::Storage(storage))
     }
 
@@ -736,16 +746,23 @@ impl<'p> Machine<'p> {
         let args = args.items.as_slice();
         match (g, args) {
             (Global::OrderedDict, []) => Ok(Value::Dict(self.container(true)?)),
-            (Global::RebuildV2, [..]) if matches!(args.len(), 6 | 7) => self.rebuild(args, None),
+            (Global::RebuildV2, _) if matches!(args.len(), 6 | 7) => self.rebuild(&args[..6], None, args.get(6)),
             (Global::RebuildV3, [.., Value::Global(Global::Dtype(d))]) if args.len() == 7 => {
-                self.rebuild(&args[..6], Some(*d))
+                self.rebuild(&args[..6], Some(*d), None)
             }
-            (Global::RebuildV3, [.., Value::Global(Global::Dtype(d)), _]) if args.len() == 8 => {
-                self.rebuild(&args[..6], Some(*d))
+            (Global::RebuildV3, [.., Value::Global(Global::Dtype(d)), metadata]) if args.len() == 8 => {
+                self.rebuild(&args[..6], Some(*d), Some(metadata))
             }
-            (Global::RebuildParameter, [t @ Value::Tensor(_), Value::Bool, Value::Dict(_)])
-            | (Global::RebuildParameterWithState, [t @ Value::Tensor(_), Value::Bool, Value::Dict(_), _]) => {
-                Ok(t.clone())
+            (Global::RebuildParameter, [Value::Tensor(t), Value::Bool(grad), Value::Dict(_)]) => {
+                grad_ok(at, t.dtype, *grad)?;
+                Ok(Value::Tensor(Rc::clone(t)))
+            }
+            // A parameter's Python attributes are set by name, which can fail: only none are read.
+            (Global::RebuildParameterWithState, [Value::Tensor(t), Value::Bool(grad), Value::Dict(_), state])
+                if no_state(state) =>
+            {
+                grad_ok(at, t.dtype, *grad)?;
+                Ok(Value::Tensor(Rc::clone(t)))
             }
             (Global::Value(kind), args) => {
                 if !value_args(kind, args) {
@@ -766,11 +783,16 @@ impl<'p> Machine<'p> {
     }
 
     /// `_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks[, dtype][, metadata])`.
-    fn rebuild(&mut self, args: &[Value], dtype: Option<TorchDtype>) -> Result<Value, TorchError> {
+    fn rebuild(
+        &mut self,
+        args: &[Value],
+        dtype: Option<TorchDtype>,
+        metadata: Option<&Value>,
+    ) -> Result<Value, TorchError> {
         let at = self.at;
-        let (storage, offset, size, stride) = match args {
-            [Value::Storage(s), Value::Int(o), Value::Tuple(size), Value::Tuple(stride), Value::Bool, Value::Dict(_), ..] => {
-                (s, *o, size, stride)
+        let (storage, offset, size, stride, grad) = match args {
+            [Value::Storage(s), Value::Int(o), Value::Tuple(size), Value::Tuple(stride), Value::Bool(grad), Value::Dict(_)] => {
+                (s, *o, size, stride, *grad)
             }
             _ => return Err(invalid(at, "tensor rebuilt from unexpected arguments")),
         };
@@ -793,6 +815,10 @@ impl<'p> Machine<'p> {
             )));
         }
         let dtype = dtype.unwrap_or(storage.dtype);
+        grad_ok(at, dtype, grad)?;
+        if !metadata_ok(metadata, dtype) {
+            return Err(invalid(at, "tensor metadata is not what torch.save writes"));
+        }
         let tensor = Tensor {
             storage: Rc::clone(storage),
             dtype,
@@ -854,7 +880,7 @@ impl<'p> Machine<'p> {
                     self.push(t)?;
                 }
                 b'N' => self.push(Value::None)?,
-                0x88 | 0x89 => self.push(Value::Bool)?,
+                0x88 | 0x89 => self.push(Value::Bool(op == 0x88))?,
                 b'J' => {
                     let v = self.u32()? as i32;
                     self.push(Value::Int(v.into()))?;
@@ -943,7 +969,7 @@ impl<'p> Machine<'p> {
                     state.freeze();
                     match (self.top()?, &state) {
                         // OrderedDict's attributes (`state_dict._metadata`): read, then ignored.
-                        (Value::Dict(c), Value::Dict(_) | Value::None) if c.ordered => {}
+                        (Value::Dict(c), Value::Dict(_)) if c.ordered => {}
                         (target, _) => {
                             return Err(unsafe_at(
                                 self.at,
@@ -977,6 +1003,43 @@ impl<'p> Machine<'p> {
                 }
             }
         }
+    }
+}
+
+/// Refuses `requires_grad` on a tensor whose dtype cannot have gradients, as torch does.
+fn grad_ok(at: usize, dtype: TorchDtype, grad: bool) -> Result<(), TorchError> {
+    if grad && !dtype.is_floating() {
+        return Err(invalid(
+            at,
+            format!("a {} tensor cannot require gradients", dtype.name()),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a tensor's metadata is one torch sets: none, or a dict of str to bool whose `conj`, if
+/// any, is on a complex tensor (torch asserts it).
+fn metadata_ok(metadata: Option<&Value>, dtype: TorchDtype) -> bool {
+    match metadata {
+        None | Some(Value::None) => true,
+        Some(Value::Dict(c)) => c.items.borrow().chunks_exact(2).all(|kv| match kv {
+            [Value::Str(k), Value::Bool(_)] => &**k != "conj" || dtype.name().starts_with("complex"),
+            _ => false,
+        }),
+        _ => false,
+    }
+}
+
+/// Whether a parameter's state sets no attribute: None or `{}`, alone or as `(dict, slots)`.
+fn no_state(state: &Value) -> bool {
+    let empty = |v: &Value| match v {
+        Value::None => true,
+        Value::Dict(c) => c.items.borrow().is_empty(),
+        _ => false,
+    };
+    match state {
+        Value::Tuple(t) => t.items.len() == 2 && t.items.iter().all(empty),
+        other => empty(other),
     }
 }
 
@@ -1048,6 +1111,7 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
         values: 0,
         max_values: limits.values.min(data.len().saturating_add(VALUES_FLOOR)),
         storages: FxHashMap::default(),
+        declared: Vec::new(),
     };
     let top = m.run()?;
     let Value::Dict(c) = &top else {
@@ -1088,6 +1152,7 @@ pub fn read_state_dict_with(data: &[u8], limits: Limits) -> Result<StateDict, To
             _ => out.skipped.push(key.to_string()),
         }
     }
+    out.storages = std::mem::take(&mut m.declared);
     Ok(out)
 }
 
@@ -1106,5 +1171,15 @@ mod tests {
         assert_eq!(global("os", "system"), None);
         assert_eq!(global("torch", "load"), None);
         assert_eq!(TorchDtype::by_name("uint8"), Some(UINT8));
+    }
+
+    #[test]
+    fn storage_locations_are_the_ones_torch_save_writes() {
+        for ok in ["cpu", "meta", "cuda", "cuda:0", "cuda:12", "mps", "xpu:1"] {
+            assert!(saved_location(ok), "{ok}");
+        }
+        for bad in ["cpX", "cpu:0", "meta:1", "cuda:", "cuda:x", "cuda:-1", "gpu", ""] {
+            assert!(!saved_location(bad), "{bad}");
+        }
     }
 }

@@ -7,7 +7,8 @@ rather than break the zip:
     [flags: 1 byte][data.pkl length: u32 LE][data.pkl][records: ([key length: u8][key][size: u32 LE])*]
 
 The harness writes the zip as torch lays it out: `data.pkl`, `byteorder` (flag bit 0 leaves it out, bit 1 says
-"big"), `version` and each `data/<key>` record, `size` bytes (at most 1 MiB) of a pattern that differs per record.
+"big"), `version` (bit 2 leaves it out; the top 4 bits, when not 0, are the version written instead of 3) and each
+`data/<key>` record, `size` bytes (at most 1 MiB) of a pattern that differs per record.
 
 Every case runs `_core.read_torch_header` and `lorafast.inspect` on the file, and fails on:
 - an exception that is not documented (`LorafastError`, `OSError`), an `InternalError` (a caught panic), or a
@@ -63,7 +64,7 @@ for _fn in (_wou.Unpickler.load, torch.serialization._load, torch.serialization.
             torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3, torch._utils._rebuild_parameter):  # fmt: skip
     atheris.instrument_func(_fn)
 
-FLAG_NO_BYTEORDER, FLAG_BIG = 1, 2
+FLAG_NO_BYTEORDER, FLAG_BIG, FLAG_NO_VERSION = 1, 2, 4
 MAX_RECORD = 1 << 20
 #: Record contents: record `i` is `PATTERN[i % 251 :][:size]`, so two records rarely hold the same bytes.
 PATTERN = bytes(range(251)) * (MAX_RECORD // 251 + 2)
@@ -105,7 +106,8 @@ def write_archive(path: Path, flags: int, pkl: bytes, records: list[tuple[str, i
         z.writestr("archive/data.pkl", pkl)
         if not flags & FLAG_NO_BYTEORDER:
             z.writestr("archive/byteorder", "big" if flags & FLAG_BIG else "little")
-        z.writestr("archive/version", "3\n")
+        if not flags & FLAG_NO_VERSION:
+            z.writestr("archive/version", f"{flags >> 4}\n" if flags >> 4 else "3\n")
         for i, (key, size) in enumerate(records):
             z.writestr(f"archive/data/{key}", PATTERN[i % 251 :][:size])
 

@@ -154,7 +154,7 @@ fn archive(pickle: &[u8], storages: &[(&str, usize)]) -> Vec<u8> {
         .iter()
         .map(|(k, n)| (format!("data/{k}"), vec![0u8; n * 4]))
         .collect();
-    let mut records: Vec<(&str, &[u8])> = vec![("data.pkl", pickle), ("byteorder", b"little")];
+    let mut records: Vec<(&str, &[u8])> = vec![("data.pkl", pickle), ("byteorder", b"little"), ("version", b"3\n")];
     records.extend(data.iter().map(|(n, d)| (n.as_str(), d.as_slice())));
     zip("archive", &records)
 }
@@ -436,6 +436,23 @@ fn deep_nesting_and_long_stacks_hit_limits() {
 }
 
 #[test]
+fn an_ordered_dict_takes_only_a_dict_of_attributes() {
+    // OrderedDict's BUILD updates its __dict__: a dict works, None fails in torch.load.
+    let od = |state: &[u8]| {
+        P::new()
+            .global("collections", "OrderedDict")
+            .op(b")R")
+            .op(state)
+            .op(b"b")
+            .done()
+    };
+    assert!(read_state_dict(&od(b"}")).is_ok());
+    let (code, message) = pickle_code(&od(b"N"));
+    assert_eq!(code, "unsafe_pickle");
+    assert!(message.contains("BUILD sets a None on a OrderedDict"), "{message}");
+}
+
+#[test]
 fn unhashable_dict_keys_are_refused() {
     // {"k": {(1, [2]): 3}}: Python cannot hash a tuple holding a list, so torch.load fails.
     let p = P::new().op(b"}(").str("k").op(b"}((K\x01]K\x02atK\x03uu").done();
@@ -695,6 +712,21 @@ fn broken_archives_are_refused() {
     // The same name twice.
     let twice = zip("archive", &[("data.pkl", &p), ("data.pkl", &p)]);
     assert_eq!(code_of(&twice), "invalid_zip");
+    // No version record, or a format version torch does not read (a good pickle is read first).
+    let data: &[u8] = &[0; 24];
+    let versioned = |v: Option<&[u8]>| {
+        let mut records = vec![("data.pkl", p.as_slice()), ("data/0", data)];
+        records.extend(v.map(|v| ("version", v)));
+        zip("archive", &records)
+    };
+    assert!(read_bytes(&versioned(Some(b"10\n"))).is_ok());
+    for bad in [None, Some(&b"0"[..]), Some(b"11"), Some(b"abc"), Some(b"")] {
+        let Err(TorchError::Format { code, message }) = read_bytes(&versioned(bad)) else {
+            panic!("{bad:?} accepted");
+        };
+        assert_eq!(code.code(), "invalid_zip", "{bad:?}");
+        assert!(message.contains("version"), "{message}");
+    }
 }
 
 #[test]
@@ -858,7 +890,7 @@ proptest! {
         let p = arbitrary_tensor(storage, numel, offset, &size, &stride);
         let itemsize = if storage == "DoubleStorage" { 8 } else if storage == "FloatStorage" { 4 } else { 1 };
         let record = wrong_record.unwrap_or((numel.clamp(0, 64) * itemsize) as usize);
-        let file = zip("archive", &[("data.pkl", &p), ("data/0", &vec![0; record])]);
+        let file = zip("archive", &[("data.pkl", &p), ("version", b"3"), ("data/0", &vec![0; record])]);
         let path = temp_file(&file);
         match read_torch_header(&path) {
             Ok(h) => {

@@ -458,6 +458,20 @@ def test_a_storage_key_declared_again_must_agree_with_its_first_declaration(tmp_
         (Call(collections.Counter, 7), "invalid_pickle"),
         (Call(torch.serialization._get_layout, "torch.nope"), "invalid_pickle"),
         (Tensor(Storage(torch.FloatStorage, "1", 4, location="cpX"), (4,), (1,)), "invalid_torch_tensor"),
+        (Tensor(Storage(torch.LongStorage, "1", 2), (2,), (1,), requires_grad=True), "invalid_pickle"),
+        (Tensor(Storage(torch.FloatStorage, "1", 4), (4,), (1,), metadata={"conj": True}), "invalid_pickle"),
+        (Tensor(Storage(torch.FloatStorage, "1", 4), (4,), (1,), metadata=torch.float32), "invalid_pickle"),
+        (
+            Call(
+                torch._utils._rebuild_parameter_with_state,
+                Tensor(Storage(torch.FloatStorage, "1", 4), (4,), (1,)),
+                False,
+                collections.OrderedDict(),
+                {"data": 1},
+            ),
+            "invalid_pickle",
+        ),  # fmt: skip
+        ([Tensor(Storage(torch.FloatStorage, "9", 4), (4,), (1,))], "invalid_torch_tensor"),
     ],
     ids=[
         "codec",
@@ -469,6 +483,11 @@ def test_a_storage_key_declared_again_must_agree_with_its_first_declaration(tmp_
         "counter_int",
         "layout",
         "location",
+        "int_requires_grad",
+        "conj_of_floats",
+        "metadata_not_dict",
+        "parameter_attributes",
+        "nested_tensor_without_record",
     ],
 )
 def test_values_torch_cannot_build_are_refused(tmp_path: Path, value: object, code: str) -> None:
@@ -483,7 +502,8 @@ def test_values_torch_cannot_build_are_refused(tmp_path: Path, value: object, co
 def test_values_as_torch_save_writes_them_are_read(tmp_path: Path) -> None:
     # Saved from a GPU (location cuda:0) and holding every value torch.load allows, as pickle writes them.
     path = tmp_path / "gpu.pt"
-    state = {"w": Tensor(Storage(torch.FloatStorage, "0", 4, location="cuda:0"), (4,), (1,)),
+    state = {"w": Tensor(Storage(torch.FloatStorage, "0", 4, location="cuda:0"), (4,), (1,), requires_grad=True,
+                         metadata={"neg": False}),
              "v": [b"\x00\xff", bytearray(b"xy"), bytearray(), {1, (2, "a")}, set(), 1 + 2j, collections.Counter("ab"),
                    torch.device("cuda", 1), torch.device("meta"), Call(torch.serialization._get_layout, "torch.sparse_csr")]}  # fmt: skip
     torch_zip(path, state_pickle(state), {"0": bytes(16)})

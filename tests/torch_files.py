@@ -81,10 +81,21 @@ class Call:
 
 
 class Tensor:
-    """Pickles as torch pickles a tensor: `_rebuild_tensor_v2(storage, offset, size, stride, False, {})`."""
+    """Pickles as torch pickles a tensor: `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, {}[,
+    metadata])`."""
 
-    def __init__(self, storage: Storage, size: tuple[int, ...], stride: tuple[int, ...], offset: int = 0) -> None:
-        self.args = (storage, offset, size, stride, False, OrderedDict())
+    def __init__(
+        self,
+        storage: Storage,
+        size: tuple[int, ...],
+        stride: tuple[int, ...],
+        offset: int = 0,
+        requires_grad: bool = False,
+        metadata: Any = None,
+    ) -> None:
+        self.args: tuple[Any, ...] = (storage, offset, size, stride, requires_grad, OrderedDict())
+        if metadata is not None:
+            self.args += (metadata,)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (torch._utils._rebuild_tensor_v2, self.args)
