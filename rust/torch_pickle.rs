@@ -49,7 +49,7 @@ pub const LIMITS: Limits = Limits {
 /// container, storage and tensor built is 1, each item a tuple holds and each slot a container
 /// allocates is 1 (one `Value`), each dimension a tensor holds is 1 (its size and stride), and
 /// each entry of the state dict is `ENTRY_VALUES` plus its dimensions (what the header and its
-/// readers keep of it). torch's own files need about one value per 5 bytes; a tensor memoized
+/// readers keep of it). torch's own files need about one value per 4 bytes; a tensor memoized
 /// once and listed under many keys, or a size memoized once and used by many tensors, needs more
 /// than one per byte and is refused.
 pub const VALUES_FLOOR: usize = 1 << 16;
