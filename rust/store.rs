@@ -66,19 +66,15 @@ pub(crate) fn bad(what: &str) -> String {
     format!("stored row: bad {what}")
 }
 
-pub(crate) fn put_u8(out: &mut Vec<u8>, v: u8) {
+fn put_u8(out: &mut Vec<u8>, v: u8) {
     out.push(v);
-}
-
-pub(crate) fn put_u16(out: &mut Vec<u8>, v: u16) {
-    out.extend_from_slice(&v.to_le_bytes());
 }
 
 pub(crate) fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-pub(crate) fn put_u64(out: &mut Vec<u8>, v: u64) {
+fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
@@ -123,11 +119,7 @@ impl<'a> Reader<'a> {
         Reader { rest: bytes }
     }
 
-    pub(crate) fn remaining(&self) -> usize {
-        self.rest.len()
-    }
-
-    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
         if n > self.rest.len() {
             return Err(bad("length"));
         }
@@ -140,15 +132,15 @@ impl<'a> Reader<'a> {
         Ok(self.take(N)?.try_into().unwrap_or([0; N]))
     }
 
-    pub(crate) fn u8(&mut self) -> Result<u8, String> {
+    fn u8(&mut self) -> Result<u8, String> {
         Ok(self.array::<1>()?[0])
     }
 
-    pub(crate) fn u32(&mut self) -> Result<u32, String> {
+    fn u32(&mut self) -> Result<u32, String> {
         self.array().map(u32::from_le_bytes)
     }
 
-    pub(crate) fn u64(&mut self) -> Result<u64, String> {
+    fn u64(&mut self) -> Result<u64, String> {
         self.array().map(u64::from_le_bytes)
     }
 
@@ -220,6 +212,12 @@ fn kinds() -> Vec<ModuleKind> {
 /// The uncompressed encoding of a classification (the part adapters of one recipe share).
 fn encode_class(c: &Classification, kinds: &[ModuleKind], out: &mut Vec<u8>) {
     out.clear();
+    encode_head(c, out);
+    c.modules.encode(out, kinds);
+}
+
+/// A classification's encoding but its modules.
+fn encode_head(c: &Classification, out: &mut Vec<u8>) {
     out.extend_from_slice(&CLASS_TAG);
     put_u8(out, position(&FORMATS, &c.format));
     put_opt(out, c.peft_type.as_deref(), put_str);
@@ -239,7 +237,6 @@ fn encode_class(c: &Classification, kinds: &[ModuleKind], out: &mut Vec<u8>) {
         put_str(o, &p.message);
         put_opt(o, p.tensor.as_deref(), put_str);
     });
-    c.modules.encode(out, kinds);
 }
 
 fn decode_class(bytes: &[u8], kinds: &[ModuleKind]) -> Result<Classification, String> {
@@ -279,22 +276,18 @@ thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A classification's id (see [`ClassId`]).
-fn class_id(c: &Classification, kinds: &[ModuleKind]) -> ClassId {
+/// A classification's id (see [`ClassId`]) and its blob as the index stores it: compressed (a fleet's module
+/// names repeat: about a fifth of the bytes to write and read back).
+fn class_blob(c: &Classification, kinds: &[ModuleKind]) -> (ClassId, Vec<u8>) {
     SCRATCH.with_borrow_mut(|raw| {
         encode_class(c, kinds, raw);
-        Sha256::digest(raw.as_slice()).into()
-    })
-}
-
-/// A classification as the index stores it: compressed (a fleet's module names repeat: about an eighth
-/// of the bytes to write and read back).
-fn class_blob(c: &Classification, kinds: &[ModuleKind]) -> Vec<u8> {
-    SCRATCH.with_borrow_mut(|raw| {
-        encode_class(c, kinds, raw);
-        snap::raw::Encoder::new()
-            .compress_vec(raw)
-            .expect("snappy takes any input")
+        let id = Sha256::digest(raw.as_slice()).into();
+        (
+            id,
+            snap::raw::Encoder::new()
+                .compress_vec(raw)
+                .expect("snappy takes any input"),
+        )
     })
 }
 
@@ -705,8 +698,9 @@ pub struct Fresh {
 }
 
 /// Encodes `rows` for the index, in parallel. Rows that share their modules (a classification the memo
-/// remembered, see `memo.rs`) share their classification: each such classification is encoded and hashed
-/// once, and each distinct id compressed once.
+/// remembered, see `memo.rs`) share their classification; so do classifications of the same fields and module
+/// buffers, which a scan builds wherever its memo missed a header it had seen (most of a fleet's: encoding and
+/// hashing each was most of an index's first scan). Each such group is encoded, hashed and compressed once.
 pub fn encode_rows(rows: &[Result<AdapterResult, Error>], threads: Option<usize>) -> Fresh {
     let kinds = kinds();
     let mut first: FxHashMap<*const Modules, usize> = FxHashMap::default();
@@ -723,20 +717,44 @@ pub fn encode_rows(rows: &[Result<AdapterResult, Error>], threads: Option<usize>
         })
         .collect();
     with_pool(threads, || {
-        let ids: Vec<ClassId> = shared.par_iter().map(|c| class_id(c, &kinds)).collect();
-        let mut distinct: FxHashMap<ClassId, usize> = FxHashMap::default();
-        for (i, id) in ids.iter().enumerate() {
-            distinct.entry(*id).or_insert(i);
+        let heads: Vec<Vec<u8>> = shared
+            .par_iter()
+            .map(|c| {
+                let mut head = Vec::new();
+                encode_head(c, &mut head);
+                head
+            })
+            .collect();
+        // Each classification's representative: the first equal one (same head bytes and module buffers).
+        let mut groups: FxHashMap<(&[u8], [usize; 6]), Vec<usize>> = FxHashMap::default();
+        let mut of = Vec::with_capacity(shared.len());
+        let mut reps = Vec::new();
+        for (i, c) in shared.iter().enumerate() {
+            let group = groups.entry((&heads[i], c.modules.sketch())).or_default();
+            match group.iter().find(|&&r| shared[r].modules.same_buffers(&c.modules)) {
+                Some(&r) => of.push(r),
+                None => {
+                    group.push(i);
+                    reps.push(i);
+                    of.push(i);
+                }
+            }
         }
-        let mut distinct: Vec<(ClassId, usize)> = distinct.into_iter().collect();
-        distinct.sort_unstable_by_key(|&(_, i)| i);
+        let blobs: Vec<(usize, (ClassId, Vec<u8>))> =
+            reps.par_iter().map(|&i| (i, class_blob(shared[i], &kinds))).collect();
+        let mut ids: FxHashMap<usize, ClassId> = FxHashMap::default();
+        let mut seen: FxHashSet<ClassId> = FxHashSet::default();
+        let mut classes = Vec::new();
+        for (i, (id, blob)) in blobs {
+            ids.insert(i, id);
+            if seen.insert(id) {
+                classes.push((id, blob));
+            }
+        }
         Fresh {
             rows: rows.par_iter().map(encode_row).collect(),
-            class_ids: row_shared.iter().map(|s| s.map(|i| ids[i])).collect(),
-            classes: distinct
-                .into_par_iter()
-                .map(|(id, i)| (id, class_blob(shared[i], &kinds)))
-                .collect(),
+            class_ids: row_shared.iter().map(|s| s.map(|i| ids[&of[i]])).collect(),
+            classes,
         }
     })
 }
@@ -803,14 +821,19 @@ mod tests {
     use crate::classify::ModuleInfo;
 
     fn class() -> Classification {
+        class_with("q_proj")
+    }
+
+    /// `class()`, but for the name of its sixth module's leaf (the other modules' names are the same).
+    fn class_with(leaf: &str) -> Classification {
         let mut modules = Modules::default();
         for (i, kind) in kinds().into_iter().enumerate() {
-            let key = format!("base_model.model.layers.{i}.q_proj");
+            let key = format!("base_model.model.layers.{i}.{}", if i == 5 { leaf } else { "q_proj" });
             let (a, b) = (format!("{key}.lora_A.weight"), format!("{key}.lora_B.weight"));
             modules.push(&ModuleInfo {
                 key: &key,
                 name: &key[17..],
-                leaf: "q_proj",
+                leaf: &key[key.len() - 6..],
                 kind,
                 layer: Some(i as u32),
                 expert: (i % 2 == 0).then_some(3),
@@ -867,9 +890,47 @@ mod tests {
     #[test]
     fn a_classification_reads_back_as_written_every_kind_dtype_and_code_included() {
         let c = class();
-        let back = decode_class_blob(&class_blob(&c, &kinds())).unwrap();
+        let (id, blob) = class_blob(&c, &kinds());
+        let back = decode_class_blob(&blob).unwrap();
         same(&back, &c);
-        assert_eq!(class_id(&back, &kinds()), class_id(&c, &kinds()));
+        assert_eq!(class_blob(&back, &kinds()).0, id);
+    }
+
+    #[test]
+    fn equal_classifications_share_one_id_and_blob_however_their_modules_are_held() {
+        let row = |class: Classification| {
+            Ok(AdapterResult {
+                target: target("/a"),
+                config_json: None,
+                metadata: None,
+                header_size: 1,
+                file_size: 2,
+                class,
+                content_hash: None,
+            })
+        };
+        let mut rank = class();
+        rank.rank = 99;
+        let shared = class();
+        let rows = vec![
+            row(shared.clone()),
+            row(class()), // equal, with modules of its own (as where the memo missed)
+            row(shared),  // the same modules
+            row(rank),
+            row(class_with("k_proj")), // the same lengths and ends of text, another module name
+            Err(Error::adapter("/b", crate::codes::AdapterErrorCode::MissingWeights, "")),
+        ];
+        let fresh = encode_rows(&rows, Some(2));
+        let ids = &fresh.class_ids;
+        assert!(ids[0] == ids[1] && ids[1] == ids[2] && ids[5].is_none());
+        assert!(ids[3] != ids[0] && ids[4] != ids[0] && ids[3] != ids[4]);
+        assert_eq!(fresh.classes.len(), 3);
+        for (id, blob) in &fresh.classes {
+            let back = decode_class_blob(blob).unwrap();
+            let i = ids.iter().position(|x| x.as_ref() == Some(id)).unwrap();
+            same(&back, &rows[i].as_ref().unwrap().class);
+        }
+        assert_eq!(fresh.rows.len(), rows.len());
     }
 
     #[test]
@@ -1057,7 +1118,7 @@ mod tests {
         let moved = decode_row(&plan.moved[0].row, || Ok(class())).unwrap().unwrap();
         assert_eq!(format!("{:?}", moved.target), format!("{moved_to:?}"));
         let id: &[u8] = b"id";
-        let blob = class_blob(&class(), &kinds());
+        let (_, blob) = class_blob(&class(), &kinds());
         let bodies: FxHashMap<&[u8], &[u8]> = [(id, blob.as_slice())].into_iter().collect();
         let read = (0..2)
             .map(|_| {
