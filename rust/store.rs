@@ -3,8 +3,8 @@
 //! adapters of one recipe share.
 //!
 //! Everything is a compact binary encoding that loads at memory speed: a classification is its fields and
-//! the module records' buffers as they are (`Modules::encode`), snappy-compressed and named by the sha256 of
-//! its uncompressed bytes; a row is its own fields (paths, config text, metadata, sizes) as length-prefixed
+//! the module records' buffers as they are (`classify/modules/stored.rs`), snappy-compressed and named by the
+//! sha256 of that blob; a row is its own fields (paths, config text, metadata, sizes) as length-prefixed
 //! bytes. Each encoding opens with a tag and [`VERSION`]; decoding checks every length, index and text, so
 //! damaged bytes are an error (then the caller reads the adapters again), never a wrong row or a panic.
 //! An index is only read by the build that wrote it (its signature names the build), so the encoding
@@ -39,7 +39,7 @@ const CLASS_TAG: [u8; 4] = [b'L', b'F', b'c', VERSION];
 const ROW_TAG: [u8; 4] = [b'L', b'F', b'r', VERSION];
 const ERROR_TAG: [u8; 4] = [b'L', b'F', b'e', VERSION];
 
-/// A classification's id: the sha256 of its uncompressed encoding.
+/// A classification's id: the sha256 of its blob.
 pub type ClassId = [u8; 32];
 
 const FORMATS: [Format; 8] = [
@@ -209,11 +209,16 @@ fn kinds() -> Vec<ModuleKind> {
     ModuleKind::all().collect()
 }
 
-/// The uncompressed encoding of a classification (the part adapters of one recipe share).
+/// The uncompressed encoding of a classification (the part adapters of one recipe share): its modules' text
+/// first, so that decoding takes the decompressed bytes as that text without a copy; then its other fields,
+/// the modules' other buffers and the text's length.
 fn encode_class(c: &Classification, kinds: &[ModuleKind], out: &mut Vec<u8>) {
     out.clear();
+    c.modules.encode_text(out);
+    let text = out.len() as u32;
     encode_head(c, out);
-    c.modules.encode(out, kinds);
+    c.modules.encode_body(out, kinds);
+    put_u32(out, text);
 }
 
 /// A classification's encoding but its modules.
@@ -239,8 +244,16 @@ fn encode_head(c: &Classification, out: &mut Vec<u8>) {
     });
 }
 
-fn decode_class(bytes: &[u8], kinds: &[ModuleKind]) -> Result<Classification, String> {
-    let mut r = Reader::new(bytes);
+fn decode_class(mut raw: Vec<u8>, kinds: &[ModuleKind]) -> Result<Classification, String> {
+    let at = raw.len().checked_sub(4).ok_or_else(|| bad("classification"))?;
+    let text = u32::from_le_bytes(raw[at..].try_into().unwrap_or_default()) as usize;
+    if text > at {
+        return Err(bad("classification"));
+    }
+    let mut rest = raw.split_off(text);
+    rest.truncate(rest.len() - 4);
+    let text = String::from_utf8(raw).map_err(|_| bad("module text"))?;
+    let mut r = Reader::new(&rest);
     r.tag(CLASS_TAG, "classification")?;
     let c = Classification {
         format: r.index(&FORMATS, "format")?,
@@ -263,7 +276,7 @@ fn decode_class(bytes: &[u8], kinds: &[ModuleKind]) -> Result<Classification, St
                 tensor: r.opt(Reader::string)?,
             })
         })?,
-        modules: Arc::new(Modules::decode(&mut r, kinds)?),
+        modules: Arc::new(Modules::decode(text, r.bytes()?, kinds)?),
         duplicate_tensor: None,
     };
     r.end()?;
@@ -271,37 +284,32 @@ fn decode_class(bytes: &[u8], kinds: &[ModuleKind]) -> Result<Classification, St
 }
 
 thread_local! {
-    /// One buffer per thread for uncompressed classifications: most of a fleet's are the same size
-    /// give or take, so the buffer is seldom grown (and its pages seldom faulted in).
+    /// One buffer per thread to encode classifications in: most of a fleet's are the same size give or take,
+    /// so the buffer is seldom grown (and its pages seldom faulted in).
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A classification's id (see [`ClassId`]) and its blob as the index stores it: compressed (a fleet's module
-/// names repeat: about a fifth of the bytes to write and read back).
+/// A classification's id (see [`ClassId`]: the sha256 of the blob, which the same build always compresses
+/// alike, and which is a few times fewer bytes to hash) and its blob as the index stores it: compressed (a
+/// fleet's module names repeat).
 fn class_blob(c: &Classification, kinds: &[ModuleKind]) -> (ClassId, Vec<u8>) {
     SCRATCH.with_borrow_mut(|raw| {
         encode_class(c, kinds, raw);
-        let id = Sha256::digest(raw.as_slice()).into();
-        (
-            id,
-            snap::raw::Encoder::new()
-                .compress_vec(raw)
-                .expect("snappy takes any input"),
-        )
+        let blob = snap::raw::Encoder::new()
+            .compress_vec(raw)
+            .expect("snappy takes any input");
+        (Sha256::digest(&blob).into(), blob)
     })
 }
 
 /// Decodes a stored classification (a [`class_blob`]).
 pub fn decode_class_blob(blob: &[u8]) -> Result<Classification, String> {
-    let kinds = kinds();
-    SCRATCH.with_borrow_mut(|raw| {
-        let n = snap::raw::decompress_len(blob).map_err(|e| bad(&e.to_string()))?;
-        raw.resize(n, 0);
-        snap::raw::Decoder::new()
-            .decompress(blob, raw)
-            .map_err(|e| bad(&e.to_string()))?;
-        decode_class(raw, &kinds)
-    })
+    let n = snap::raw::decompress_len(blob).map_err(|e| bad(&e.to_string()))?;
+    let mut raw = vec![0; n];
+    snap::raw::Decoder::new()
+        .decompress(blob, &mut raw)
+        .map_err(|e| bad(&e.to_string()))?;
+    decode_class(raw, &kinds())
 }
 
 /// The encoding of one row, without its classification (stored apart, see [`Fresh`]).
@@ -725,21 +733,35 @@ pub fn encode_rows(rows: &[Result<AdapterResult, Error>], threads: Option<usize>
                 head
             })
             .collect();
-        // Each classification's representative: the first equal one (same head bytes and module buffers).
+        // Each classification's representative: the first equal one (same head bytes and module buffers),
+        // looked for among those of the same head and sketch, each such group on its own.
         let mut groups: FxHashMap<(&[u8], [usize; 6]), Vec<usize>> = FxHashMap::default();
-        let mut of = Vec::with_capacity(shared.len());
-        let mut reps = Vec::new();
         for (i, c) in shared.iter().enumerate() {
-            let group = groups.entry((&heads[i], c.modules.sketch())).or_default();
-            match group.iter().find(|&&r| shared[r].modules.same_buffers(&c.modules)) {
-                Some(&r) => of.push(r),
-                None => {
-                    group.push(i);
-                    reps.push(i);
-                    of.push(i);
-                }
-            }
+            groups.entry((&heads[i], c.modules.sketch())).or_default().push(i);
         }
+        let groups: Vec<Vec<usize>> = groups.into_values().collect();
+        let mut of = vec![0; shared.len()];
+        let shared = &shared;
+        let found: Vec<(usize, usize)> = groups
+            .par_iter()
+            .flat_map_iter(|members| {
+                let mut reps: Vec<usize> = Vec::new();
+                members.iter().map(move |&i| {
+                    let same = reps
+                        .iter()
+                        .find(|&&r| shared[r].modules.same_buffers(&shared[i].modules));
+                    let rep = same.copied().unwrap_or_else(|| {
+                        reps.push(i);
+                        i
+                    });
+                    (i, rep)
+                })
+            })
+            .collect();
+        for &(i, rep) in &found {
+            of[i] = rep;
+        }
+        let reps: Vec<usize> = (0..shared.len()).filter(|&i| of[i] == i).collect();
         let blobs: Vec<(usize, (ClassId, Vec<u8>))> =
             reps.par_iter().map(|&i| (i, class_blob(shared[i], &kinds))).collect();
         let mut ids: FxHashMap<usize, ClassId> = FxHashMap::default();
@@ -939,13 +961,13 @@ mod tests {
         let mut raw = Vec::new();
         encode_class(&class(), &kinds, &mut raw);
         for cut in (0..raw.len()).step_by(7) {
-            assert!(decode_class(&raw[..cut], &kinds).is_err(), "cut at {cut}");
+            assert!(decode_class(raw[..cut].to_vec(), &kinds).is_err(), "cut at {cut}");
         }
         // Every byte changed in turn: an error or a classification whose modules read without a panic.
         for i in 0..raw.len() {
             let mut bad = raw.clone();
             bad[i] ^= 0x5a;
-            if let Ok(c) = decode_class(&bad, &kinds) {
+            if let Ok(c) = decode_class(bad, &kinds) {
                 let _ = format!("{:?}", c.modules);
             }
         }

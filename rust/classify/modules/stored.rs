@@ -10,7 +10,7 @@
 use super::{Modules, Record, Span};
 use crate::classify::ModuleKind;
 use crate::header::Dtype;
-use crate::store::{bad, put_u32, Reader};
+use crate::store::{bad, put_u32};
 
 /// Every `Record::present` bit.
 const ALL_PRESENT: u16 = (1 << 15) - 1;
@@ -123,12 +123,13 @@ fn get_fields(b: &[u8], at: &mut usize, fields: &mut [u64; FIELDS]) -> Result<()
 }
 
 impl Modules {
-    /// Appends the modules' bytes to `out` (read back by [`Modules::decode`]).
-    pub(crate) fn encode(&self, out: &mut Vec<u8>, kinds: &[ModuleKind]) {
-        let start = out.len();
-        out.reserve(16 + self.text.len() + 4 * self.dims.len() + 4 * self.extra.len() + 40 * self.records.len());
-        put_u32(out, self.text.len() as u32);
+    /// Appends the modules' text to `out`: the bytes of a `String`, which `decode` takes back as they are.
+    pub(crate) fn encode_text(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(self.text.as_bytes());
+    }
+
+    /// Appends the rest of the modules' bytes to `out`, length first (read back by [`Modules::decode`]).
+    pub(crate) fn encode_body(&self, out: &mut Vec<u8>, kinds: &[ModuleKind]) {
         let mut body = Vec::with_capacity(4 * self.dims.len() + 40 * self.records.len());
         put_varint(&mut body, self.dims.len() as u64);
         for &d in &self.dims {
@@ -159,15 +160,11 @@ impl Modules {
         }
         put_u32(out, body.len() as u32);
         out.extend_from_slice(&body);
-        debug_assert!(out.len() > start);
     }
 
-    /// Reads modules written by [`Modules::encode`] (with the same `kinds`).
-    pub(crate) fn decode(r: &mut Reader<'_>, kinds: &[ModuleKind]) -> Result<Modules, String> {
-        let text = std::str::from_utf8(r.bytes()?)
-            .map_err(|_| bad("module text"))?
-            .to_owned();
-        let b = r.bytes()?;
+    /// The modules whose text `encode_text` and rest `encode_body` wrote (`b`, its length read off; the same
+    /// `kinds`).
+    pub(crate) fn decode(text: String, b: &[u8], kinds: &[ModuleKind]) -> Result<Modules, String> {
         let at = &mut 0;
         let n = count(b, at)?;
         let mut dims = Vec::with_capacity(n);
