@@ -599,6 +599,9 @@ pub struct Plan {
     pub changed: Vec<PathBuf>,
     /// Stored adapters gone from under the scanned roots, in stored order.
     pub removed: Vec<PathBuf>,
+    /// The classification ids of the stored rows that are written over or removed, each once: the only ones
+    /// that writing the plan can leave unnamed.
+    pub stale: Vec<Vec<u8>>,
 }
 
 fn under(path: &[u8], root: &[u8]) -> bool {
@@ -668,12 +671,12 @@ pub fn plan(
             plan.slots.push(Slot::Stored(i));
             continue;
         }
-        if old.is_some() {
-            &mut plan.changed
+        if let Some(i) = old {
+            plan.stale.extend(stored[i].class.map(<[u8]>::to_vec));
+            plan.changed.push(t.path.clone());
         } else {
-            &mut plan.added
+            plan.added.push(t.path.clone());
         }
-        .push(t.path.clone());
         let origin = match old {
             None if trust => content(&sig).and_then(|c| moved_from.get(c)).copied(),
             _ => None,
@@ -691,6 +694,10 @@ pub fn plan(
         plan.slots.push(Slot::Read(plan.to_read.len()));
         plan.to_read.push((t, Some(sig)));
     }
+    plan.stale
+        .extend(gone.iter().filter_map(|&i| stored[i].class.map(<[u8]>::to_vec)));
+    plan.stale.sort_unstable();
+    plan.stale.dedup();
     Ok(plan)
 }
 
@@ -1137,6 +1144,7 @@ mod tests {
         assert_eq!(plan.added, [moved_to.path.clone(), PathBuf::from("/r/new")]);
         assert_eq!(plan.removed, std::slice::from_ref(&c.path)); // not /elsewhere: not under the root
         assert_eq!(plan.to_read[1].1.as_deref(), Some(&[][..]));
+        assert_eq!(plan.stale, [b"id".to_vec()]); // b's, written over, and c's, moved (but still named)
         let moved = decode_row(&plan.moved[0].row, || Ok(class())).unwrap().unwrap();
         assert_eq!(format!("{:?}", moved.target), format!("{moved_to:?}"));
         let id: &[u8] = b"id";

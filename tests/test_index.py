@@ -190,7 +190,7 @@ def test_a_file_that_is_not_an_index_is_refused_unchanged(tmp_path):
 def test_add_change_delete_rename(tmp_path):
     root = tmp_path / "fleet"
     for i in range(5):
-        peft(root / f"a{i}", r=4)
+        peft(root / f"a{i}", r=2 if i == 1 else 4)  # a1's classification is its own
     db = tmp_path / "fleet.db"
     lorafast.Index(db).scan([root])
 
@@ -205,6 +205,10 @@ def test_add_change_delete_rename(tmp_path):
     assert sorted(report.changed) == [str(root / "a1"), str(root / "a4")]
     assert report.removed == [str(root / "a2"), str(root / "a3")]
     assert report.reads == 3  # the renamed adapter's files are the same inodes: its row moves with them
+    with contextlib.closing(sqlite3.connect(db)) as con:  # a1's old classification (r=2), named by no row, is gone
+        unnamed = "SELECT count(*) FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)"
+        assert con.execute(unnamed).fetchone() == (0,)
+        assert con.execute("SELECT count(*) FROM classes").fetchone() == (4,)  # a0 and renamed's, a1's, a4's, new's
     by_path = {a.path: a for a in report}
     assert by_path[str(root / "a1")].rank == 16 and by_path[str(root / "a4")].r == 32
     assert lorafast.Index(db).paths() == sorted(

@@ -256,12 +256,12 @@ class Index:
         finally:
             db.execute("COMMIT")
 
-        added, changed, removed, reads = scan.added, scan.changed, sorted(scan.removed), scan.reads
+        added, changed, removed, reads, stale = scan.added, scan.changed, sorted(scan.removed), scan.reads, scan.stale
         upserts, classes = scan.read(mode, content_hash, _want_progress(progress, reads))
         # A moved row's classification is written again with it, in case another writer dropped it meanwhile.
         # Read again for want of trust, a classification is written over the stored one, which may be what did
         # not decode.
-        self._write(upserts, {**bodies, **dict(classes)}, [os.fsencode(p) for p in removed], replace=not trust)
+        self._write(upserts, {**bodies, **dict(classes)}, [os.fsencode(p) for p in removed], stale, replace=not trust)
         try:
             result = scan.result(bodies)
         except ValueError as e:
@@ -286,12 +286,16 @@ class Index:
         upserts: list[tuple[bytes, bytes | None, bytes]],
         classes: Mapping[bytes, bytes],
         removed: list[bytes],
+        stale: list[bytes],
         *,
         replace: bool = False,
     ) -> None:
         """Upserts `(path, class id, entry)` and deletions, `batch_size` rows per transaction. A row and
         the classification it names are written in the same transaction, so every committed state is
-        consistent. A stored classification of the same id is kept, or with `replace`, written over."""
+        consistent. A stored classification of the same id is kept, or with `replace`, written over. Then the
+        `stale` classifications (those of the rows written over or removed) that no row names any more are
+        deleted; after many batches, or with `replace`, every classification no row names (what a writer killed
+        before this step left)."""
         db = self._db
         put_class = f"INSERT OR {'REPLACE' if replace else 'IGNORE'} INTO classes VALUES (?, ?)"
         removed_at = len(upserts)
@@ -321,7 +325,13 @@ class Index:
                     raise
             if ops:
                 db.execute("BEGIN IMMEDIATE")
-                db.execute("DELETE FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)")
+                if many or replace:  # a sweep reads every classification's row: 17 ms on 20,000 samples
+                    db.execute(
+                        "DELETE FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)"
+                    )
+                else:
+                    unnamed = "DELETE FROM classes WHERE id = ? AND NOT EXISTS (SELECT 1 FROM adapters WHERE class = ?)"
+                    db.executemany(unnamed, [(cid, cid) for cid in stale])
                 db.execute("COMMIT")
             if many and self._wal_pages() > _WAL_PAGES:
                 db.execute("PRAGMA wal_checkpoint(PASSIVE)")

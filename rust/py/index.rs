@@ -191,6 +191,12 @@ impl IndexScan {
         self.plan.removed.iter().map(|p| p.as_os_str()).collect()
     }
 
+    /// The ids of the classifications of the stored rows that are written over or removed, each once.
+    #[getter]
+    fn stale<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.plan.stale.iter().map(|id| PyBytes::new(py, id)).collect()
+    }
+
     /// The ids of the stored classifications that reused rows name, each once.
     fn class_ids<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         let views = views(py, &self.stored);
