@@ -83,19 +83,19 @@ def bench_fleet(label: str, root: str, passes: int, work: str) -> list[tuple[str
     del report
     state: dict[str, Any] = {"index": None, "touched": 0}
 
-    def scan() -> object:
+    def scan() -> lorafast.ScanReport:
         return lorafast.scan([root], progress=False)
 
-    def build() -> object:
+    def build() -> lorafast.ScanReport:
         state["index"] = lorafast.Index(db)
         return state["index"].scan([root])
 
-    def rescan() -> object:
+    def rescan() -> lorafast.ScanReport:
         report = state["index"].scan([root])
         assert report.reads == state["touched"], (report.reads, state["touched"])
         return report
 
-    steps = {"discovery only": lambda: _core.discover([root], True), "build": build}
+    steps: dict[str, Callable[[], object]] = {"discovery only": lambda: _core.discover([root], True), "build": build}
     steps.update({"rescan, unchanged": rescan, "rescan, 1% changed": rescan})
     times: dict[str, list[float]] = {k: [] for k in ("full scan", *steps)}
     ratios: dict[str, list[float]] = {k: [] for k in times}
