@@ -1,4 +1,4 @@
-"""One test per code list: the list the core exports, the `Literal` alias in `lorafast.types` and the list the
+"""One test per code list: the list the core exports, the `Literal` alias in `lorafast.codes` and the list the
 documentation gives are the same set.
 
 In Rust each list is an enum (rust/codes.rs: `code()`, `ALL` in documentation order, `from_code`), and every call
@@ -6,7 +6,7 @@ site names a variant, so the compiler keeps each code the core writes listed; th
 `ALL`.
 
 The documented list is found by its anchor, the backquoted constant name (`lorafast.PROBLEM_CODES`,
-`lorafast.types.FLAGS`, ...), in the docs/ page that holds the list (`DOCS`): it is every backquoted name after
+`lorafast.codes.FLAGS`, ...), in the docs/ page that holds the list (`DOCS`): it is every backquoted name after
 the anchor up to the end of that sentence, bullet or paragraph. The README lists no codes; it links those pages.
 """
 
@@ -50,11 +50,11 @@ def _anchor(name: str) -> str:
 
 
 def documented(name: str) -> set[str]:
-    """The backquoted names after the anchor `lorafast.NAME` or `lorafast.types.NAME` in its docs/ page, to the
+    """The backquoted names after the anchor `lorafast.NAME` or `lorafast.codes.NAME` in its docs/ page, to the
     end of its sentence, bullet or paragraph (exception classes left out)."""
     text = (ROOT / "docs" / DOCS[name]).read_text(encoding="utf-8")
     found = re.search(_anchor(name), text)
-    assert found, f"docs/{DOCS[name]} does not name `lorafast.{name}` or `lorafast.types.{name}`"
+    assert found, f"docs/{DOCS[name]} does not name `lorafast.{name}` or `lorafast.codes.{name}`"
     rest = text[found.end() :]
     end = re.search(r"\.\s|\n- |\n\n", rest)
     names = re.findall(r"`([A-Za-z][A-Za-z0-9_]*)`", rest[: end.start() if end else len(rest)])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .errors import AdapterError, HeaderError, InternalError, LorafastError
-from .types import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
+from .codes import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
 
 __version__: str = _core.__version__  # Cargo.toml's version, the one source (pyproject takes it too)
 

@@ -4,7 +4,7 @@ from typing import Any, NotRequired, TypedDict, final, type_check_only
 
 import numpy as np
 
-from lorafast.types import Flag, ModuleKind, ProblemCode
+from lorafast.codes import Flag, ModuleKind, ProblemCode
 
 __all__ = [
     "ADAPTER_ERROR_CODES",

@@ -13,7 +13,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lorafast.types import ModuleKind, ProblemCode
+    from lorafast.codes import ModuleKind, ProblemCode
 
 
 class AdapterFormat(str, Enum):
@@ -82,7 +82,7 @@ class LoraModule:
 
     name: str
     key: str
-    kind: ModuleKind  # one of `lorafast.types.MODULE_KINDS`
+    kind: ModuleKind  # one of `lorafast.codes.MODULE_KINDS`
     leaf: str  # last name component, e.g. "q_proj" (for target_parameters: "gate_up_proj" / "down_proj")
     layer: int | None
     expert: int | None

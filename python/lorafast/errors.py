@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from lorafast.types import AdapterErrorCode, HeaderErrorCode, TorchErrorCode
+    from lorafast.codes import AdapterErrorCode, HeaderErrorCode, TorchErrorCode
 
 
 class LorafastError(Exception):
