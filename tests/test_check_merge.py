@@ -1,6 +1,6 @@
 """One name rule for `merge` and `check` (issue 13, "One mapping").
 
-`merge` resolves adapter module paths onto weights with `merging.targets.NameTable.match`, and `check` uses the
+`merge` resolves adapter module paths onto weights with `naming.NameTable.match`, and `check` uses the
 same function, so the two never disagree: a module the base has only below another prefix is `prefix_only` in
 `check` (verdict `no_match`) and a `MergeError` code `prefix_only` in `merge`, unless `allow_prefix=True`.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from lorafast.base import Weight, renamed_on_load
 from lorafast.checker import check
-from lorafast.merging.targets import NameTable
+from lorafast.naming import NameTable
 from lorafast.testing import write_peft_adapter
 
 torch = pytest.importorskip("torch")

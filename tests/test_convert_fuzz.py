@@ -32,7 +32,7 @@ from hypothesis import strategies as st  # noqa: E402
 from lorafast import ConvertError, convert  # noqa: E402
 from lorafast.converting import CONVERT_ERROR_CODES  # noqa: E402
 from lorafast.converting.api import _FROM  # noqa: E402
-from lorafast.merging.targets import strip_prefixes  # noqa: E402
+from lorafast.naming import strip_prefixes  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_convert import (  # noqa: E402
     H,

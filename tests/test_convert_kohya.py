@@ -312,7 +312,7 @@ def test_flux_bfl_names_and_tensors_match_diffusers_own_conversion(tmp_path: Pat
     lcu = pytest.importorskip("diffusers.loaders.lora_conversion_utils")
     from diffusers.utils import convert_state_dict_to_peft
     from diffusers.utils.state_dict_utils import StateDictType
-    from lorafast.merging.targets import strip_prefixes
+    from lorafast.naming import strip_prefixes
 
     te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
     src = _flux_bfl(tmp_path / "k", {**FLUX_BFL, "single_blocks_1_linear1": 7 * 3072})

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from .errors import AdapterError, HeaderError, InternalError, LorafastError
 from .codes import ADAPTER_ERROR_CODES, HEADER_ERROR_CODES, PROBLEM_CODES, TORCH_ERROR_CODES
+from .errors import AdapterError, HeaderError, InternalError, LorafastError
 
 __version__: str = _core.__version__  # Cargo.toml's version, the one source (pyproject takes it too)
 

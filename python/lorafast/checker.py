@@ -3,7 +3,7 @@
 For every (adapter, base) pair each adapter module is mapped onto a base weight by the engines' rule (exact
 module paths, after PEFT's `base_model.model.` prefix and a pipeline component prefix are removed; kohya's
 underscore names by their flattened form) and its factor shapes are fitted with the same functions `merge` uses
-(`merging.targets`), so check and merge never disagree on a fit. A module found only under another prefix
+(`lorafast.naming`), so check and merge never disagree on a fit. A module found only under another prefix
 (`model.layers.…` against a multimodal `model.language_model.layers.…`) counts as missing: the engines match it
 nowhere and serve the base model. Such modules carry a hint naming the prefix that would fix them.
 
@@ -21,21 +21,22 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
 from .adapter import Adapter, LoraModule
 from .base import BaseModel, read_base
-from .merging.targets import (
+from .naming import (
     NameMatch,
     NameTable,
     WeightSpec,
-    _plan_linear,
-    _plan_stacked,
-    _plan_target_parameters,
     is_kohya,
+    plan_linear,
+    plan_stacked,
+    plan_target_parameters,
+    prod,
     stack_shape,
 )
 
@@ -190,7 +191,7 @@ class _BaseIndex:
         return comp, key, kohya, None
 
     def table(self, comp: str | None) -> NameTable:
-        """The name rule `merge` uses (`merging.targets.NameTable`) on one component's weights. Stored names that
+        """The name rule `merge` uses (`naming.NameTable`) on one component's weights. Stored names that
         transformers renames on load match exactly but are never offered as a prefix-only match."""
         table = self._tables.get(comp)
         if table is None:
@@ -212,14 +213,7 @@ def _expected(m: LoraModule) -> tuple[int, ...] | None:
         return (b[0], a[1], *a[2:])
     if m.kind == "target_parameters" and len(a) == 2 and len(b) == 2:
         return (b[0], a[1])
-    return (b[0], _prod(a[1:]))
-
-
-def _prod(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return (b[0], prod(a[1:]))
 
 
 def _spec(shape: tuple[int, ...]) -> WeightSpec:
@@ -230,11 +224,11 @@ def _fit(m: LoraModule, shape: tuple[int, ...], fifo: bool) -> str | None:
     """Why the module's factors do not fit a weight of `shape`, or None when they do (merge's own rules)."""
     spec = _spec(shape)
     if m.kind == "stacked_3d":
-        form, why = _plan_stacked(m, spec)
+        form, why = plan_stacked(m, spec)
     elif m.kind == "target_parameters":
-        form, why, _ = _plan_target_parameters(m, spec)
+        form, why, _ = plan_target_parameters(m, spec)
     elif m.kind in ("linear", "conv", "embedding", "expert_2d"):
-        form, why = _plan_linear(m.kind, m, spec, fifo and m.kind in ("linear", "expert_2d"))
+        form, why = plan_linear(m.kind, m, spec, fifo and m.kind in ("linear", "expert_2d"))
     else:  # LyCORIS variants: compare the in/out features the factors imply
         e, rows, cols = stack_shape(shape)
         if m.in_features is None or m.out_features is None:

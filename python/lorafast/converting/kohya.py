@@ -34,7 +34,7 @@ from lorafast.converting import bits
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.peftconfig import Want
 from lorafast.converting.writer import OutTensor, SourceBytes
-from lorafast.merging.targets import strip_prefixes
+from lorafast.naming import strip_prefixes
 from lorafast.tensors import TensorFile
 
 #: kohya prefix -> the component prefix diffusers' PEFT keys use

@@ -29,14 +29,13 @@ from lorafast.merging.targets import (
     NameIndex,
     Target,
     Term,
-    WeightSpec,
     bias_factors,
     expert_slot_factors,
     factors,
     prefixes_used,
     preflight,
-    stack_shape,
 )
+from lorafast.naming import WeightSpec, stack_shape
 from lorafast.tensors import TensorFile, TensorReadError
 
 if TYPE_CHECKING:

@@ -25,7 +25,8 @@ from lorafast.merging import kernel
 from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, _Files, _slice_segment, build_segments
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import normalize
-from lorafast.merging.targets import NameIndex, Target, WeightSpec, prefixes_used, preflight
+from lorafast.merging.targets import NameIndex, Target, prefixes_used, preflight
+from lorafast.naming import WeightSpec
 from lorafast.tensors import TensorFile, TensorReadError, torch_dtype
 
 ProgressFn = Callable[[int, int], None]
