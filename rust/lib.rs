@@ -1,5 +1,5 @@
 //! lorafast core: safetensors header reading and validation, tensor-name parsing, adapter
-//! classification and the parallel bulk scan. Pure Rust; the Python binding lives in `py.rs`,
+//! classification and the parallel bulk scan. Pure Rust; the Python binding lives in `py/`,
 //! behind the `python` feature, so `cargo test --no-default-features` needs no libpython.
 
 #![warn(missing_docs)]
