@@ -155,7 +155,8 @@ def reference(paths: list[str], num_layers: int) -> tuple[set[str], int, bool]:
 
 def cold_caches() -> None:
     """Empty lorafast's in-process caches (headers, normalized adapters and layers) before a timed run."""
-    from lorafast.compat import _inputs, _sglang_weights
+    from lorafast.compat import _inputs
+    from lorafast.compat.sglang import _weights as _sglang_weights
 
     _inputs._HEADER_CACHE.clear()
     _inputs._header_cache_used = 0

@@ -1,4 +1,4 @@
-"""lorafast.compat._torchlike predicts torch.cat / Tensor.repeat shapes and errors; checked against torch."""
+"""lorafast.compat.sglang._torchlike predicts torch.cat / Tensor.repeat shapes and errors; checked against torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lorafast.compat import _torchlike as T
+from lorafast.compat.sglang import _torchlike as T
 
 shapes = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
 

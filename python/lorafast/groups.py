@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorafast.compat._common import CompatProblem, LoraRef
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat._sglang_names import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
+from lorafast.compat.sglang import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
 from lorafast.compat.sglang import (
     MSG_MIXED_SHARED_OUTER,
     get_normalized_target_modules,

@@ -93,7 +93,7 @@ def lorafast_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
 
 def run_functions(calls: list[dict[str, Any]]) -> list[Any]:
     """compat.sglang's name rules for the runner's direct calls (module names from the predicted tree)."""
-    from lorafast.compat import _sglang_pool
+    from lorafast.compat.sglang import _pool as _sglang_pool
 
     out: list[Any] = []
     for call in calls:

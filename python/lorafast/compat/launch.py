@@ -34,7 +34,7 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
 from lorafast.compat._launch_flags import FLAGS
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     MSG_ALL_ALONE,
     MSG_MAX_LORAS_POSITIVE,
     MSG_NEED_RANK_AND_TARGETS,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
     KNOWN_LORA_TARGET_MODULES,

@@ -6,13 +6,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafast.compat import _sglang_pool as _pool
+from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     MSG_HIDDEN_DIM,
     get_stacked_multiply,
 )
-from lorafast.compat._torchlike import numel
+from lorafast.compat.sglang._torchlike import numel
 from lorafast.compat.sglang._config import _text_config
 
 

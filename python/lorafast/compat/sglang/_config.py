@@ -16,8 +16,8 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
 from lorafast.compat._inputs import AdapterView, resolve_adapters
-from lorafast.compat._sglang_names import MSG_NO_WEIGHTS
-from lorafast.compat._sglang_weights import NO_CONFIG, LoadedWeights, load_adapter_weights
+from lorafast.compat.sglang._names import MSG_NO_WEIGHTS
+from lorafast.compat.sglang._weights import NO_CONFIG, LoadedWeights, load_adapter_weights
 
 logger = logging.getLogger("lorafast.compat.sglang")
 

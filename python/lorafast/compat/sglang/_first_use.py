@@ -1,5 +1,5 @@
-"""What SGLang checks when an adapter first enters a GPU slot (`load_lora_weight_to_buffer`), plus lorafast's
-own findings there."""
+"""The first-use checks: what SGLang checks when an adapter first enters a GPU slot (`load_lora_weight_to_buffer`,
+replayed in `_load_to_buffer`), reported as problems, plus lorafast's own findings there."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.compat import _sglang_pool as _pool
+from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat._sglang_first_use import first_use_error
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._load_to_buffer import first_use_error
+from lorafast.compat.sglang._names import (
     MSG_SHARED_OUTER_DICT,
     MSG_SHARED_OUTER_EXPERT_DIM,
     MSG_SKIPPED,
 )
-from lorafast.compat._sglang_weights import LoadedWeights
-from lorafast.compat._torchlike import size_repr
+from lorafast.compat.sglang._weights import LoadedWeights
+from lorafast.compat.sglang._torchlike import size_repr
 from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _is_moe, _num_experts
 from lorafast.compat.sglang._config import (
     _EXPERT_ID,

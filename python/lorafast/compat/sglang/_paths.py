@@ -7,7 +7,7 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import LoraRef
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     MSG_PATHS_DICT_KEYS,
     MSG_PATHS_ITEM_TYPE,
     MSG_PATHS_TYPE,

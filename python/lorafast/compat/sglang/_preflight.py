@@ -6,11 +6,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.compat import _sglang_pool as _pool
+from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     MSG_ALL_ALONE,
     MSG_ID_LOADED,
     MSG_LOAD_FAILED,
@@ -18,7 +18,7 @@ from lorafast.compat._sglang_names import (
     MSG_NEED_RANK_AND_TARGETS,
     MSG_SHARED_OUTER_LOG,
 )
-from lorafast.compat._sglang_weights import LoadedWeights
+from lorafast.compat.sglang._weights import LoadedWeights
 from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _itemsize
 from lorafast.compat.sglang._config import (
     _load_weights,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lorafast.compat import _sglang_pool as _pool
+from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
     MSG_DSA_FUSION,

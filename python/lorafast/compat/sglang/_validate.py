@@ -9,7 +9,7 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, LoraRef
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     MSG_ADDED_TOKENS,
     MSG_ALREADY_LOADED,
     MSG_DORA,

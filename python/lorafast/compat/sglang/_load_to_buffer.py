@@ -1,10 +1,11 @@
-"""SGLang's first use of an adapter (sglang 0.5.23 `LoRAMemoryPool.load_lora_weight_to_buffer`), on shapes.
+"""A replay of SGLang's `LoRAMemoryPool.load_lora_weight_to_buffer` (sglang 0.5.23) on shapes: the engine's code.
 
 SGLang raises these only when a request first brings the adapter into a GPU slot, long after start-up said
 yes. The walk below follows the engine's loops in the engine's order (layers, weights in dict order, wrapped
 modules, A buffers then B buffers, then embeddings), with the TP-1 slicing of each wrapper class, and raises
 the first exception SGLang would: `Cannot find target module name ...`, the buffer-copy assertion, torch's
-indexing errors, the shared-outer expert checks. `first_use_error` returns it instead of raising.
+indexing errors, the shared-outer expert checks. `first_use_error` returns it instead of raising;
+`_first_use` turns it into problems.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lorafast.compat._sglang_names import MSG_SHARED_OUTER_DICT, MSG_SHARED_OUTER_EXPERT_DIM, MSG_SKIPPED
-from lorafast.compat._sglang_pool import Module, Pool
-from lorafast.compat._sglang_weights import LoadedWeights
-from lorafast.compat._torchlike import size_repr
+from lorafast.compat.sglang._names import MSG_SHARED_OUTER_DICT, MSG_SHARED_OUTER_EXPERT_DIM, MSG_SKIPPED
+from lorafast.compat.sglang._pool import Module, Pool
+from lorafast.compat.sglang._weights import LoadedWeights
+from lorafast.compat.sglang._torchlike import size_repr
 
 Shape = tuple[int, ...]
 _EXPERT = re.compile(r"experts\.(\d+)\.")
@@ -254,7 +255,7 @@ def _copy(side: str, name: str, w: Any, buffer: Shape, r: Any, max_r: Any, share
 
 
 def _stacked(name: str) -> int:
-    from lorafast.compat._sglang_names import get_stacked_multiply
+    from lorafast.compat.sglang._names import get_stacked_multiply
 
     return get_stacked_multiply(name)
 

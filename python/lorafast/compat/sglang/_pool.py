@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.compat._sglang_names import (
+from lorafast.compat.sglang._names import (
     EMBEDDING_NAMES,
     KNOWN_LORA_TARGET_MODULES,
     MSG_HIDDEN_DIM,
