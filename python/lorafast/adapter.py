@@ -7,10 +7,13 @@ typed objects. Nothing here reads tensor data.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
+
+from lorafast.formats.moe import SGLANG_W_RENAMES
 
 if TYPE_CHECKING:
     from lorafast.codes import ModuleKind, ProblemCode
@@ -42,24 +45,6 @@ class MoeLayout(str, Enum):
 
 #: Variants whose delta depends on W or is not a plain B @ A sum; they must never be merged as LoRA.
 NON_ADDITIVE_VARIANTS = frozenset({"dora", "loha", "lokr", "oft", "boft", "ia3", "glora"})
-
-
-def peft_pattern_key(patterns: Iterable[str], name: str) -> str | None:
-    """PEFT `get_pattern_key`: the first `rank_pattern`/`alpha_pattern` key, in saved order, for which
-    `re.match(rf"(.*\\.)?({key})$", name)` holds on the prefix-free module name; None when none does."""
-    import re
-
-    for key in patterns:
-        try:
-            if re.match(rf"(.*\.)?({key})$", name):
-                return key
-        except re.error:  # PEFT would fail on it too; it matches nothing here
-            continue
-    return None
-
-
-#: SGLang renames `.w1.`/`.w3.`/`.w2.` tensors to gate/up/down before anything else (sglang-lora.md §4.2).
-_SGLANG_W_RENAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -187,16 +172,21 @@ class Adapter:
         """`target_modules` as SGLang names them after loading (`.w1/.w3/.w2` renamed, q/k/v -> qkv_proj, ...)."""
         from .compat.sglang import get_normalized_target_modules
 
-        renamed = [_SGLANG_W_RENAMES.get(t, t) for t in self.target_modules]
+        renamed = [SGLANG_W_RENAMES.get(t, t) for t in self.target_modules]
         return tuple(sorted(get_normalized_target_modules(renamed))) if renamed else ()
 
     @property
     def fingerprint(self) -> dict[str, int]:
         """Base-model dimensions visible in the shapes (hidden/intermediate size, layers, attention widths, experts,
         vocab, UNet/DiT layout); `lorafast.identify` ranks known families by them."""
-        from .families import fingerprint
-
-        return fingerprint(self)
+        rows = []
+        for m in self.modules:
+            name = m.key if m.key.startswith("lora_") else m.name  # kohya: underscores throughout
+            rows.append((name, m.leaf, m.layer, m.in_features, m.out_features, m.num_experts))
+        fp = module_dimensions(rows)
+        if self.num_experts and "experts" not in fp:
+            fp["experts"] = self.num_experts
+        return fp
 
     @property
     def is_additive(self) -> bool:
@@ -210,3 +200,76 @@ class Adapter:
 
 #: `Adapter`'s field names, in order.
 _ADAPTER_FIELDS = tuple(f.name for f in fields(Adapter))
+
+_BLOCK = re.compile(
+    r"(?:^|[._])(transformer_blocks|single_transformer_blocks|double_blocks|single_blocks|joint_blocks|blocks)"
+    r"[._](\d+)[._]"
+)
+_DOWN_ATTN = re.compile(r"down_blocks[._](\d+)[._]attentions")
+
+
+def module_dimensions(
+    items: Iterable[tuple[str, str, int | None, int | None, int | None, int | None]],
+) -> dict[str, int]:
+    """Fingerprint from (path, leaf, layer, in_features, out_features, experts) rows."""
+    fp: dict[str, int] = {}
+    blocks: dict[str, int] = {}
+    down_attn: set[int] = set()
+
+    def put(k: str, v: int | None) -> None:
+        if v:
+            fp.setdefault(k, v)
+
+    for path, name, layer, fin, fout, experts in items:
+        expert = experts or ".experts." in path
+        leaf = SGLANG_W_RENAMES.get(name, name)  # Mixtral's w1/w3/w2 are gate/up/down
+        if leaf == "q_proj":
+            put("hidden", fin)
+            put("q_out", fout)
+        elif leaf in ("k_proj", "v_proj"):
+            put("hidden", fin)
+            put("kv_out", fout)
+        elif leaf in ("o_proj",):
+            put("hidden", fout)
+        elif leaf in ("gate_proj", "up_proj"):
+            put("hidden", fin)
+            put("expert_intermediate" if expert else "intermediate", fout)
+        elif leaf == "down_proj":
+            put("hidden", fout)
+            put("expert_intermediate" if expert else "intermediate", fin)
+        elif leaf == "q_a_proj":
+            put("hidden", fin)
+            put("q_lora_rank", fout)
+        elif leaf == "kv_a_proj_with_mqa":
+            put("hidden", fin)
+            put("kv_a_out", fout)
+        elif leaf in ("embed_tokens",):
+            put("vocab", fin)
+        elif leaf == "lm_head":
+            put("vocab", fout)
+        elif leaf in ("to_k", "to_v") and "attn2" in path:
+            put("cross_attention", fin)
+        if experts:
+            put("experts", experts)
+        if layer is not None and leaf not in ("to_k", "to_q", "to_v", "to_out"):
+            fp["layers"] = max(fp.get("layers", 0), layer + 1)
+        m = _BLOCK.search(path)
+        if m:
+            kind = "dit_single_blocks" if m.group(1).startswith("single") else "dit_blocks"
+            blocks[kind] = max(blocks.get(kind, 0), int(m.group(2)) + 1)
+            if leaf in ("to_q", "qkv", "linear1", "img_attn_qkv", "to_k") and fin:
+                put("dit_hidden", fin)
+            if (leaf in ("proj", "0") or path.endswith(("ff.net.0.proj", "ffn.0", "img_mlp.0", "ff.net.0"))) and fout:
+                put("dit_ff", fout)
+        d = _DOWN_ATTN.search(path)
+        if d:
+            down_attn.add(int(d.group(1)))
+        if ("up_blocks" in path or "down_blocks" in path or "mid_block" in path) and leaf == "proj_in" and fout:
+            fp["unet_channels"] = max(fp.get("unet_channels", 0), fout)
+    if blocks and "cross_attention" not in fp and not down_attn:
+        fp.update(blocks)
+        fp.pop("layers", None)
+    if down_attn:
+        fp["unet_attn_down_blocks"] = len(down_attn)
+        fp.pop("layers", None)
+    return fp

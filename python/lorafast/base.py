@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import _core
-from .adapter import _SGLANG_W_RENAMES
 from .errors import AdapterError, HeaderError, _CodedError
+from .formats.moe import NUMBERED_EXPERT_WEIGHT, SGLANG_W_RENAMES
 
 PathLike = str | os.PathLike[str]
 
@@ -459,7 +459,6 @@ _WRAPPER_RENAMES = (
     (r"^vision_tower\.", "model.vision_tower."),
     (r"^multi_modal_projector\.", "model.multi_modal_projector."),
 )
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _loaded_view(weights: Mapping[str, Weight], config: Mapping[str, Any] | None) -> dict[str, Weight]:
@@ -478,9 +477,9 @@ def _loaded_view(weights: Mapping[str, Weight], config: Mapping[str, Any] | None
             new, n = pat.subn(rep, new, count=1)
             if n and pat.pattern.startswith("^"):
                 break
-        m = _EXPERT.match(new)
+        m = NUMBERED_EXPERT_WEIGHT.match(new)
         if m is not None and w.shape is not None and len(w.shape) == 2:
-            proj = _SGLANG_W_RENAMES.get(m.group(3), m.group(3)).removesuffix("_proj")  # gate, up or down
+            proj = SGLANG_W_RENAMES.get(m.group(3), m.group(3)).removesuffix("_proj")  # gate, up or down
             experts.setdefault((m.group(1), proj), {})[int(m.group(2))] = w
         if new != name:
             view[new] = w

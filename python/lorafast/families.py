@@ -11,12 +11,11 @@ named in `source`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.adapter import _SGLANG_W_RENAMES
+from lorafast.adapter import module_dimensions
 
 
 @dataclass(frozen=True)
@@ -128,12 +127,6 @@ FAMILIES: tuple[Family, ...] = (
 #: fields where the adapter shows a lower bound only (it may adapt fewer layers or blocks than the model has)
 _AT_LEAST = frozenset({"layers", "dit_blocks", "dit_single_blocks", "unet_attn_down_blocks"})
 
-_BLOCK = re.compile(
-    r"(?:^|[._])(transformer_blocks|single_transformer_blocks|double_blocks|single_blocks|joint_blocks|blocks)"
-    r"[._](\d+)[._]"
-)
-_DOWN_ATTN = re.compile(r"down_blocks[._](\d+)[._]attentions")
-
 
 @dataclass(frozen=True)
 class Identification:
@@ -156,87 +149,13 @@ class Identification:
         return f"{self.candidates[0][0]}"
 
 
-def _shapes(items: Iterable[tuple[str, str, int | None, int | None, int | None, int | None]]) -> dict[str, int]:
-    """Fingerprint from (path, leaf, layer, in_features, out_features, experts) rows."""
-    fp: dict[str, int] = {}
-    blocks: dict[str, int] = {}
-    down_attn: set[int] = set()
-
-    def put(k: str, v: int | None) -> None:
-        if v:
-            fp.setdefault(k, v)
-
-    for path, name, layer, fin, fout, experts in items:
-        expert = experts or ".experts." in path
-        leaf = _SGLANG_W_RENAMES.get(name, name)  # Mixtral's w1/w3/w2 are gate/up/down
-        if leaf == "q_proj":
-            put("hidden", fin)
-            put("q_out", fout)
-        elif leaf in ("k_proj", "v_proj"):
-            put("hidden", fin)
-            put("kv_out", fout)
-        elif leaf in ("o_proj",):
-            put("hidden", fout)
-        elif leaf in ("gate_proj", "up_proj"):
-            put("hidden", fin)
-            put("expert_intermediate" if expert else "intermediate", fout)
-        elif leaf == "down_proj":
-            put("hidden", fout)
-            put("expert_intermediate" if expert else "intermediate", fin)
-        elif leaf == "q_a_proj":
-            put("hidden", fin)
-            put("q_lora_rank", fout)
-        elif leaf == "kv_a_proj_with_mqa":
-            put("hidden", fin)
-            put("kv_a_out", fout)
-        elif leaf in ("embed_tokens",):
-            put("vocab", fin)
-        elif leaf == "lm_head":
-            put("vocab", fout)
-        elif leaf in ("to_k", "to_v") and "attn2" in path:
-            put("cross_attention", fin)
-        if experts:
-            put("experts", experts)
-        if layer is not None and leaf not in ("to_k", "to_q", "to_v", "to_out"):
-            fp["layers"] = max(fp.get("layers", 0), layer + 1)
-        m = _BLOCK.search(path)
-        if m:
-            kind = "dit_single_blocks" if m.group(1).startswith("single") else "dit_blocks"
-            blocks[kind] = max(blocks.get(kind, 0), int(m.group(2)) + 1)
-            if leaf in ("to_q", "qkv", "linear1", "img_attn_qkv", "to_k") and fin:
-                put("dit_hidden", fin)
-            if (leaf in ("proj", "0") or path.endswith(("ff.net.0.proj", "ffn.0", "img_mlp.0", "ff.net.0"))) and fout:
-                put("dit_ff", fout)
-        d = _DOWN_ATTN.search(path)
-        if d:
-            down_attn.add(int(d.group(1)))
-        if ("up_blocks" in path or "down_blocks" in path or "mid_block" in path) and leaf == "proj_in" and fout:
-            fp["unet_channels"] = max(fp.get("unet_channels", 0), fout)
-    if blocks and "cross_attention" not in fp and not down_attn:
-        fp.update(blocks)
-        fp.pop("layers", None)
-    if down_attn:
-        fp["unet_attn_down_blocks"] = len(down_attn)
-        fp.pop("layers", None)
-    return fp
-
-
 def fingerprint(adapter: Any) -> dict[str, int]:
     """The base-model dimensions an adapter's shapes reveal (an `Adapter`, or a path to inspect)."""
     if not hasattr(adapter, "modules"):
-        from .scanner import inspect
+        from lorafast.scanning import inspect
 
         adapter = inspect(adapter)
-    rows = []
-    for m in adapter.modules:
-        name = m.name
-        if m.key.startswith("lora_"):  # kohya: underscores throughout
-            name = m.key
-        rows.append((name, m.leaf, m.layer, m.in_features, m.out_features, m.num_experts))
-    fp = _shapes(rows)
-    if adapter.num_experts and "experts" not in fp:
-        fp["experts"] = adapter.num_experts
-    return fp
+    return dict(adapter.fingerprint)
 
 
 def rank_families(fp: Mapping[str, int], families: Iterable[Family] = FAMILIES) -> Identification:
@@ -282,7 +201,7 @@ def identify_weights(components: Mapping[str, Any]) -> str | None:
             path = name[: -len(".weight")]
             leaf = path.rsplit(".", 1)[-1]
             rows.append((path, leaf, None, w.shape[1], w.shape[0], None))
-    return rank_families(_shapes(rows)).best
+    return rank_families(module_dimensions(rows)).best
 
 
 __all__ = ["FAMILIES", "Family", "Identification", "fingerprint", "identify", "rank_families"]

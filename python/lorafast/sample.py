@@ -21,7 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lorafast.adapter import AdapterFormat, MoeLayout, peft_pattern_key
+from lorafast.adapter import AdapterFormat, MoeLayout
+from lorafast.formats.peft import peft_pattern_key
+from lorafast.formats.safetensors import encode_header, nbytes
 from lorafast.testing import DTYPE_BITS
 
 __all__ = [
@@ -143,9 +145,6 @@ def _scalar(dtype: str, value: float) -> Value:
     return Value(dtype, (), raw)
 
 
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]*$")  # names JSON encodes as-is
-
-
 class _Rendered(NamedTuple):
     head: bytes
     """8-byte length + header JSON."""
@@ -155,38 +154,20 @@ class _Rendered(NamedTuple):
 
 
 def _render(tensors: Mapping[str, Spec], metadata: Mapping[str, str] | None) -> _Rendered:
-    """Lay tensors out as safetensors does (largest dtype first, then by name) and serialize the header.
-
-    The JSON is assembled from strings (the same bytes `testing.header_bytes` produces) because samples with
-    thousands of tensors are rendered hundreds of times.
-    """
-
-    # safetensors' order: biggest dtype first, then name (keeps every tensor aligned to its dtype)
+    """Lay tensors out as safetensors does (largest dtype first, then by name) and serialize the header."""
     names = sorted(tensors)
     if len({spec[0] for spec in tensors.values()}) > 1:
         names.sort(key=lambda name: -DTYPE_BITS[tensors[name][0]])  # stable: names stay sorted within a dtype
-
-    parts: list[str] = []
-    if metadata is not None:
-        parts.append('"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":")))
+    entries = [(name, tensors[name][0], tensors[name][1], nbytes(tensors[name][0], tensors[name][1])) for name in names]
+    head, data_len = encode_header(entries, metadata)
     pieces: list[tuple[int, bytes]] = []
     offset = 0
-    for name in names:
+    for name, _, _, size in entries:
         spec = tensors[name]
-        dtype, shape = spec[0], spec[1]
-        n = 1
-        for d in shape:
-            n *= d
-        size = n * DTYPE_BITS[dtype] // 8
         if isinstance(spec, Value):
             pieces.append((offset, spec.raw))
-        dims = ",".join(map(str, shape))
-        quoted = f'"{name}"' if _PLAIN_NAME.match(name) else json.dumps(name)
-        parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{offset},{offset + size}]}}')
         offset += size
-    raw = ("{" + ",".join(parts) + "}").encode()
-    head = raw + b" " * (-len(raw) % 8)
-    return _Rendered(struct.pack("<Q", len(head)) + head, tuple(pieces), offset)
+    return _Rendered(head, tuple(pieces), data_len)
 
 
 def _write_rendered(path: str, r: _Rendered) -> None:

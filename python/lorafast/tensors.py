@@ -19,49 +19,24 @@ from Python; docs/merge.md says so, and the tests show that it then ends the pro
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lorafast import _core
 from lorafast.errors import LorafastError
+from lorafast.formats.safetensors import DTYPES, itemsize
 
 if TYPE_CHECKING:
     import torch
 
     from lorafast._core import MappedFile
 
-#: safetensors dtype -> (torch dtype attribute name, bytes per element)
-_ST_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "U16": ("uint16", 2),
-    "U32": ("uint32", 4),
-    "U64": ("uint64", 8),
-    "BOOL": ("bool", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
-    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
-    "F8_E8M0": ("float8_e8m0fnu", 1),
-}
 
-#: header larger than this is refused (same cap as the safetensors crate)
-MAX_HEADER_BYTES = 100_000_000
-
-
-class TensorReadError(OSError):
-    """A tensor's bytes could not be read: bad header, unsupported dtype, or a file that changed under us."""
+class TensorReadError(LorafastError, OSError):
+    """A tensor's bytes could not be read: an unsupported dtype, or a file that changed under us. A bad header is
+    the core's `HeaderError`, the same as in a scan."""
 
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
@@ -94,55 +69,31 @@ def torch_dtype(st_dtype: str) -> torch.dtype:
     """The torch dtype for a safetensors dtype name; `TensorReadError` when torch has none."""
     import torch
 
-    entry = _ST_DTYPES.get(st_dtype)
-    dt = getattr(torch, entry[0], None) if entry else None
+    entry = DTYPES.get(st_dtype)
+    dt = getattr(torch, entry.torch, None) if entry is not None and entry.torch else None
     if dt is None:
         raise TensorReadError(f"unsupported tensor dtype {st_dtype!r}")
     return dt
 
 
-def parse_header(path: str, fd: int) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
-    """Read and check a safetensors header from `fd`: (tensors, metadata, data_start)."""
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        raise TensorReadError(f"{path}: file too small for a safetensors header ({size} bytes)", path)
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER_BYTES:
-        raise TensorReadError(f"{path}: header length {n} is over the {MAX_HEADER_BYTES}-byte limit", path)
-    if 8 + n > size:
-        raise TruncatedFileError(f"{path}: header length {n} does not fit in a file of {size} bytes", path)
-    raw = os.pread(fd, n, 8)
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise TensorReadError(f"{path}: header is not valid JSON: {exc}", path) from None
-    if not isinstance(obj, dict):
-        raise TensorReadError(f"{path}: header is not a JSON object", path)
-    data_start = 8 + n
-    metadata = obj.pop("__metadata__", None) or {}
+def read_entries(path: str, fd: int) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
+    """The header of the file open as `fd`, validated by the core (`_core.read_header`, the validator of every
+    scan): (tensors, metadata, data_start). A bad header raises `HeaderError`; a path that names another file
+    than `fd` by now, `TensorReadError`."""
+    raw = _core.read_header(path)
+    opened, now = os.fstat(fd), os.stat(path)
+    if (opened.st_ino, opened.st_dev) != (now.st_ino, now.st_dev):
+        raise TensorReadError(f"{path}: file was replaced while it was being opened", path)
+    data_start = 8 + raw["header_size"]
+    size = opened.st_size
     tensors: dict[str, TensorEntry] = {}
-    for name, info in obj.items():
-        try:
-            dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise TensorReadError(f"{path}: malformed header entry for tensor {name!r}", path) from None
-        width = _ST_DTYPES.get(dtype, (None, None))[1]
-        numel = 1
-        for d in shape:
-            numel *= d
-        if width is not None and end - begin != numel * width:
-            raise TensorReadError(
-                f"{path}: tensor {name!r} has {end - begin} bytes, its shape needs {numel * width}", path
-            )
-        if not 0 <= begin <= end or data_start + end > size:
+    for name, dtype, shape, (begin, end) in raw["tensors"]:
+        if data_start + end > size:
             raise TruncatedFileError(
                 f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes", path
             )
-        tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}, data_start
+        tensors[name] = TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+    return tensors, dict(raw["metadata"] or {}), data_start
 
 
 def _map(path: str, fd: int) -> tuple[MappedFile, memoryview]:
@@ -167,7 +118,7 @@ class TensorFile:
         self.path = os.fspath(path)
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            self.tensors, self.metadata, self.data_start = parse_header(self.path, self._fd)
+            self.tensors, self.metadata, self.data_start = read_entries(self.path, self._fd)
         except BaseException:
             os.close(self._fd)
             raise
@@ -271,7 +222,7 @@ class TensorFile:
         No map is touched, so a file truncated meanwhile gives `TruncatedFileError`, never SIGBUS.
         """
         e = self.entry(name)
-        width = _ST_DTYPES[e.dtype][1]
+        width = itemsize(e.dtype)
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError("read_into needs a contiguous CPU tensor")
         nbytes = out.numel() * out.element_size()

@@ -14,65 +14,24 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-#: safetensors dtype name -> size in bits. Kept as a table (fmt: skip), one row per width: one name a line
-#: would hide which dtypes share a size.
-DTYPE_BITS = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
-    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32,
-    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-}  # fmt: skip
+from lorafast.formats.safetensors import DTYPES, FROM_NUMPY, FROM_TORCH, encode_header, nbytes
 
-_NUMPY_TO_ST = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "uint16": "U16",
-    "float16": "F16",
-    "int32": "I32",
-    "uint32": "U32",
-    "float32": "F32",
-    "complex64": "C64",
-    "float64": "F64",
-    "int64": "I64",
-    "uint64": "U64",
-}
+#: safetensors dtype name -> size in bits (from `lorafast.formats.safetensors.DTYPES`)
+DTYPE_BITS = {name: d.bits for name, d in DTYPES.items()}
 
 TensorSpec = Union["Any", tuple[str, Sequence[int]]]
 
 
-def header_bytes(entries: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Serialize a header dict the way the safetensors crate does: compact JSON padded to 8 bytes."""
-    obj: dict[str, Any] = {}
-    if metadata is not None:
-        obj["__metadata__"] = dict(metadata)
-    obj.update(entries)
-    raw = json.dumps(obj, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)
-
-
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * DTYPE_BITS[dtype] // 8
-
-
 def _torch_entry(tensor: Any) -> tuple[str, list[int], bytes]:
-    """A torch tensor's safetensors dtype, shape and little-endian bytes (dtype names from `lorafast.tensors`)."""
+    """A torch tensor's safetensors dtype, shape and little-endian bytes (dtype names from `lorafast.formats.safetensors`)."""
     import sys
 
     import torch
 
-    from lorafast.tensors import _ST_DTYPES
-
     if sys.byteorder != "little":  # pragma: no cover - torch's bytes are native-endian
         raise NotImplementedError("writing torch tensors needs a little-endian machine")
-    names = {torch_name: st for st, (torch_name, _) in _ST_DTYPES.items()}
     t = tensor.detach().cpu().contiguous()
-    dtype = names[str(t.dtype).removeprefix("torch.")]
+    dtype = FROM_TORCH[str(t.dtype).removeprefix("torch.")]
     return dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
@@ -82,13 +41,12 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write `tensors` (name -> numpy array, torch tensor, or (dtype, shape)) as one safetensors file."""
-    entries: dict[str, Any] = {}
+    entries: list[tuple[str, str, list[int], int]] = []
     chunks: list[bytes | int] = []
-    offset = 0
     for name, spec in tensors.items():
         if isinstance(spec, tuple):
             dtype, shape = spec[0], [int(d) for d in spec[1]]
-            size = _nbytes(dtype, shape)
+            size = nbytes(dtype, shape)
             chunks.append(size)
         elif type(spec).__module__.startswith("torch"):
             dtype, shape, data = _torch_entry(spec)
@@ -96,16 +54,14 @@ def write_safetensors(
             chunks.append(data)
         else:
             arr = spec
-            dtype = _NUMPY_TO_ST[str(arr.dtype)] if not hasattr(arr, "st_dtype") else arr.st_dtype
+            dtype = FROM_NUMPY[str(arr.dtype)] if not hasattr(arr, "st_dtype") else arr.st_dtype
             shape = list(arr.shape)
             data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(order="C")
             size = len(data)
             chunks.append(data)
-        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    head = header_bytes(entries, metadata)
+        entries.append((name, dtype, shape, size))
+    head, _ = encode_header(entries, metadata)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
         f.write(head)
         for chunk in chunks:
             if isinstance(chunk, int):

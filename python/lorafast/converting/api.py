@@ -17,7 +17,7 @@ from lorafast.converting import kohya, moe
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.peftconfig import Want, build, mismatches
 from lorafast.converting.writer import SHA_PLACEHOLDER, OutputFolder, OutTensor, SourceBytes, write_file, writing
-from lorafast.errors import LorafastError
+from lorafast.errors import HeaderError, LorafastError
 from lorafast.tensors import TensorFile, TruncatedFileError
 
 #: layouts `to` accepts: the MoE layouts, `transformers5` (numbered expert names to transformers 5's fused
@@ -274,6 +274,10 @@ def _convert_one(
         folder.commit()
     except TruncatedFileError as exc:
         raise ConvertError(f"{src} is truncated: {exc}", "truncated", path) from exc
+    except HeaderError as exc:  # the source changed since it was inspected
+        if exc.code in ("incomplete_buffer", "invalid_header_length"):  # cut short
+            raise ConvertError(f"{src} is truncated: {exc}", "truncated", path) from exc
+        raise ConvertError(f"cannot read {src}: {exc}", "bad_source", path) from exc
     except OSError as exc:  # output errors are ConvertErrors by now (`writing`): this is the source
         raise ConvertError(f"cannot read {src}: {exc}", "bad_source", path) from exc
     finally:

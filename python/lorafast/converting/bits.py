@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lorafast.tensors import _ST_DTYPES, TensorFile, TensorReadError, TruncatedFileError, torch_dtype
+from lorafast.formats.safetensors import DTYPES, itemsize
+from lorafast.tensors import TensorFile, TensorReadError, TruncatedFileError, torch_dtype
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -22,13 +23,13 @@ if TYPE_CHECKING:
 UINT: dict[int, type[np.unsignedinteger[Any]]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: dtypes numpy reads as values (bf16 is widened by hand)
 _NUMPY_VALUES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BOOL": np.bool_} | {
-    k: np.dtype(v[0]).type for k, v in _ST_DTYPES.items() if k[0] in "IU"
+    k: np.dtype(v.numpy).type for k, v in DTYPES.items() if k[0] in "IU" and v.numpy
 }
 
 
 def uint(dtype: str) -> type[np.unsignedinteger[Any]]:
     try:
-        return UINT[_ST_DTYPES[dtype][1]]
+        return UINT[itemsize(dtype)]
     except KeyError:
         raise TensorReadError(f"unsupported tensor dtype {dtype!r}") from None
 

@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lorafast.adapter import _SGLANG_W_RENAMES, Adapter, LoraModule, MoeLayout
+from lorafast.adapter import Adapter, LoraModule, MoeLayout
 from lorafast.converting import bits
 from lorafast.converting.errors import ConvertError
 from lorafast.converting.writer import OutTensor, Part, SourceBytes
-from lorafast.merging.sources import peft_pattern_value
-from lorafast.tensors import _ST_DTYPES, TensorFile
+from lorafast.formats.moe import SGLANG_W_RENAMES
+from lorafast.formats.peft import peft_pattern_value
+from lorafast.formats.safetensors import itemsize
+from lorafast.tensors import TensorFile
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -105,7 +107,7 @@ class Group:
 
 
 def _leaf(name: str) -> str:
-    return _SGLANG_W_RENAMES.get(name, name)
+    return SGLANG_W_RENAMES.get(name, name)
 
 
 def _alpha(adapter: Adapter, m: LoraModule, name: str) -> float | None:
@@ -120,7 +122,7 @@ def _whole_factor(tf: TensorFile, key: str, experts: int) -> Factor:
     e = tf.entry(key)
     if len(e.shape) != 3 or e.shape[0] not in (1, experts):
         raise ConvertError(f"{key}: shape {list(e.shape)} is not a stack of {experts} experts", "bad_source", tf.path)
-    stored, per = e.shape[0], e.shape[1] * e.shape[2] * _ST_DTYPES[e.dtype][1]
+    stored, per = e.shape[0], e.shape[1] * e.shape[2] * itemsize(e.dtype)
     return Factor(
         e.dtype,
         experts,
@@ -258,7 +260,7 @@ def read_groups(adapter: Adapter, tf: TensorFile) -> tuple[list[Group], set[str]
                 (r, fin),
                 partial(_tp_a_expert, tf, a_key, e, r),
                 partial(SourceBytes, tf, a_key),
-                partial(_rows, tf, a_key, r * fin * _ST_DTYPES[a_e.dtype][1]),
+                partial(_rows, tf, a_key, r * fin * itemsize(a_e.dtype)),
                 (tf, a_key),
             )  # expert-major: a reshape
             b = Factor(
@@ -464,7 +466,7 @@ def split_gate_up(g: Group) -> list[Group]:
         return [g]
     half = g.b.shape[0] // 2
     b = g.b
-    size = half * b.shape[1] * _ST_DTYPES[b.dtype][1]
+    size = half * b.shape[1] * itemsize(b.dtype)
 
     def part(lo: int) -> Factor:
         raw = None

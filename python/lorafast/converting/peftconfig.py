@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafast.merging.sources import peft_pattern_value
+from lorafast.formats.peft import peft_pattern_value
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,9 @@ less the umask, so a server running as another user reads them when the umask le
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import secrets
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from lorafast.converting.errors import ConvertError
-from lorafast.tensors import _ST_DTYPES, TensorFile, TensorReadError, TruncatedFileError
+from lorafast.formats.safetensors import encode_header, nbytes
+from lorafast.tensors import TensorFile, TensorReadError, TruncatedFileError
 
 #: placeholder written in the header and replaced by the source's sha256 once it is known
 SHA_PLACEHOLDER = "0" * 64
@@ -81,20 +80,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        n = _ST_DTYPES[self.dtype][1]
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def header_bytes(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
-    entries: dict[str, Any] = {"__metadata__": metadata}
-    pos = 0
-    for t in tensors:
-        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-        pos += t.nbytes
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)
+        return nbytes(self.dtype, self.shape)
 
 
 def _start_writeback() -> Callable[[int, int, int], Any] | None:
@@ -226,13 +212,13 @@ def write_file(
     Two stages: this thread produces tensor i+1 (reads, transposes) while a writer thread writes tensor i, so
     the copies into the page cache overlap the computing. A producer may reuse a buffer every other tensor
     (`moe.transposed`): tensor i's write has finished before tensor i+2 is produced."""
-    head = header_bytes(tensors, metadata)
+    head, _ = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata)
     shown = shown or path
     with writing(shown):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         sink = _Sink(fd, shown)
-        sink.add(memoryview(struct.pack("<Q", len(head)) + head))
+        sink.add(memoryview(head))
         total = 0
         with ThreadPoolExecutor(1, thread_name_prefix="lorafast-convert-writer") as pool:
             pending: Future[int] | None = None
@@ -252,7 +238,7 @@ def write_file(
         digest = sha().encode() if at >= 0 else b""
         with writing(shown):
             if digest:
-                os.pwrite(fd, digest, 8 + at)
+                os.pwrite(fd, digest, at)  # `head` starts with the 8-byte length
             os.fsync(fd)
         return total
     finally:

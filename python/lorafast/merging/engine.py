@@ -22,6 +22,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorafast.errors import HeaderError
 from lorafast.merging import claims, kernel
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import Source, normalize
@@ -446,7 +447,7 @@ def build_segments(
             if term.form == "dora":
                 assert mod.magnitude_key is not None
                 m = tf.load(mod.magnitude_key, device=device, dtype=dtype).reshape(-1)
-        except TensorReadError as exc:
+        except (TensorReadError, HeaderError) as exc:
             raise MergeError(
                 f"cannot read {term.label}: {exc}", "read_error", module=mod.name, adapter=term.source.nickname
             ) from exc

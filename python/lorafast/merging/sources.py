@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafast.adapter import Adapter, LoraModule, peft_pattern_key
+from lorafast.adapter import Adapter, LoraModule
+from lorafast.formats.peft import peft_pattern_value
 from lorafast.merging.errors import MergeError
 
 #: pipeline components a request target covers (SGLang diffusion targets; "all" covers every component)
@@ -52,12 +53,6 @@ class Source:
         if alpha is None or not r:
             return float(self.strength)
         return self.strength * alpha / (math.sqrt(r) if module.use_rslora else r)
-
-
-def peft_pattern_value(patterns: Mapping[str, Any], name: str) -> Any:
-    """PEFT's first-match rule: the value of the first pattern key (in order) that matches the end of `name`."""
-    key = peft_pattern_key(patterns, name)
-    return None if key is None else patterns[key]
 
 
 def describe_adapter(path: str | os.PathLike[str]) -> Adapter:

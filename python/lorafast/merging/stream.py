@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
+from lorafast.errors import HeaderError
+from lorafast.formats.safetensors import encode_header
 from lorafast.merging import kernel
 from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, _Files, _slice_segment, build_segments
 from lorafast.merging.errors import MergeError
@@ -61,7 +62,7 @@ def merge_file(
     with ExitStack() as stack:
         try:
             tf = stack.enter_context(TensorFile(base))
-        except TensorReadError as exc:
+        except (TensorReadError, HeaderError) as exc:
             raise MergeError(f"cannot read base checkpoint {base}: {exc}", "read_error") from exc
         specs: dict[str, WeightSpec] = {}
         for name, e in tf.tensors.items():
@@ -87,7 +88,6 @@ def merge_file(
         fd, tmp = tempfile.mkstemp(prefix=".lorafast-merge-", suffix=".tmp", dir=out_dir)
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
-                f.write(struct.pack("<Q", len(header)))
                 f.write(header)
                 files = _Files(stack)
                 ws = kernel.Workspace(dev)
@@ -149,14 +149,7 @@ def _header(
         [{"adapter": s.nickname, "path": s.adapter.path, "strength": s.strength} for s in sources]
     )
     meta.update(extra or {})
-    entries: dict[str, Any] = {"__metadata__": meta}
-    pos = 0
-    for e in order:
-        n = e.end - e.begin
-        entries[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8), pos
+    return encode_header(((e.name, e.dtype, e.shape, e.end - e.begin) for e in order), meta)
 
 
 def _merge_tensor(

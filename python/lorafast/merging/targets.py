@@ -16,10 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from lorafast.adapter import _SGLANG_W_RENAMES, LoraModule
-from lorafast.base import _EXPERT
+from lorafast.adapter import LoraModule
+from lorafast.formats.moe import NUMBERED_EXPERT_WEIGHT, SGLANG_W_RENAMES, STACKED_EXPERT_MODULE
+from lorafast.formats.peft import peft_pattern_value
 from lorafast.merging.errors import MergeError
-from lorafast.merging.sources import Source, peft_pattern_value
+from lorafast.merging.sources import Source
 from lorafast.naming import (
     NameMatch,
     NameTable,
@@ -294,18 +295,19 @@ def _resolve_with(src: Source, m: LoraModule, index: NameIndex, find: _Find, koh
     return _Resolved(weight, form, m.rank or 0, experts)
 
 
-_STACKED_EXPERT = re.compile(r"^(.*\.experts)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
-
-
 def expert_slot(m: LoraModule) -> tuple[str, str, int, int, int] | None:
     """A numbered expert module (`experts.3.w1`) as (experts path, fused leaf, expert, part, parts): transformers 5
     fuses gate (w1) and up (w3) into `gate_up_proj` (gate rows first) and stacks down (w2) into `down_proj`.
     A 3-D module of one projection (`experts.gate_proj`) gives expert -1: all experts."""
-    hit = _EXPERT.match(m.name + ".weight") if m.kind == "expert_2d" else _STACKED_EXPERT.match(m.name)
+    hit = (
+        NUMBERED_EXPERT_WEIGHT.match(m.name + ".weight")
+        if m.kind == "expert_2d"
+        else STACKED_EXPERT_MODULE.match(m.name)
+    )
     if hit is None:
         return None
     expert, leaf = (int(hit.group(2)), hit.group(3)) if m.kind == "expert_2d" else (-1, hit.group(2))
-    leaf = _SGLANG_W_RENAMES.get(leaf, leaf)
+    leaf = SGLANG_W_RENAMES.get(leaf, leaf)
     part = {"gate_proj": 0, "up_proj": 1}.get(leaf)
     fused = "down_proj" if part is None else "gate_up_proj"
     return hit.group(1), fused, expert, part or 0, 1 if part is None else 2

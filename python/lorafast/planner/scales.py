@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from lorafast.adapter import peft_pattern_key
+from lorafast.formats.peft import peft_pattern_key
 from lorafast.planner._format import fmt_number
 from lorafast.planner.plans import MergeStep, PlannedAdapter
 
