@@ -206,13 +206,13 @@ def _measure_rounding_loss(base: Any, path: str, strength: float, adapter_alpha:
         rank = int(a.shape[-2])
         alpha_t = tensors.get(layer + ".alpha")
         if alpha_t is not None:
-            value = alpha_t.value if alpha_t.value is not None else _diffusion._real(alpha_t).item()
+            value = alpha_t.value if alpha_t.value is not None else alpha_t.values().item()
             alpha: float | None = int(value)
         elif adapter_alpha is not None:
             alpha = adapter_alpha
         else:
             alpha = rank
-        a_values, b_values = _diffusion._real(a), _diffusion._real(b)
+        a_values, b_values = a.values(), b.values()
         if a_values is None or b_values is None:
             raise ValueError(f"the values of {layer}'s LoRA weights are not readable after conversion")
         layers.append((weight, [(a_values, b_values, strength, rank, alpha)]))
@@ -341,7 +341,7 @@ class _Planner:
         completed from its metadata), whose `ValueError`s are SGLang's. A path that is not a local file or
         folder (a Hub id SGLang would download) falls back to the inspected adapter's config."""
         try:
-            weight = _diffusion._weight_file(path) if os.path.exists(path) else None
+            weight = _diffusion.weight_file(path) if os.path.exists(path) else None
         except (OSError, ValueError):
             weight = None
         if weight is not None and os.path.isfile(weight):
