@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
+from lorafast.compat.diffusion import detect_lora_format, normalize_peft_keys, validate_peft_features
+from lorafast.compat.sglang._buffers import BufferPlan, plan_buffers
+from lorafast.compat.sglang._config import predict_loaded_weights
+from lorafast.compat.sglang._detect import detect_shared_outer_loras, shared_outer_verdicts
+from lorafast.compat.sglang._first_use import check_expert_layout, check_skipped_weights
 from lorafast.compat.sglang._names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
@@ -29,11 +34,6 @@ from lorafast.compat.sglang._names import (
     get_stacked_multiply,
     get_target_module_name,
 )
-from lorafast.compat.diffusion import detect_lora_format, normalize_peft_keys, validate_peft_features
-from lorafast.compat.sglang._buffers import BufferPlan, plan_buffers
-from lorafast.compat.sglang._config import predict_loaded_weights
-from lorafast.compat.sglang._detect import detect_shared_outer_loras, shared_outer_verdicts
-from lorafast.compat.sglang._first_use import check_expert_layout, check_skipped_weights
 from lorafast.compat.sglang._paths import parse_lora_paths
 from lorafast.compat.sglang._preflight import SGLangPlan, preflight
 from lorafast.compat.sglang._targets import init_lora_shapes, predict_base_model_modules

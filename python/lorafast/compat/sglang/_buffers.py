@@ -6,14 +6,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
+from lorafast.compat.sglang import _pool
+from lorafast.compat.sglang._config import _text_config
 from lorafast.compat.sglang._names import (
     MSG_HIDDEN_DIM,
     get_stacked_multiply,
 )
 from lorafast.compat.sglang._torchlike import numel
-from lorafast.compat.sglang._config import _text_config
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
+from lorafast.compat.sglang._config import _NUMBERED_EXPERT, _load_weights, _memo, _resolve, _text_config
 from lorafast.compat.sglang._names import (
     MSG_MIXED_SHARED_OUTER,
 )
 from lorafast.compat.sglang._weights import LoadedWeights
-from lorafast.compat.sglang._config import _NUMBERED_EXPERT, _load_weights, _memo, _resolve, _text_config
 
 
 def _shared_flags(weights: LoadedWeights, legacy: bool) -> tuple[bool | None, frozenset[bool]]:

@@ -7,18 +7,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat.sglang._load_to_buffer import first_use_error
-from lorafast.compat.sglang._names import (
-    MSG_SHARED_OUTER_DICT,
-    MSG_SHARED_OUTER_EXPERT_DIM,
-    MSG_SKIPPED,
-)
-from lorafast.compat.sglang._weights import LoadedWeights
-from lorafast.compat.sglang._torchlike import size_repr
+from lorafast.compat.sglang import _pool
 from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _is_moe, _num_experts
 from lorafast.compat.sglang._config import (
     _EXPERT_ID,
@@ -30,6 +22,14 @@ from lorafast.compat.sglang._config import (
     _text_config,
     logger,
 )
+from lorafast.compat.sglang._load_to_buffer import first_use_error
+from lorafast.compat.sglang._names import (
+    MSG_SHARED_OUTER_DICT,
+    MSG_SHARED_OUTER_EXPERT_DIM,
+    MSG_SKIPPED,
+)
+from lorafast.compat.sglang._torchlike import size_repr
+from lorafast.compat.sglang._weights import LoadedWeights
 
 
 def _matcher(target_modules: Iterable[str]) -> Any:

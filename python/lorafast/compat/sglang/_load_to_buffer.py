@@ -15,8 +15,8 @@ from typing import Any
 
 from lorafast.compat.sglang._names import MSG_SHARED_OUTER_DICT, MSG_SHARED_OUTER_EXPERT_DIM, MSG_SKIPPED
 from lorafast.compat.sglang._pool import Module, Pool
-from lorafast.compat.sglang._weights import LoadedWeights
 from lorafast.compat.sglang._torchlike import size_repr
+from lorafast.compat.sglang._weights import LoadedWeights
 
 Shape = tuple[int, ...]
 _EXPERT = re.compile(r"experts\.(\d+)\.")

@@ -6,19 +6,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat.sglang._names import (
-    MSG_ALL_ALONE,
-    MSG_ID_LOADED,
-    MSG_LOAD_FAILED,
-    MSG_MAX_LORAS_POSITIVE,
-    MSG_NEED_RANK_AND_TARGETS,
-    MSG_SHARED_OUTER_LOG,
-)
-from lorafast.compat.sglang._weights import LoadedWeights
+from lorafast.compat.sglang import _pool
 from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _itemsize
 from lorafast.compat.sglang._config import (
     _load_weights,
@@ -31,8 +22,17 @@ from lorafast.compat.sglang._config import (
 )
 from lorafast.compat.sglang._detect import _detect
 from lorafast.compat.sglang._first_use import _check_expert_layout, _check_skipped, _classify, _FirstUse
+from lorafast.compat.sglang._names import (
+    MSG_ALL_ALONE,
+    MSG_ID_LOADED,
+    MSG_LOAD_FAILED,
+    MSG_MAX_LORAS_POSITIVE,
+    MSG_NEED_RANK_AND_TARGETS,
+    MSG_SHARED_OUTER_LOG,
+)
 from lorafast.compat.sglang._targets import _init_lora_shapes, predict_base_model_modules
 from lorafast.compat.sglang._validate import _LoadedIndex, _validate_new_adapter, can_support
+from lorafast.compat.sglang._weights import LoadedWeights
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lorafast.compat.sglang import _pool
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
 from lorafast.compat._inputs import AdapterView
+from lorafast.compat.sglang import _pool
+from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, _text_config
 from lorafast.compat.sglang._names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
@@ -19,7 +20,6 @@ from lorafast.compat.sglang._names import (
     auto_detect_lora_target_modules,
     get_normalized_target_modules,
 )
-from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, _text_config
 
 
 def predict_base_model_modules(base_config: Mapping[str, Any], *, engine_version: str | None = None) -> set[str]:

@@ -9,6 +9,7 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, LoraRef
 from lorafast.compat._inputs import AdapterView
+from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, logger
 from lorafast.compat.sglang._names import (
     MSG_ADDED_TOKENS,
     MSG_ALREADY_LOADED,
@@ -18,7 +19,6 @@ from lorafast.compat.sglang._names import (
     MSG_SAME_PATH,
     get_normalized_target_modules,
 )
-from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, logger
 
 
 @dataclass(frozen=True)

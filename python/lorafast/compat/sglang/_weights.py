@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafast.compat.sglang import _torchlike as T
 from lorafast.compat._inputs import AdapterView
+from lorafast.compat.sglang import _torchlike as T
 from lorafast.compat.sglang._names import MSG_ADDED_TOKENS_SHAPE, get_normalized_target_modules
 
 Shape = tuple[int, ...]
