@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 from lorafast.compat._common import CompatProblem, LoraRef
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat.sglang import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
 from lorafast.compat.sglang import (
     MSG_MIXED_SHARED_OUTER,
     get_normalized_target_modules,
     predict_loaded_weights,
     shared_outer_verdicts,
 )
+from lorafast.compat.sglang import SUPPORTED_LORA_TARGET_MODULES as _SUPPORTED_TARGETS
 from lorafast.compat.sglang import preflight as sglang_preflight
-from lorafast.compat.sglang._config import _NUMBERED_EXPERT
 from lorafast.errors import LorafastError
+from lorafast.formats.moe import NUMBERED_EXPERT
 from lorafast.groups_cli import register_cli as register_cli  # the CLI lives in groups_cli; kept importable here
 from lorafast.scanner import inspect
 
@@ -116,7 +116,7 @@ def outer_layout(adapter: Adapter, *, view: AdapterView | None = None) -> OuterL
                 continue
             if len(m.a_shape) == 3:
                 seen.add(m.a_shape[0] == 1)
-            elif len(m.a_shape) == 2 and _NUMBERED_EXPERT.search(m.key + "."):
+            elif len(m.a_shape) == 2 and NUMBERED_EXPERT.search(m.key + "."):
                 seen.add(False)
     return _layout_of(seen)
 

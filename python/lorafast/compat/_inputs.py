@@ -152,7 +152,7 @@ class AdapterView:
         try:
             files, has_weights = _weight_files(given, is_dir)
             for file in files:
-                tensors.update(_read_names_and_shapes(file))
+                tensors.update(read_names_and_shapes(file))
         except Exception as exc:  # what SGLang's loader raises (index errors, OSError); HeaderError is a ValueError
             load_error = exc
         added, added_error = _read_added_tokens(folder) if is_dir else (None, None)
@@ -200,11 +200,11 @@ def _repo_id_error(path: str) -> BaseException | None:
     return None
 
 
-def _is_adapter(obj: Any) -> bool:
+def is_adapter(obj: Any) -> bool:
     return hasattr(obj, "modules") and hasattr(obj, "weight_files") and hasattr(obj, "config")
 
 
-def _view_of(obj: Any, *, name: str | None = None, adapter_id: str | None = None) -> AdapterView:
+def view_of(obj: Any, *, name: str | None = None, adapter_id: str | None = None) -> AdapterView:
     if isinstance(obj, AdapterView):
         if name is None and adapter_id is None:
             return obj
@@ -218,7 +218,7 @@ def _view_of(obj: Any, *, name: str | None = None, adapter_id: str | None = None
                 **{**inner.__dict__, "name": obj.name, "path": obj.path, "lora_id": obj.lora_id, "pinned": obj.pinned}
             )
         return AdapterView.from_adapter(inner, name=obj.name, path=obj.path, adapter_id=obj.lora_id, pinned=obj.pinned)
-    if _is_adapter(obj):
+    if is_adapter(obj):
         return AdapterView.from_adapter(obj, name=name, adapter_id=adapter_id)
     if isinstance(obj, (str, os.PathLike)):
         return AdapterView.from_path(obj, name=name, adapter_id=adapter_id)
@@ -235,12 +235,12 @@ def resolve_adapters(adapters: Any) -> list[AdapterView]:
     * `LoraRef`s, for full control of name, path, id and pinning;
     * a single Adapter, path, LoraRef or AdapterView.
     """
-    if isinstance(adapters, (str, os.PathLike, AdapterView, LoraRef)) or _is_adapter(adapters):
-        return [_view_of(adapters)]
+    if isinstance(adapters, (str, os.PathLike, AdapterView, LoraRef)) or is_adapter(adapters):
+        return [view_of(adapters)]
     if isinstance(adapters, Mapping):
-        return [_view_of(value, name=str(key), adapter_id=str(key)) for key, value in adapters.items()]
+        return [view_of(value, name=str(key), adapter_id=str(key)) for key, value in adapters.items()]
     if isinstance(adapters, Iterable):
-        return [_view_of(item) for item in adapters]
+        return [view_of(item) for item in adapters]
     raise TypeError(f"cannot read adapters from {type(adapters).__name__}")
 
 
@@ -386,7 +386,7 @@ def _raw_header(file: str) -> tuple[bytes, int] | None:
         os.close(fd)
 
 
-def _read_names_and_shapes(file: str) -> dict[str, Shape | None]:
+def read_names_and_shapes(file: str) -> dict[str, Shape | None]:
     """`{name: shape}` of one file's header, in name order (`safe_open(...).keys()` order)."""
     global _header_cache_used
     key = _raw_header(file)

@@ -12,3 +12,7 @@ NUMBERED_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj
 
 #: a stacked experts module path and its projection (`...mlp.experts.gate_up_proj` has none: fused)
 STACKED_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
+
+#: a numbered (routed or shared) expert in an adapter tensor's name: SGLang's per-expert layout, as its
+#: shared-outer detection and `lorafast groups` tell the layouts apart
+NUMBERED_EXPERT = re.compile(r"(?:shared_)?experts\.\d+\.")

@@ -8,7 +8,7 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat.sglang import _pool
-from lorafast.compat.sglang._config import _text_config
+from lorafast.compat.sglang._config import text_config_of
 from lorafast.compat.sglang._names import (
     MSG_HIDDEN_DIM,
     get_stacked_multiply,
@@ -31,17 +31,17 @@ class BufferPlan:
         return (numel(self.a_shape) + numel(self.b_shape)) * self.itemsize * max(1, len(self.layers))
 
 
-def _num_experts(cfg: Mapping[str, Any]) -> int:
+def expert_count(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1)
 
 
-def _is_moe(cfg: Mapping[str, Any]) -> bool:
+def is_moe(cfg: Mapping[str, Any]) -> bool:
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
 
 
 def _intermediate_for_layer(cfg: Mapping[str, Any], layer: int) -> int:
     first_dense = cfg.get("first_k_dense_replace")
-    if first_dense is not None and _is_moe(cfg) and layer >= int(first_dense):
+    if first_dense is not None and is_moe(cfg) and layer >= int(first_dense):
         return int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 1)
     return int(cfg["intermediate_size"])
 
@@ -84,7 +84,7 @@ def get_default_hidden_dim(
     raise NotImplementedError(MSG_HIDDEN_DIM + module_name)
 
 
-def _itemsize(cfg: Mapping[str, Any]) -> int:
+def itemsize_of(cfg: Mapping[str, Any]) -> int:
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return 4 if "32" in dtype else 8 if "64" in dtype else 2
 
@@ -111,7 +111,7 @@ def plan_buffers(
     sized from the base layer of that name, in SGLang's allocation order; oracle-tested).
     """
     _versions.resolve("sglang", engine_version)
-    cfg = _text_config(base_config) or {}
+    cfg = text_config_of(base_config) or {}
     if moe_ep_size == 1 and stacked_multiply is None:
         pool = _pool.build_pool(
             cfg,
@@ -122,9 +122,9 @@ def plan_buffers(
             shared_outer=experts_shared_outer,
             added=lora_added_tokens_size,
         )
-        return _buffer_plans(pool, _itemsize(cfg))
+        return buffer_plans(pool, itemsize_of(cfg))
     layers = int(cfg["num_hidden_layers"])
-    n, r, size = max_loras_per_batch, max_lora_rank, _itemsize(cfg)
+    n, r, size = max_loras_per_batch, max_lora_rank, itemsize_of(cfg)
     plans: list[BufferPlan] = []
 
     def per_layer(name: str, dims: Any) -> None:
@@ -144,9 +144,9 @@ def plan_buffers(
 
         per_layer(name, dims)
 
-    moe = _is_moe(cfg)
+    moe = is_moe(cfg)
     has_shared = bool((cfg.get("shared_expert_intermediate_size") or 0) > 0 or (cfg.get("n_shared_experts") or 0) > 0)
-    experts = max(1, _num_experts(cfg) // max(1, moe_ep_size))
+    experts = max(1, expert_count(cfg) // max(1, moe_ep_size))
     for name in sorted(target_modules):
         if name == "embed_tokens" or name == "lm_head":
             in_dim, out_dim = get_default_hidden_dim(name, cfg, 0, lora_added_tokens_size)
@@ -167,7 +167,7 @@ def plan_buffers(
     return plans
 
 
-def _buffer_plans(pool: _pool.Pool, itemsize: int) -> list[BufferPlan]:
+def buffer_plans(pool: _pool.Pool, itemsize: int) -> list[BufferPlan]:
     """The pool's buffers as BufferPlans (layers with equal shapes grouped), in SGLang's allocation order."""
     plans = []
     for kind, a_side, b_side in (

@@ -22,17 +22,14 @@ from lorafast.compat.sglang._weights import NO_CONFIG, LoadedWeights, load_adapt
 logger = logging.getLogger("lorafast.compat.sglang")
 
 
-_NUMBERED_EXPERT = re.compile(r"(?:shared_)?experts\.\d+\.")
+EXPERT_ID = re.compile(r"experts\.(\d+)\.")
 
 
-_EXPERT_ID = re.compile(r"experts\.(\d+)\.")
-
-
-_SHARED_OUTER_SLOTS = (("gate_up_proj_moe", "A"), ("down_proj_moe", "B"))
+SHARED_OUTER_SLOTS = (("gate_up_proj_moe", "A"), ("down_proj_moe", "B"))
 
 
 @dataclass(frozen=True)
-class _LoraConfig:
+class AdapterConfig:
     hf_config: Mapping[str, Any]
     target_modules: Any
     r: Any
@@ -41,7 +38,9 @@ class _LoraConfig:
     lora_added_tokens_size: int
 
 
-def _lora_config(view: AdapterView, base_vocab_size: int | None = None, col: Collector | None = None) -> _LoraConfig:
+def read_lora_config(
+    view: AdapterView, base_vocab_size: int | None = None, col: Collector | None = None
+) -> AdapterConfig:
     """`LoRAConfig(path)`: a missing required key raises a plain KeyError, in SGLang's order."""
     error = view.config_error()
     if error is not None:
@@ -60,7 +59,7 @@ def _lora_config(view: AdapterView, base_vocab_size: int | None = None, col: Col
     elif view.added_tokens:
         # Ids below the base vocabulary are "fake" added tokens and dropped.
         added = sum(1 for v in view.added_tokens.values() if base_vocab_size is None or v >= base_vocab_size)
-    return _LoraConfig(hf, target_modules, r, lora_alpha, bool(hf.get("use_dora", False)), added)
+    return AdapterConfig(hf, target_modules, r, lora_alpha, bool(hf.get("use_dora", False)), added)
 
 
 # `filter_files_not_needed_for_inference` (sglang 0.5.23): names ending so are dropped after the file choice.
@@ -92,12 +91,12 @@ def _loader_view(view: AdapterView) -> AdapterView:
     return dataclasses.replace(view, tensors=tensors, has_weights=bool(files), weights_readable=True)
 
 
-def _resolve(adapters: Any) -> list[AdapterView]:
+def resolve_views(adapters: Any) -> list[AdapterView]:
     """`resolve_adapters`, with each folder's weights as SGLang's loader chooses them (`_loader_view`)."""
     return [_loader_view(view) for view in resolve_adapters(adapters)]
 
 
-def _text_config(base_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+def text_config_of(base_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """`base_hf_config.get_text_config()` for multimodal configs."""
     if base_config is None:
         return None
@@ -117,8 +116,8 @@ def predict_loaded_weights(
     repeat of an already fused lora_A are all applied, with SGLang's errors.
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = _resolve([adapter])
-    shared = _load_weights(view, base_config=_text_config(base_config))
+    (view,) = resolve_views([adapter])
+    shared = load_weights(view, base_config=text_config_of(base_config))
     # A private copy: the normalized dicts are cached and shared between adapters of the same structure.
     return LoadedWeights(
         shared.lora_id,
@@ -128,14 +127,14 @@ def predict_loaded_weights(
     )
 
 
-def _load_weights(
+def load_weights(
     view: AdapterView,
     *,
-    config: _LoraConfig | None = None,
+    config: AdapterConfig | None = None,
     base_config: Mapping[str, Any] | None = None,
     lora_added_tokens_size: int = 0,
 ) -> LoadedWeights:
-    """`LoRAAdapter.initialize_weights` on a view from `_resolve`: SGLang's error when its loader finds no weights
+    """`LoRAAdapter.initialize_weights` on a view from `resolve_views`: SGLang's error when its loader finds no weights
     file, else the normalized weights."""
     if not view.has_weights:
         raise RuntimeError(MSG_NO_WEIGHTS.format(path=view.path))
@@ -155,7 +154,7 @@ def _load_weights(
     )
 
 
-def _memo(memo: dict[Any, Any] | None, key: Any, compute: Any) -> Any:
+def memoized(memo: dict[Any, Any] | None, key: Any, compute: Any) -> Any:
     """Per-preflight reuse of a result for adapters that share one normalized structure (same dict objects)."""
     if memo is None:
         return compute()

@@ -7,11 +7,12 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector
-from lorafast.compat.sglang._config import _NUMBERED_EXPERT, _load_weights, _memo, _resolve, _text_config
+from lorafast.compat.sglang._config import load_weights, memoized, resolve_views, text_config_of
 from lorafast.compat.sglang._names import (
     MSG_MIXED_SHARED_OUTER,
 )
 from lorafast.compat.sglang._weights import LoadedWeights
+from lorafast.formats.moe import NUMBERED_EXPERT
 
 
 def _shared_flags(weights: LoadedWeights, legacy: bool) -> tuple[bool | None, frozenset[bool]]:
@@ -23,7 +24,7 @@ def _shared_flags(weights: LoadedWeights, legacy: bool) -> tuple[bool | None, fr
             continue
         if len(shape) == 3:
             is_shared = shape[0] == 1
-        elif legacy or not _NUMBERED_EXPERT.search(name):
+        elif legacy or not NUMBERED_EXPERT.search(name):
             continue
         else:
             is_shared = False  # numbered 2D per-expert weights count against the agreement too
@@ -42,10 +43,12 @@ def shared_outer_verdicts(weights: LoadedWeights) -> frozenset[bool]:
     return _shared_flags(weights, legacy=False)[1]
 
 
-def _detect(loaded: list[LoadedWeights], *, legacy: bool, col: Collector, memo: dict[Any, Any] | None = None) -> bool:
+def detect_shared_outer(
+    loaded: list[LoadedWeights], *, legacy: bool, col: Collector, memo: dict[Any, Any] | None = None
+) -> bool:
     shared_outer: bool | None = None
     for weights in loaded:
-        first, seen = _memo(memo, ("detect", id(weights.layers), legacy), lambda w=weights: _shared_flags(w, legacy))
+        first, seen = memoized(memo, ("detect", id(weights.layers), legacy), lambda w=weights: _shared_flags(w, legacy))
         if shared_outer is None:
             shared_outer = first
         if shared_outer is not None and (not shared_outer) in seen:
@@ -69,7 +72,7 @@ def detect_shared_outer_loras(
     `legacy=True` is the behaviour before SGLang PR #31681: 3D tensors only, first match per adapter.
     """
     _versions.resolve("sglang", engine_version)
-    views = _resolve(adapters)
-    cfg = _text_config(base_config)
-    loaded = [_load_weights(v, base_config=cfg) for v in views]
-    return _detect(loaded, legacy=legacy, col=Collector(collect=False))
+    views = resolve_views(adapters)
+    cfg = text_config_of(base_config)
+    loaded = [load_weights(v, base_config=cfg) for v in views]
+    return detect_shared_outer(loaded, legacy=legacy, col=Collector(collect=False))

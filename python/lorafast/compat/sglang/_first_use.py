@@ -11,16 +11,16 @@ from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem
 from lorafast.compat._inputs import AdapterView
 from lorafast.compat.sglang import _pool
-from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _is_moe, _num_experts
+from lorafast.compat.sglang._buffers import BufferPlan, buffer_plans, expert_count, is_moe
 from lorafast.compat.sglang._config import (
-    _EXPERT_ID,
-    _SHARED_OUTER_SLOTS,
-    _load_weights,
-    _LoraConfig,
-    _memo,
-    _resolve,
-    _text_config,
+    EXPERT_ID,
+    SHARED_OUTER_SLOTS,
+    AdapterConfig,
+    load_weights,
     logger,
+    memoized,
+    resolve_views,
+    text_config_of,
 )
 from lorafast.compat.sglang._load_to_buffer import first_use_error
 from lorafast.compat.sglang._names import (
@@ -51,7 +51,7 @@ def _skipped_names(weights: LoadedWeights, target_modules: set[str]) -> list[str
     return sorted(name for name in names if match(name) is None)
 
 
-def _check_skipped(
+def collect_skipped(
     view: AdapterView,
     weights: LoadedWeights,
     target_modules: set[str],
@@ -61,7 +61,7 @@ def _check_skipped(
     memo: dict[Any, Any] | None = None,
 ) -> list[str]:
     key = ("skipped", id(weights.layers), id(weights.embedding), frozenset(target_modules))
-    skipped = _memo(memo, key, lambda: _skipped_names(weights, target_modules))
+    skipped = memoized(memo, key, lambda: _skipped_names(weights, target_modules))
     if skipped:
         message = MSG_SKIPPED.format(uid=view.lora_id, n=len(skipped), targets=sorted(target_modules), names=skipped)
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
@@ -87,9 +87,9 @@ def check_skipped_weights(
     (`--lora-strict-loading`) SGLang's ValueError is raised; otherwise its warning is logged.
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = _resolve([adapter])
-    weights = _load_weights(view, base_config=_text_config(base_config))
-    return _check_skipped(view, weights, set(target_modules), strict=strict, col=Collector(collect=False))
+    (view,) = resolve_views([adapter])
+    weights = load_weights(view, base_config=text_config_of(base_config))
+    return collect_skipped(view, weights, set(target_modules), strict=strict, col=Collector(collect=False))
 
 
 @dataclass
@@ -99,7 +99,7 @@ class _Slot:
     experts: dict[int, tuple[int, ...] | None] | None = None
 
 
-def _classify(
+def classify_slots(
     weights: LoadedWeights, target_modules: set[str], has_shared_moe: bool = False
 ) -> dict[int, dict[tuple[str, str], _Slot]]:
     """Per layer: (buffer name, "A"/"B") -> what SGLang stages for that buffer (§9.3.2)."""
@@ -114,7 +114,7 @@ def _classify(
         target = match(name)
         if target is None:
             continue
-        expert = _EXPERT_ID.search(name)
+        expert = EXPERT_ID.search(name)
         if "shared_experts." in name and (len(shape) == 3 or has_shared_moe):
             key = f"{target}_shared_moe"
         elif expert or ("experts" in name and len(shape) == 3):
@@ -141,7 +141,7 @@ def _expert_findings(
     for layer in sorted(slots):
         layer_slots = slots[layer]
         if experts_shared_outer:
-            for buffer, ab in _SHARED_OUTER_SLOTS:
+            for buffer, ab in SHARED_OUTER_SLOTS:
                 slot = layer_slots.get((buffer, ab))
                 if slot is None:
                     continue
@@ -160,7 +160,7 @@ def _expert_findings(
             # here has no shared-expert buffer at all (no shared fused MoE layer), so no expert-0 loss either.
             if not buffer.endswith("_moe") or buffer.endswith("_shared_moe"):
                 continue
-            outer = experts_shared_outer and (buffer, ab) in _SHARED_OUTER_SLOTS
+            outer = experts_shared_outer and (buffer, ab) in SHARED_OUTER_SLOTS
             expert_dim = 1 if outer else num_experts
             if expert_dim == 1:
                 continue
@@ -174,7 +174,7 @@ def _expert_findings(
     return out
 
 
-def _check_expert_layout(
+def collect_expert_layout(
     view: AdapterView,
     slots: dict[int, dict[tuple[str, str], _Slot]],
     *,
@@ -185,10 +185,10 @@ def _check_expert_layout(
     warnings_only: bool = False,
 ) -> None:
     """lorafast's own expert-layout findings, which SGLang never reports. With `warnings_only` the fatal ones are
-    left out, for callers that take SGLang's own errors from `_FirstUse`."""
-    num_experts = _num_experts(base_config) if base_config and _is_moe(base_config) else None
+    left out, for callers that take SGLang's own errors from `FirstUse`."""
+    num_experts = expert_count(base_config) if base_config and is_moe(base_config) else None
     key = ("experts", id(slots), experts_shared_outer, num_experts)
-    findings = _memo(memo, key, lambda: _expert_findings(slots, experts_shared_outer, num_experts))
+    findings = memoized(memo, key, lambda: _expert_findings(slots, experts_shared_outer, num_experts))
     ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
     for code, fatal, text in findings:
         if fatal:
@@ -214,12 +214,12 @@ def check_expert_layout(
     SGLang silently fills expert 0 only. Returns the problems found (warnings, plus errors when collecting).
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = _resolve([adapter])
-    cfg = _text_config(base_config)
-    weights = _load_weights(view, base_config=cfg)
+    (view,) = resolve_views([adapter])
+    cfg = text_config_of(base_config)
+    weights = load_weights(view, base_config=cfg)
     col = Collector(collect)
-    slots = _classify(weights, set(target_modules))
-    _check_expert_layout(view, slots, experts_shared_outer=experts_shared_outer, base_config=cfg, col=col)
+    slots = classify_slots(weights, set(target_modules))
+    collect_expert_layout(view, slots, experts_shared_outer=experts_shared_outer, base_config=cfg, col=col)
     return col.problems
 
 
@@ -271,7 +271,7 @@ def _hashable(value: Any) -> Any:
     return (type(value), value)
 
 
-class _FirstUse:
+class FirstUse:
     """The checks SGLang makes when an adapter first enters a GPU slot, against one memory pool.
 
     Adapters trained from one recipe load to the same normalized dicts (`load_adapter_weights` shares them), so
@@ -285,7 +285,7 @@ class _FirstUse:
     ) -> None:
         layers = 1 + max((m.layer for m in tree if m.layer is not None), default=-1)
         self.pool, self.strict, self.shared_outer = pool, strict, shared_outer
-        self.plans = _buffer_plans(pool, 2)
+        self.plans = buffer_plans(pool, 2)
         self.modules, _embed, self.lm_head = _pool.lora_modules(tree, targets, layers)
         # (id(layers), id(embedding), r) -> (layers, embedding, skipped, fails, fit findings); the dicts are held
         # so that their ids stay theirs while the entry lives.
@@ -304,12 +304,12 @@ class _FirstUse:
         )
         fit: list[str] = []
         if error is None and self.plans:
-            fit = _fit_findings(_classify(weights, targets), r if isinstance(r, int) else None, self.plans)
+            fit = _fit_findings(classify_slots(weights, targets), r if isinstance(r, int) else None, self.plans)
         if key is not None:
             self._replays[key] = (weights.layers, weights.embedding, skipped, error is not None, fit)
         return skipped, error is not None, fit
 
-    def check(self, view: AdapterView, config: _LoraConfig, weights: LoadedWeights, col: Collector) -> None:
+    def check(self, view: AdapterView, config: AdapterConfig, weights: LoadedWeights, col: Collector) -> None:
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         skipped, fails, fit = self._replay(view.lora_id, weights, config.r)
         if skipped and not self.strict:

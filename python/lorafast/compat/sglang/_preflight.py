@@ -10,18 +10,18 @@ from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
 from lorafast.compat._inputs import AdapterView
 from lorafast.compat.sglang import _pool
-from lorafast.compat.sglang._buffers import BufferPlan, _buffer_plans, _itemsize
+from lorafast.compat.sglang._buffers import BufferPlan, buffer_plans, itemsize_of
 from lorafast.compat.sglang._config import (
-    _load_weights,
-    _lora_config,
-    _LoraConfig,
-    _memo,
-    _resolve,
-    _text_config,
+    AdapterConfig,
+    load_weights,
     logger,
+    memoized,
+    read_lora_config,
+    resolve_views,
+    text_config_of,
 )
-from lorafast.compat.sglang._detect import _detect
-from lorafast.compat.sglang._first_use import _check_expert_layout, _check_skipped, _classify, _FirstUse
+from lorafast.compat.sglang._detect import detect_shared_outer
+from lorafast.compat.sglang._first_use import FirstUse, classify_slots, collect_expert_layout, collect_skipped
 from lorafast.compat.sglang._names import (
     MSG_ALL_ALONE,
     MSG_ID_LOADED,
@@ -30,8 +30,8 @@ from lorafast.compat.sglang._names import (
     MSG_NEED_RANK_AND_TARGETS,
     MSG_SHARED_OUTER_LOG,
 )
-from lorafast.compat.sglang._targets import _init_lora_shapes, predict_base_model_modules
-from lorafast.compat.sglang._validate import _LoadedIndex, _validate_new_adapter, can_support
+from lorafast.compat.sglang._targets import collect_lora_shapes, predict_base_model_modules
+from lorafast.compat.sglang._validate import LoadedIndex, can_support, collect_new_adapter
 from lorafast.compat.sglang._weights import LoadedWeights
 
 
@@ -93,24 +93,24 @@ class SGLangPlan:
         checks use this plan's target modules and shared-outer mode. Returns the problems found, warnings
         included (a shared `[1, ...]` factor entering a per-expert pool is the case SGLang never reports).
         """
-        (view,) = _resolve([adapter])
+        (view,) = resolve_views([adapter])
         col = Collector(collect)
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
-        cfg = _text_config(self.base_config)
+        cfg = text_config_of(self.base_config)
         try:
             vocab = cfg.get("vocab_size") if cfg else None
-            config = _lora_config(view, vocab, col)
-            _validate_new_adapter(
+            config = read_lora_config(view, vocab, col)
+            collect_new_adapter(
                 view,
                 config,
-                _LoadedIndex(self.adapters),
+                LoadedIndex(self.adapters),
                 memory_pool=self,
                 max_loras_per_batch=self.max_loras_per_batch,
                 col=col,
             )
             peft_type = config.hf_config["peft_type"]
             assert peft_type.lower() == "lora"
-            weights = _load_weights(view, config=config, base_config=cfg)
+            weights = load_weights(view, config=config, base_config=cfg)
         except Exception as exc:
             col.fail("sglang_load", exc, stage="load", **ids)
             return col.problems
@@ -118,9 +118,9 @@ class SGLangPlan:
         if self.first_use is not None:
             self.first_use.check(view, config, weights, col)
         else:
-            _check_skipped(view, weights, targets, strict=self.strict_loading, col=col)
-        slots = _classify(weights, targets)
-        _check_expert_layout(
+            collect_skipped(view, weights, targets, strict=self.strict_loading, col=col)
+        slots = classify_slots(weights, targets)
+        collect_expert_layout(
             view, slots, experts_shared_outer=self.experts_shared_outer, base_config=cfg, col=col, warnings_only=True
         )
         return col.problems
@@ -167,20 +167,20 @@ class SGLangPlan:
 
 def _load_one(
     view: AdapterView,
-    loaded: _LoadedIndex,
+    loaded: LoadedIndex,
     *,
     base_config: Mapping[str, Any] | None,
     max_loras_per_batch: int,
     col: Collector,
-) -> tuple[_LoraConfig, LoadedWeights]:
+) -> tuple[AdapterConfig, LoadedWeights]:
     """`LoRAManager._load_lora_adapter` up to the weights: LoRAConfig, validate, LoRAAdapter, initialize_weights."""
     vocab = base_config.get("vocab_size") if base_config else None
-    config = _lora_config(view, vocab, col)
-    _validate_new_adapter(view, config, loaded, memory_pool=None, max_loras_per_batch=max_loras_per_batch, col=col)
+    config = read_lora_config(view, vocab, col)
+    collect_new_adapter(view, config, loaded, memory_pool=None, max_loras_per_batch=max_loras_per_batch, col=col)
     peft_type = config.hf_config["peft_type"]
     assert peft_type.lower() == "lora"
     config.lora_alpha / config.r  # LoRAAdapter.scaling: a string r or a zero r fails here, as in SGLang
-    weights = _load_weights(
+    weights = load_weights(
         view, config=config, base_config=base_config, lora_added_tokens_size=config.lora_added_tokens_size
     )
     return config, weights
@@ -224,7 +224,7 @@ def preflight(
     """
     rules = _versions.rules_for("sglang", engine_version, strict=strict_version)
     col = Collector(collect)
-    cfg = _text_config(base_config)
+    cfg = text_config_of(base_config)
     stage = "startup"
     if not max_loras_per_batch > 0:
         col.fail("sglang_server_args", AssertionError(MSG_MAX_LORAS_POSITIVE), stage=stage)
@@ -233,16 +233,16 @@ def preflight(
         col.fail("sglang_server_args", AssertionError(MSG_ALL_ALONE), stage=stage)
     for path, code, message in getattr(adapters, "errors", None) or ():
         col.fail("scan_error", RuntimeError(f"lorafast could not scan {path}: [{code}] {message}"), stage="load")
-    views = _resolve(adapters)
+    views = resolve_views(adapters)
     if not views and not (max_lora_rank and cli_targets):
         col.fail("sglang_server_args", AssertionError(MSG_NEED_RANK_AND_TARGETS), stage=stage)
     if base_model_modules is None and cfg is not None:
         base_model_modules = predict_base_model_modules(cfg)
 
     # LoRAManager.init_lora_adapters: one adapter at a time, in order.
-    entries: list[tuple[AdapterView, _LoraConfig, LoadedWeights]] = []
+    entries: list[tuple[AdapterView, AdapterConfig, LoadedWeights]] = []
     seen_ids: set[str] = set()
-    index = _LoadedIndex()
+    index = LoadedIndex()
     for view in views:
         ids = {"adapter_id": view.lora_id, "adapter_name": view.name}
         if view.lora_id in seen_ids:
@@ -270,7 +270,7 @@ def preflight(
             )
 
     tree = _pool.base_model_tree(cfg) if cfg is not None else None
-    targets, rank, added = _init_lora_shapes(
+    targets, rank, added = collect_lora_shapes(
         [(v, c) for v, c, _ in entries],
         max_lora_rank,
         cli_targets,
@@ -283,7 +283,7 @@ def preflight(
 
     memo: dict[Any, Any] = {}
     if experts_shared_outer is None:
-        shared_outer = _detect([w for _, _, w in entries], legacy=legacy_detection, col=col, memo=memo)
+        shared_outer = detect_shared_outer([w for _, _, w in entries], legacy=legacy_detection, col=col, memo=memo)
         source = "detected"
     else:
         shared_outer, source = bool(experts_shared_outer), "cli"
@@ -303,22 +303,20 @@ def preflight(
                 shared_outer=shared_outer,
                 added=added,
             )
-            buffers = _buffer_plans(pool, _itemsize(cfg))
+            buffers = buffer_plans(pool, itemsize_of(cfg))
         except Exception as exc:  # what the pool's allocation raises, type and text
             col.fail("sglang_memory_pool", exc, stage="startup")
 
     # First use of each adapter: LoRAMemoryPool.load_lora_weight_to_buffer.
     target_key = frozenset(targets)
-    use = (
-        _FirstUse(pool, tree, targets, strict_loading, shared_outer) if pool is not None and tree is not None else None
-    )
+    use = FirstUse(pool, tree, targets, strict_loading, shared_outer) if pool is not None and tree is not None else None
     for view, config, weights in entries:
         if use is not None:
             use.check(view, config, weights, col)
         else:
-            _check_skipped(view, weights, targets, strict=strict_loading, col=col, memo=memo)
-        slots = _memo(memo, ("slots", id(weights.layers), target_key), lambda w=weights: _classify(w, targets))
-        _check_expert_layout(
+            collect_skipped(view, weights, targets, strict=strict_loading, col=col, memo=memo)
+        slots = memoized(memo, ("slots", id(weights.layers), target_key), lambda w=weights: classify_slots(w, targets))
+        collect_expert_layout(
             view, slots, experts_shared_outer=shared_outer, base_config=cfg, col=col, memo=memo, warnings_only=True
         )
 

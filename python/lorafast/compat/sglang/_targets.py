@@ -9,7 +9,7 @@ from lorafast.compat import _versions
 from lorafast.compat._common import Collector
 from lorafast.compat._inputs import AdapterView
 from lorafast.compat.sglang import _pool
-from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, _text_config
+from lorafast.compat.sglang._config import AdapterConfig, read_lora_config, resolve_views, text_config_of
 from lorafast.compat.sglang._names import (
     DSA_INDEXER_LORA_NAMES,
     EMBEDDING_NAMES,
@@ -30,7 +30,7 @@ def predict_base_model_modules(base_config: Mapping[str, Any], *, engine_version
     list as `base_model_modules` where the exact answer matters.
     """
     _versions.resolve("sglang", engine_version)
-    cfg = _text_config(base_config) or {}
+    cfg = text_config_of(base_config) or {}
     modules = {"o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"}
     if cfg.get("kv_lora_rank"):
         modules |= {"kv_b_proj"}
@@ -48,8 +48,8 @@ def _cli_target_modules(target_modules: Any) -> set[str] | None:
     return set(target_modules)
 
 
-def _init_lora_shapes(
-    entries: list[tuple[AdapterView, _LoraConfig]],
+def collect_lora_shapes(
+    entries: list[tuple[AdapterView, AdapterConfig]],
     max_lora_rank: int | None,
     target_modules: set[str] | None,
     base_model_modules: Iterable[str] | None,
@@ -141,11 +141,11 @@ def init_lora_shapes(
     not given). `base_model_modules` (or a `base_config` to guess them from) resolves "all" / "all-linear".
     """
     _versions.resolve("sglang", engine_version)
-    text = _text_config(base_config)
+    text = text_config_of(base_config)
     tree = _pool.base_model_tree(text) if text is not None and base_model_modules is None else None
     vocab = text.get("vocab_size") if text else None
-    entries = [(v, _lora_config(v, vocab)) for v in _resolve(adapters)]
-    return _init_lora_shapes(
+    entries = [(v, read_lora_config(v, vocab)) for v in resolve_views(adapters)]
+    return collect_lora_shapes(
         entries,
         max_lora_rank,
         _cli_target_modules(target_modules),

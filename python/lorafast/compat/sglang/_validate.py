@@ -9,7 +9,7 @@ from typing import Any
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, LoraRef
 from lorafast.compat._inputs import AdapterView
-from lorafast.compat.sglang._config import _lora_config, _LoraConfig, _resolve, logger
+from lorafast.compat.sglang._config import AdapterConfig, logger, read_lora_config, resolve_views
 from lorafast.compat.sglang._names import (
     MSG_ADDED_TOKENS,
     MSG_ALREADY_LOADED,
@@ -30,7 +30,7 @@ class MemoryPool:
     lora_added_tokens_size: int = 0
 
 
-def _can_support_one(pool: Any, config: _LoraConfig) -> bool:
+def _can_support_one(pool: Any, config: AdapterConfig) -> bool:
     if config.r > pool.max_lora_rank:
         return False
     if config.lora_added_tokens_size > pool.lora_added_tokens_size:
@@ -51,7 +51,7 @@ def can_support(
     if base_vocab_size is None:
         base = getattr(memory_pool, "base_config", None)
         base_vocab_size = base.get("vocab_size") if base else None
-    return all(_can_support_one(memory_pool, _lora_config(v, base_vocab_size)) for v in _resolve(adapters))
+    return all(_can_support_one(memory_pool, read_lora_config(v, base_vocab_size)) for v in resolve_views(adapters))
 
 
 def _refs(loaded: Any) -> list[Any]:
@@ -59,17 +59,17 @@ def _refs(loaded: Any) -> list[Any]:
     if not loaded:
         return []
     if isinstance(loaded, Mapping) or not isinstance(loaded, Iterable) or isinstance(loaded, str):
-        return list(_resolve(loaded))
+        return list(resolve_views(loaded))
     out = []
     for item in loaded:
         if isinstance(item, (LoraRef, AdapterView)):
             out.append(item)
         else:
-            out.extend(_resolve([item]))
+            out.extend(resolve_views([item]))
     return out
 
 
-class _LoadedIndex:
+class LoadedIndex:
     """The adapters loaded so far (`LoRAManager.lora_refs`), indexed so each new load is checked in O(1)."""
 
     def __init__(self, refs: Iterable[Any] = ()) -> None:
@@ -89,10 +89,10 @@ class _LoadedIndex:
         self.count += 1
 
 
-def _validate_new_adapter(
+def collect_new_adapter(
     view: AdapterView,
-    config: _LoraConfig,
-    loaded: _LoadedIndex,
+    config: AdapterConfig,
+    loaded: LoadedIndex,
     *,
     memory_pool: Any,
     max_loras_per_batch: int,
@@ -137,9 +137,9 @@ def validate_new_adapter(
     given, pinning every slot). Returns SGLang's warnings (the same path loaded under another name).
     """
     _versions.resolve("sglang", engine_version)
-    (view,) = _resolve([adapter])
-    existing = _LoadedIndex(_refs(loaded))
-    config = _lora_config(view, base_vocab_size)
-    return _validate_new_adapter(
+    (view,) = resolve_views([adapter])
+    existing = LoadedIndex(_refs(loaded))
+    config = read_lora_config(view, base_vocab_size)
+    return collect_new_adapter(
         view, config, existing, memory_pool=memory_pool, max_loras_per_batch=max_loras_per_batch, col=None
     )

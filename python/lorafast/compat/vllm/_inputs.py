@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lorafast.compat._common import LoraRef, lora_id
-from lorafast.compat._inputs import AdapterView, _is_adapter, _view_of, resolve_adapters
+from lorafast.compat._inputs import AdapterView, is_adapter, resolve_adapters, view_of
 
 
 def adapter_entries(adapters: Any) -> list[tuple[str, str, str, AdapterView | None]]:
@@ -24,15 +24,15 @@ def adapter_entries(adapters: Any) -> list[tuple[str, str, str, AdapterView | No
             path = os.fspath(obj)
             name = name or os.path.basename(path.rstrip("/")).removesuffix(".safetensors")
             return name, adapter_id or lora_id(name, path), path, None
-        if _is_adapter(obj) and os.path.exists(str(obj.path)):  # a scanned Adapter: vLLM reads its folder
+        if is_adapter(obj) and os.path.exists(str(obj.path)):  # a scanned Adapter: vLLM reads its folder
             path = str(obj.path)
             name = name or obj.name
             return name, adapter_id or lora_id(name, path), path, None
-        (view,) = resolve_adapters([obj]) if name is None else [_view_of(obj, name=name, adapter_id=adapter_id)]
+        (view,) = resolve_adapters([obj]) if name is None else [view_of(obj, name=name, adapter_id=adapter_id)]
         on_disk = bool(view.path) and os.path.exists(view.path)
         return view.name, view.lora_id, view.path, None if on_disk else view
 
-    if isinstance(adapters, (str, os.PathLike, AdapterView, LoraRef)) or _is_adapter(adapters):
+    if isinstance(adapters, (str, os.PathLike, AdapterView, LoraRef)) or is_adapter(adapters):
         return [one(adapters)]
     if isinstance(adapters, Mapping):
         return [one(value, str(key), str(key)) for key, value in adapters.items()]

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafast.compat._inputs import _read_names_and_shapes
+from lorafast.compat._inputs import read_names_and_shapes
 from lorafast.compat.vllm._inputs import memory_tensors
 from lorafast.compat.vllm._names import is_base_embedding, parse_fine_tuned_lora_name, since_033, since_034
 from lorafast.compat.vllm._peft_helper import PEFTHelper, adapter_source, helper_of
@@ -175,7 +175,7 @@ def _safetensors_header(file: str) -> dict[str, tuple[int, ...] | None]:
     `safetensors` package when installed (it always is beside vLLM): that raises vLLM's `SafetensorError`, text
     and all, or gives what vLLM loads. Without the package the core's HeaderError stands."""
     try:
-        return _read_names_and_shapes(file)
+        return read_names_and_shapes(file)
     except HeaderError as exc:
         try:
             from safetensors import safe_open
