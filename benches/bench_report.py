@@ -40,7 +40,7 @@ import time
 FLEET_CODE = r"""
 import atexit, io, json, os, shutil, sys, time, tempfile
 import lorafast
-from lorafast.scanner import inspect_many
+from lorafast.scanning import inspect_many
 import pyarrow, pyarrow.parquet, pandas, polars  # imported before any measurement
 
 root, repeat, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]

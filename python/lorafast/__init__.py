@@ -31,11 +31,11 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "TensorInfo": ("header", "TensorInfo"),
     "read_header": ("header", "read_header"),
     "read_torch_header": ("header", "read_torch_header"),
-    "ScanReport": ("scanner", "ScanReport"),
-    "inspect": ("scanner", "inspect"),
-    "inspect_many": ("scanner", "inspect_many"),
-    "scan": ("scanner", "scan"),
-    "Index": ("index", "Index"),
+    "ScanReport": ("scanning", "ScanReport"),
+    "inspect": ("scanning", "inspect"),
+    "inspect_many": ("scanning", "inspect_many"),
+    "scan": ("scanning", "scan"),
+    "Index": ("scanning.index", "Index"),
     "plan": ("planner", "plan"),
     "LoraRequest": ("planner", "LoraRequest"),
     "Plan": ("planner", "Plan"),
@@ -70,10 +70,10 @@ if TYPE_CHECKING:
     from .families import fingerprint, identify
     from .groups import plan_groups
     from .header import Header, TensorInfo, read_header, read_torch_header
-    from .index import Index
     from .merging import MergeHandle, merge
     from .planner import LoraRequest, Plan, PlanError, plan
-    from .scanner import ScanReport, inspect, inspect_many, scan
+    from .scanning import ScanReport, inspect, inspect_many, scan
+    from .scanning.index import Index
     from .serving import AdapterVerdict, PreflightReport, preflight
 
 

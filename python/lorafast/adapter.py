@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from lorafast import _core
 from lorafast.formats.moe import SGLANG_W_RENAMES
 
 if TYPE_CHECKING:
@@ -141,12 +142,10 @@ class Adapter:
             pending = self.__dict__.get("_modules_pending") if name == "modules" else None
             if pending is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            from .scanner import _ADAPTER_TYPES
-
             report, row, cache = pending
             # Also gives the adapter its instance dict as `__init__` leaves it: every field, in field order
             # (`modules` among them), and nothing else.
-            return report.adapter_modules(self, row, _ADAPTER_TYPES, cache)
+            return report.adapter_modules(self, row, ADAPTER_TYPES, cache)
 
         def __getstate__(self) -> dict[str, Any]:
             # Copies and pickles hold the modules, not a reference to the report they would be built from.
@@ -199,7 +198,19 @@ class Adapter:
 
 
 #: `Adapter`'s field names, in order.
-_ADAPTER_FIELDS = tuple(f.name for f in fields(Adapter))
+ADAPTER_FIELDS = tuple(f.name for f in fields(Adapter))
+
+#: What the core builds report iteration's objects from (`ScanResult.adapter_objects`): the classes, the enum
+#: members in column-code order, and `Adapter`'s field names in order.
+ADAPTER_TYPES = (
+    Adapter,
+    LoraModule,
+    Problem,
+    tuple(AdapterFormat(name) for name in _core.FORMATS),
+    tuple(MoeLayout(name) for name in _core.MOE_LAYOUTS),
+    ADAPTER_FIELDS,
+)
+
 
 _BLOCK = re.compile(
     r"(?:^|[._])(transformer_blocks|single_transformer_blocks|double_blocks|single_blocks|joint_blocks|blocks)"

@@ -158,11 +158,11 @@ class _Remote:
     standard file names are tried in turn."""
 
     def __init__(self, url: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> None:
-        from .scanner import _storage_items
+        from .scanning._common import storage_items
 
         self.root = url
         self.timeout = timeout
-        self.options = _storage_items(storage_options)
+        self.options = storage_items(storage_options)
         self._missing: set[str] = set()
 
     def at(self, root: str) -> _Remote:

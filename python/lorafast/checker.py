@@ -431,7 +431,8 @@ class _Fleet:
 def _gather(
     adapters: Any, threads: int | None, storage_options: Mapping[str, Any] | None, timeout: float | None
 ) -> _Fleet:
-    from .scanner import ScanReport, _adapter, _storage_items
+    from .scanning import ScanReport, adapter_from_raw
+    from .scanning._common import storage_items
 
     fleet = _Fleet()
     items: list[Any]
@@ -442,7 +443,7 @@ def _gather(
         items, failed = [adapters], {}
     else:
         items, failed = list(adapters), {}
-    storage = _storage_items(storage_options)
+    storage = storage_items(storage_options)
 
     def add_adapter(path: str, adapter: Adapter) -> None:
         fleet.paths.append(path)
@@ -485,7 +486,7 @@ def _gather(
             rep_of.append(len(reps))
             reps.append(path)
         raw = _core.inspect_many(reps, "pread", False, threads, None, None, None) if reps else []
-        structs = [r if isinstance(r, Exception) else _adapter(r) for r in raw]
+        structs = [r if isinstance(r, Exception) else adapter_from_raw(r) for r in raw]
         base_struct = len(fleet.structs)
         ok_index: dict[int, int] = {}
         for i, s in enumerate(structs):
@@ -497,7 +498,7 @@ def _gather(
             if isinstance(s, Exception):
                 if reps[r] != path:  # its own error message, naming its own file
                     try:
-                        add_adapter(path, _adapter(_core.inspect(path, "pread", False, None, None)))
+                        add_adapter(path, adapter_from_raw(_core.inspect(path, "pread", False, None, None)))
                         continue
                     except Exception as e:  # reported per adapter, as scan does
                         s = e
@@ -512,7 +513,7 @@ def _gather(
                 if isinstance(got, Exception):
                     add_error(url, str(getattr(got, "code", type(got).__name__)), str(got))
                 else:
-                    add_adapter(url, _adapter(got))
+                    add_adapter(url, adapter_from_raw(got))
         pending.clear()
 
     for item in items:
@@ -824,7 +825,7 @@ def _cmd_identify(args: Any) -> int:
     import sys
 
     from .families import identify
-    from .scanner import scan
+    from .scanning import scan
 
     report = scan(
         args.adapters,

@@ -40,7 +40,7 @@ def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
-    from .scanner import ScanReport, scan
+    from .scanning import ScanReport, scan
 
     # what `scan` and `Index.scan` take alike
     options: dict[str, Any] = {
@@ -53,7 +53,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     }
     report: ScanReport
     if args.index:
-        from .index import Index
+        from .scanning.index import Index
 
         if args.backend != "local":
             print("lorafast scan: error: --index scans with the local backend", file=sys.stderr)
@@ -192,7 +192,7 @@ def add_remote_arguments(p: argparse.ArgumentParser, urls: str) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from .scanner import inspect
+    from .scanning import inspect
 
     adapter = inspect(args.path, content_hash=args.hash)
     if args.json:

@@ -40,7 +40,7 @@ from lorafast.compat.sglang import preflight as sglang_preflight
 from lorafast.errors import LorafastError
 from lorafast.formats.moe import NUMBERED_EXPERT
 from lorafast.groups_cli import register_cli as register_cli  # the CLI lives in groups_cli; kept importable here
-from lorafast.scanner import inspect
+from lorafast.scanning import inspect
 
 if TYPE_CHECKING:
     from lorafast.adapter import Adapter

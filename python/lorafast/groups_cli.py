@@ -26,7 +26,7 @@ def _config(path: str | None) -> Any:
 
 def _run_cli(args: argparse.Namespace) -> int:
     from lorafast.groups import plan_groups
-    from lorafast.scanner import scan
+    from lorafast.scanning import scan
 
     if args.convert and not args.out:
         print("lorafast groups: error: --convert needs --out DIR, the folder the converted adapters are served from",

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .adapter import Adapter
     from .base import BaseModel
     from .compat.launch import LaunchCommand
-    from .scanner import ScanReport
+    from .scanning import ScanReport
 
 #: The closed set of verdicts, most severe first (a table's order).
 VERDICTS: tuple[str, ...] = ("fails", "silent_noop", "partial", "scale_differs", "unknown", "serves")
@@ -370,7 +370,7 @@ class _Fleet:
         timeout: float | None,
         progress: bool | None,
     ) -> _Fleet:
-        from .scanner import ScanReport, scan
+        from .scanning import ScanReport, scan
 
         fleet = cls()
         for name, path in launch.lora_adapters:

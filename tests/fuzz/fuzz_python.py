@@ -43,7 +43,7 @@ with atheris.instrument_imports(include=["lorafast"]):
     import lorafast.groups
     import lorafast.header
     import lorafast.planner
-    import lorafast.scanner
+    import lorafast.scanning
     from lorafast import _core
     from lorafast.compat import diffusion, sglang, vllm
     from lorafast.errors import InternalError, LorafastError
@@ -316,7 +316,7 @@ def seed_inputs() -> list[bytes]:
     from lorafast.sample import write_samples
 
     out = regression_inputs()
-    roots = [Path(__file__).parent / "fixtures" / "real"]
+    roots = [Path(__file__).resolve().parents[1] / "fixtures" / "real"]
     with tempfile.TemporaryDirectory() as tmp:
         write_samples(tmp, 40, seed=7)
         roots.append(Path(tmp))

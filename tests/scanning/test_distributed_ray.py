@@ -13,9 +13,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import lorafast
 import pytest
 import ray
-from lorafast import distributed
+from helpers.servers import RangeServer, build_fleet, normalized
+from lorafast.scanning import distributed
 from lorafast.cli import main as cli_main
-from servers import RangeServer, build_fleet, normalized
+
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import lorafast
 import numpy as np
 import pytest
 from lorafast.sample import KINDS, write_samples
-from lorafast.scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR
+from lorafast.scanning import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR
 from lorafast.testing import write_attention_adapter as peft
 from lorafast.testing import write_safetensors
 
@@ -128,7 +128,7 @@ def test_pandas(report):
 @pytest.mark.parametrize("through_arrow", [True, False])
 def test_polars(report, through_arrow):
     pl = pytest.importorskip("polars")
-    from lorafast.report import polars_from_columns
+    from lorafast.scanning.report import polars_from_columns
 
     pf = report.to_polars() if through_arrow else polars_from_columns(report)
     check_rows(report, pf.to_dicts())
@@ -215,7 +215,7 @@ def test_distributed_merge_and_index_give_the_same_nulls(fleet, report, tmp_path
     scan and rescan, give the same table."""
     pytest.importorskip("pyarrow")
     from lorafast import _core
-    from lorafast.distributed import MergedResult, _scan_shard, _shards
+    from lorafast.scanning.distributed import MergedResult, _scan_shard, _shards
 
     want = report.to_arrow().to_pylist()
     items = _core.discover_targets([str(fleet)], True, None, None, None, None)

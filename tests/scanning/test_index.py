@@ -4,7 +4,6 @@ returns the report a full scan gives; it survives a writer killed mid-update and
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -16,23 +15,12 @@ import threading
 import time
 
 import lorafast
-import numpy as np
 import pytest
+from helpers.reports import rewrite_in_place, same_report
 from lorafast import _core
-from lorafast.index import SCHEMA_VERSION
 from lorafast.sample import write_samples
+from lorafast.scanning.index import SCHEMA_VERSION
 from lorafast.testing import write_attention_adapter as peft
-
-
-def same_report(got: lorafast.ScanReport, want: lorafast.ScanReport) -> None:
-    assert got.paths == want.paths
-    assert got.errors == want.errors
-    gc, wc = got.columns(), want.columns()
-    assert gc.keys() == wc.keys()
-    for k in wc:
-        assert np.array_equal(gc[k], wc[k]), k
-    assert got.to_json() == want.to_json()
-    assert [dataclasses.astuple(a) for a in got] == [dataclasses.astuple(a) for a in want]
 
 
 @pytest.fixture
@@ -78,19 +66,6 @@ def test_unchanged_rescan_reads_no_header(tmp_path, fleet):
     ]
 
 
-def _rewrite_in_place(path, old: bytes, new: bytes) -> None:
-    """Replace the first `old` by `new` (same length) inside the file, then put its mtime back: size, mtime,
-    inode and device are as they were; only the ctime tells."""
-    assert len(old) == len(new)
-    st = os.stat(path)
-    with open(path, "r+b") as f:
-        data = f.read()
-        f.seek(data.index(old))
-        f.write(new)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    after = os.stat(path)
-    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
-
 
 def test_a_rewrite_that_keeps_size_and_mtime_is_read_again(tmp_path):
     root = tmp_path / "f"
@@ -98,8 +73,8 @@ def test_a_rewrite_that_keeps_size_and_mtime_is_read_again(tmp_path):
     peft(root / "b", r=4)
     db = tmp_path / "i.db"
     assert {a.r for a in lorafast.Index(db).scan([root])} == {4}
-    _rewrite_in_place(root / "a" / "adapter_config.json", b'"r": 4', b'"r": 8')
-    _rewrite_in_place(root / "b" / "adapter_model.safetensors", b"[4,32]", b"[32,4]")  # a lora_A of rank 32
+    rewrite_in_place(root / "a" / "adapter_config.json", b'"r": 4', b'"r": 8')
+    rewrite_in_place(root / "b" / "adapter_model.safetensors", b"[4,32]", b"[32,4]")  # a lora_A of rank 32
     report = lorafast.Index(db).scan([root])
     assert (report.reads, sorted(report.changed)) == (2, [str(root / "a"), str(root / "b")])
     same_report(report, lorafast.scan([root]))
@@ -332,7 +307,7 @@ def test_cli_scan_with_index(tmp_path, fleet):
 
 
 def test_rows_of_another_build_are_read_again(tmp_path, monkeypatch):
-    from lorafast import index as index_mod
+    from lorafast.scanning import index as index_mod
 
     for i in range(3):
         peft(tmp_path / "f" / f"a{i}", r=4)

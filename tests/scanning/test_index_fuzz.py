@@ -24,11 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import lorafast
-from fuzzing import fuzz
+import pytest
+from helpers.fuzzing import fuzz
+from helpers.reports import rewrite_in_place, same_report
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafast.testing import write_attention_adapter, write_safetensors
-from test_index import _rewrite_in_place, same_report
+
+pytestmark = pytest.mark.fuzz
 
 _NAMES = ["a", "b", "c", "d"]
 _OPS = st.one_of(
@@ -81,12 +84,12 @@ def _apply(root: Path, op: tuple[Any, ...], stats: Counter[str]) -> None:
             if r:  # another rank of the same width
                 old = r.group(1)
                 new = str((int(old) % 9) + 1 if len(old) == 1 else 10 + (int(old) + 1) % 90).encode()
-                _rewrite_in_place(cfg, b'"r": ' + old, b'"r": ' + new)
+                rewrite_in_place(cfg, b'"r": ' + old, b'"r": ' + new)
     elif kind == "header_in_place":
         w = _weights(root, name)
         hit = re.search(rb"\[(\d),(\d\d?)\]", w.read_bytes()) if w else None
         if w and hit and hit.group(1) != hit.group(2):  # a shape's two sizes swapped: same length, same bytes
-            _rewrite_in_place(w, hit.group(0), b"[%s,%s]" % (hit.group(2), hit.group(1)))
+            rewrite_in_place(w, hit.group(0), b"[%s,%s]" % (hit.group(2), hit.group(1)))
     elif kind == "truncate":
         w = _weights(root, name)
         if w:

@@ -14,7 +14,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from lorafast import _core  # noqa: E402
-from lorafast.report import _parquet_column  # noqa: E402
+from lorafast.scanning.report import _parquet_column  # noqa: E402
 
 NUMBER_DTYPES = [np.bool_, np.uint32, np.uint64, np.int32, np.int64, np.float32, np.float64]
 

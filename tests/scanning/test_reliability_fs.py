@@ -19,10 +19,10 @@ import threading
 
 import lorafast
 import pytest
+from helpers.servers import RangeServer
 from lorafast import _core
 from lorafast.errors import AdapterError, InternalError, LorafastError
 from lorafast.testing import write_peft_adapter, write_raw, write_safetensors
-from servers import RangeServer
 
 #: Wall-clock bound for work done in a child interpreter: a hang fails the test instead of the suite.
 CHILD_TIMEOUT = 240

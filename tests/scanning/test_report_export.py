@@ -245,7 +245,7 @@ def test_to_json_is_json_dumps_of_the_report(fleet, indent, records):
 
 
 def test_to_json_streams_in_batches(tmp_path, monkeypatch):
-    from lorafast import report as report_mod
+    from lorafast.scanning import report as report_mod
 
     for i in range(7):
         peft(tmp_path / f"a{i}", r=4 + i)
@@ -282,10 +282,10 @@ def test_arrow_tables_match_the_columns_and_the_adapters(fleet):
     assert table.num_rows == len(report)
     assert table["row"].to_pylist() == cols["path_index"].tolist()
     assert table["path"].to_pylist() == report.paths
-    read = cols["status"] != lorafast.scanner.STATUS_ERROR  # failed rows are null (tests/test_export_nulls.py)
+    read = cols["status"] != lorafast.scanning.STATUS_ERROR  # failed rows are null (tests/test_export_nulls.py)
     assert table["rank"].to_pylist() == [r if ok else None for r, ok in zip(cols["rank"].tolist(), read, strict=True)]
     assert table["format"].to_pylist() == [
-        lorafast.scanner.FORMATS[c] if ok else None for c, ok in zip(cols["format"].tolist(), read, strict=True)
+        lorafast.scanning.FORMATS[c] if ok else None for c, ok in zip(cols["format"].tolist(), read, strict=True)
     ]
     assert table["status"].to_pylist().count("error") == len(report.errors)
     errors = {p: c for p, c, _ in report.errors}
@@ -303,7 +303,7 @@ def test_arrow_tables_match_the_columns_and_the_adapters(fleet):
         assert row["base_model_name_or_path"] == a.base_model_name_or_path
         assert row["weight_file"] == a.weight_files[0]
         assert row["config_path"] == a.config_path
-        assert {f for f in lorafast.scanner.FLAGS if row[f"flag_{f}"]} == set(a.flags)
+        assert {f for f in lorafast.scanning.FLAGS if row[f"flag_{f}"]} == set(a.flags)
         assert row["num_problems"] == len(a.problems)
 
     modules = report.to_arrow("modules")
@@ -389,7 +389,7 @@ def test_arrow_string_columns_made_by_the_core_equal_the_lists(tmp_path, content
     """The Arrow string columns come from the core's buffers, not lists of str: the same values, nulls where the
     lists have None, and non-UTF-8 bytes of paths as `\\xNN`, as `_utf8` writes them."""
     pytest.importorskip("pyarrow")
-    from lorafast.report import STRING_COLUMNS, _utf8
+    from lorafast.scanning.report import STRING_COLUMNS, _utf8
 
     tensors = {"lora_unet_x.lora_down.weight": ("F16", (4, 8)), "lora_unet_x.lora_up.weight": ("F16", (8, 4))}
     for name in ["plain", "ünï☃de 🎉", os.fsdecode(b"raw-\xff\xfe"), os.fsdecode(b"cut-\xe2\x82")]:
@@ -497,7 +497,7 @@ def test_polars_through_arrow_equals_polars_alone(fleet, tmp_path):
     """`to_polars` goes through Arrow when pyarrow is installed; polars alone builds the same frame."""
     pytest.importorskip("pyarrow")
     pl = pytest.importorskip("polars")
-    from lorafast.report import polars_from_columns
+    from lorafast.scanning.report import polars_from_columns
 
     for report in (lorafast.scan([fleet], threads=2), lorafast.scan([tmp_path])):
         for table in ("adapters", "modules"):

@@ -13,7 +13,7 @@ import lorafast
 import numpy as np
 import pytest
 from lorafast.cli import main as cli_main
-from lorafast.scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK
+from lorafast.scanning import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK
 from lorafast.testing import write_attention_adapter as peft
 from lorafast.testing import write_raw, write_safetensors
 

@@ -55,7 +55,7 @@ def way_out(
         return []
     from lorafast.errors import LorafastError
     from lorafast.groups import plan_groups
-    from lorafast.scanner import inspect
+    from lorafast.scanning import inspect
 
     try:
         layouts = {path: inspect(path).moe_layout.value for path in paths}

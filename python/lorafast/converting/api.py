@@ -77,7 +77,7 @@ def _inspect(adapter: AdapterLike) -> Adapter:
     if isinstance(adapter, Adapter):
         return adapter
     from lorafast.errors import HeaderError
-    from lorafast.scanner import inspect
+    from lorafast.scanning import inspect
 
     path = os.fspath(adapter)
     try:
@@ -91,7 +91,7 @@ def _inspect(adapter: AdapterLike) -> Adapter:
 def expand(items: Sequence[AdapterLike]) -> list[Adapter | ConvertError]:
     """The adapters `items` name, in order: a folder of adapters stands for every adapter `lorafast.scan` finds
     under it; what cannot be read (or a path with no adapter) is a `ConvertError` in its place."""
-    from lorafast.scanner import scan
+    from lorafast.scanning import scan
 
     out: list[Adapter | ConvertError] = []
     for item in items:

@@ -40,7 +40,7 @@ def _refused(exc: ConvertError) -> None:
 def _one_adapter(paths: list[str]) -> bool:
     """Whether `paths` is the single-adapter form: one path that is not a folder of adapters."""
     from lorafast.errors import AdapterError, LorafastError
-    from lorafast.scanner import inspect
+    from lorafast.scanning import inspect
 
     if len(paths) != 1:
         return False

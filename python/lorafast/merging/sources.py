@@ -57,11 +57,11 @@ class Source:
 
 def describe_adapter(path: str | os.PathLike[str]) -> Adapter:
     """`lorafast.inspect(path)`, with its failures turned into a `MergeError` that names the path."""
-    from lorafast import scanner
+    from lorafast import scanning
     from lorafast.errors import LorafastError
 
     try:
-        return scanner.inspect(os.fspath(path))
+        return scanning.inspect(os.fspath(path))
     except (LorafastError, OSError) as exc:
         raise MergeError(f"cannot read adapter {os.fspath(path)}: {exc}", "read_error", adapter=str(path)) from exc
 

@@ -28,7 +28,7 @@ from lorafast.planner.requests import (
 )
 from lorafast.planner.scales import merge_steps, planned_adapter
 from lorafast.planner.state import PipelineState
-from lorafast.scanner import inspect
+from lorafast.scanning import inspect
 
 if TYPE_CHECKING:
     from lorafast.adapter import Adapter

@@ -18,8 +18,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _core
-from .scanner import ScanReport, _storage_items
+from lorafast import _core
+from lorafast.scanning._common import storage_items
+from lorafast.scanning.results import ScanReport
 
 if TYPE_CHECKING:
     import numpy as np
@@ -199,7 +200,7 @@ def scan(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     plist = [os.fsdecode(p) for p in paths]
-    store = _storage_items(storage_options)
+    store = storage_items(storage_options)
     remote: dict[str, Any] = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
     items: list[Item] = _core.discover_targets(plist, recursive, None, store, timeout, concurrency)
     ray = _ray(address)

@@ -37,8 +37,9 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from . import _core
-from .scanner import PathLike, ScanReport, _check_threads, _storage_items, _want_progress
+from lorafast import _core
+from lorafast.scanning._common import PathLike, check_threads, storage_items, want_progress
+from lorafast.scanning.results import ScanReport
 
 #: 2: rows, signatures and classifications in the core's binary encodings (1: JSON). An index of an older
 #: schema is emptied when opened, and read again by its next scan.
@@ -218,7 +219,7 @@ class Index:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         plist = [p if "://" in p else os.path.abspath(p) for p in (os.fsdecode(p) for p in paths)]
-        threads = _check_threads(threads)
+        threads = check_threads(threads)
         remote = {"storage_options": storage_options, "timeout": timeout, "concurrency": concurrency}
         args = (plist, recursive, threads, progress, content_hash, mode, remote)
         try:
@@ -242,7 +243,7 @@ class Index:
     ) -> IndexScanReport:
         # What else a row depends on: the read options, the encoding and the build.
         context = json.dumps({"content_hash": content_hash, "v": SCHEMA_VERSION, "build": _build()}).encode()
-        how = (_storage_items(remote["storage_options"]), remote["timeout"], remote["concurrency"])
+        how = (storage_items(remote["storage_options"]), remote["timeout"], remote["concurrency"])
         # The walk (the discovery a scan does; for URLs, with what the listing says of each object), each
         # adapter's files stated and signed.
         scan = _core.IndexScan(plist, recursive, threads, context, *how)
@@ -257,7 +258,7 @@ class Index:
             db.execute("COMMIT")
 
         added, changed, removed, reads, stale = scan.added, scan.changed, sorted(scan.removed), scan.reads, scan.stale
-        upserts, classes = scan.read(mode, content_hash, _want_progress(progress, reads))
+        upserts, classes = scan.read(mode, content_hash, want_progress(progress, reads))
         # A moved row's classification is written again with it, in case another writer dropped it meanwhile.
         # Read again for want of trust, a classification is written over the stored one, which may be what did
         # not decode.

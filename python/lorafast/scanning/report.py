@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from .scanner import ScanReport
+    from lorafast.scanning.results import ScanReport
 
 Table = Literal["adapters", "modules"]
 #: How string columns come: lists of str (None), Arrow buffers ("arrow"), or buffers where no escape was needed
@@ -43,7 +43,7 @@ def adapter_columns(report: ScanReport, utf8: Utf8 = None) -> Iterator[tuple[str
     text); with "exact", only a column that needed no escape (a path that is not UTF-8 stays a str of
     `os.fsdecode`, in a list). Each string column is made when it is reached, so that an export which copies it
     (polars) lets it go before the next one is made."""
-    from .scanner import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR
+    from lorafast.scanning._common import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR
 
     cols = report.columns()
     # A failed row is null in every column that tells what the adapter holds: the core's columns have 0, "unknown"
@@ -309,7 +309,7 @@ def _write_parquet(report: ScanReport, table: Table, path: str) -> None:
     took longer than the scan on module-heavy fleets (224,000 modules: 16-22 ms against a 12.5 ms scan)."""
     import pyarrow as pa
 
-    from . import _core
+    from lorafast import _core
 
     columns, fields = [], []
     for name, col in _columns(report, table, "arrow"):
