@@ -56,8 +56,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "preflight": ("serving", "preflight"),
     "PreflightReport": ("serving", "PreflightReport"),
     "AdapterVerdict": ("serving", "AdapterVerdict"),
-    "UnverifiedEngineVersion": ("compat._versions", "UnverifiedEngineVersion"),
-    "UnverifiedEngineVersionError": ("compat._versions", "UnverifiedEngineVersionError"),
+    "UnverifiedEngineVersion": ("compat", "UnverifiedEngineVersion"),
+    "UnverifiedEngineVersionError": ("compat", "UnverifiedEngineVersionError"),
 }
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from .adapter import Adapter, AdapterFormat, LoraModule, MoeLayout, Problem
     from .base import BaseModel, read_base
     from .checker import CheckReport, check
-    from .compat._versions import UnverifiedEngineVersion, UnverifiedEngineVersionError
+    from .compat import UnverifiedEngineVersion, UnverifiedEngineVersionError
     from .converting import ConvertError, ConvertResult, convert
     from .families import fingerprint, identify
     from .groups import plan_groups

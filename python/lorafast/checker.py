@@ -720,11 +720,11 @@ def check(
     base whose index names shards outside its folder (`read_base`), for bases that are not trusted.
     """
     if engine is not None:
-        from .compat import _versions
+        from .compat import engine_rules
 
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine must be 'sglang' or 'vllm', not {engine!r}")
-        _versions.rules_for(engine, engine_version, strict=strict_version)
+        engine_rules(engine, engine_version, strict=strict_version)
     given: list[Any] = []
     if base is not None:
         given.extend(base if isinstance(base, (list, tuple)) else [base])

@@ -150,10 +150,10 @@ def seconds(text: str) -> float:
 
 def engine_version(text: str) -> str:
     """A release such as 0.5.23 or 0.34.0 (pre-release and local suffixes allowed)."""
-    from .compat import _versions
+    from .compat import parse_engine_version
 
     try:
-        _versions.parse(text)
+        parse_engine_version(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -329,7 +329,7 @@ def cmd_launch_preflight(argv: Sequence[str]) -> int:
             progress=False if args.quiet else None,
         )
     except ValueError as e:  # not a launch command of a known engine, or a version refused by --strict-version
-        from .compat._versions import UnverifiedEngineVersionError
+        from .compat import UnverifiedEngineVersionError
 
         if isinstance(e, UnverifiedEngineVersionError) or "launch command" in str(e):
             print(f"lorafast preflight: error: {e}", file=sys.stderr)
@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .compat._versions import UnverifiedEngineVersion
+    from .compat import UnverifiedEngineVersion
 
     # Paths keep their OS bytes (os.fsdecode's surrogates); print them back as those bytes instead of failing.
     for stream in (sys.stdout, sys.stderr):
@@ -425,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace | None, launch_argv: Sequence[str]) -> int:
-    from .compat._versions import UnverifiedEngineVersionError
+    from .compat import UnverifiedEngineVersionError
     from .errors import LorafastError
 
     try:

@@ -343,9 +343,9 @@ def _vllm_fused_moe_at_2d(
     """vLLM before 0.33: the first wrapped 2-D MoE layer for which the adapter holds one fused (3-D,
     `target_parameters`) LoRA tensor. Activation hands that tensor to `FusedMoEWithLoRA.set_lora`, which asserts
     a per-expert list; 0.33 refuses such an adapter at load (`_validate_moe_lora_format`, in `compat.vllm`)."""
-    from .compat import _versions, vllm
+    from .compat import vllm
 
-    if _versions.at_least("vllm", launch.rules.requested, "0.31.0"):
+    if launch.rules.at_least("0.31.0"):
         return None
     packed = dict(vllm.DEFAULT_PACKED_MODULES_MAPPING)
     for layer in moe_layers:
@@ -389,11 +389,10 @@ def _vllm_multimodal(
     projector's LoRA loads and is never applied. From 0.33 activation also looks a language-model module up under
     its text-only name (`_get_text_lora_names`: `model.layers.*`, `lm_head`), so an adapter trained on the
     causal LM alone is applied to the multimodal model's language model; 0.30 finds nothing under those names."""
-    from .compat import _versions
 
     if adapter is None or base is None or not _is_multimodal(base):
         return [], set(), []
-    text_fallback = _versions.at_least("vllm", launch.rules.requested, "0.33.0")
+    text_fallback = launch.rules.at_least("0.33.0")
     tower_lora = bool(launch.options.get("enable_tower_connector_lora"))
     drops: list[tuple[str, str]] = []
     text_only: set[str] = set()
@@ -445,8 +444,7 @@ def _sglang(
     note: str | None,
     base_fit: Mapping[str, Mapping[str, ModuleCheck]],
 ) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
-    from .compat import sglang
-    from .compat._common import LoraRef
+    from .compat import LoraRef, sglang
 
     opts = launch.options
     startup_refs = [LoraRef(name, path) for name, path, s in fleet.entries if s == "command"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lorafast
 import pytest
-from lorafast.compat import _versions, launch
+from lorafast.compat import engine_rules, launch
 from lorafast.compat.launch import parse_launch
 
 
@@ -156,7 +156,7 @@ def test_config_without_yaml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
 
 def test_versions() -> None:
-    assert parse_launch("vllm serve m").rules == _versions.rules_for("vllm")
+    assert parse_launch("vllm serve m").rules == engine_rules("vllm")
     with pytest.warns(lorafast.UnverifiedEngineVersion):
         parsed = parse_launch("vllm serve m --enable-lora", engine_version="0.35.0")
     assert parsed.rules.rules == "0.34.0" and parsed.to_dict()["engine_version"]["status"] == "nearest: 0.34.0"

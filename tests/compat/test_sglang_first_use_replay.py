@@ -69,7 +69,7 @@ def test_same_structure_gets_own_first_use_problems(peft: Callable[..., str], ca
 
 def test_header_parsed_once_per_distinct_header(tmp_path: Path, peft: Callable[..., str]) -> None:
     """Identical headers share one parse; a rewritten file, or a broken one, is read again."""
-    from lorafast.compat._inputs import AdapterView
+    from lorafast.compat import AdapterView
 
     a = peft("a", _attn(), target_modules=["q_proj", "v_proj"])
     b = peft("b", _attn(), target_modules=["q_proj", "v_proj"])

@@ -20,14 +20,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from lorafast.compat import _versions
+from lorafast.compat import VERIFIED_VERSIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("LORAFAST_ENGINE_CACHE", ROOT / ".cache" / "engines"))
 
 # Every pinned release the oracle tests run against, newest first: lorafast's one list of verified versions
 # (the Makefile's `engines` target fetches the same list).
-PINNED: dict[str, tuple[str, ...]] = {engine: tuple(reversed(v)) for engine, v in _versions.SUPPORTED.items()}
+PINNED: dict[str, tuple[str, ...]] = {engine: tuple(reversed(v)) for engine, v in VERIFIED_VERSIONS.items()}
 
 _KEEP_SUFFIXES = (".py", ".json", ".txt", ".jinja", ".yaml", ".yml")
 

@@ -14,8 +14,8 @@ import re
 import sys
 from typing import Any
 
+from lorafast.compat import LoraRef
 from lorafast.compat import sglang as sg
-from lorafast.compat._common import LoraRef
 
 STARTUP_STAGES = ("startup", "load")
 # The buffer, side and expert dim an "expert 0 only" warning names.

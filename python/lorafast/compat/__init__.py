@@ -5,7 +5,8 @@
 * `lorafast.compat.diffusion`: SGLang's diffusion pipeline (format detection, PEFT key and config checks);
 * `lorafast.compat.vllm`: vLLM's adapter checks;
 * `diff_versions`: what an engine upgrade changes for each adapter; `engine_rules`: which verified version
-  answers a version string, and `VERIFIED_VERSIONS`, the releases the oracle tests run.
+  answers a version string (`parse_engine_version` reads one), and `VERIFIED_VERSIONS`, the releases the oracle
+  tests run; `UnverifiedEngineVersion` (warning) and `UnverifiedEngineVersionError` (`strict_version=True`).
 
 They return the engine's answers and raise the engine's exceptions (same type, same message) without
 loading a tensor. Importing this package imports only the standard library.
@@ -17,7 +18,8 @@ from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
 from lorafast.compat._upgrade import AdapterOutcome, BaseDiff, VersionChange, VersionDiff, diff_bases, diff_versions
 from lorafast.compat._versions import SUPPORTED as VERIFIED_VERSIONS
-from lorafast.compat._versions import EngineRules
+from lorafast.compat._versions import EngineRules, UnverifiedEngineVersion, UnverifiedEngineVersionError
+from lorafast.compat._versions import parse as parse_engine_version
 from lorafast.compat._versions import rules_for as engine_rules
 
 __all__ = [
@@ -28,11 +30,14 @@ __all__ = [
     "CompatProblem",
     "EngineRules",
     "LoraRef",
+    "UnverifiedEngineVersion",
+    "UnverifiedEngineVersionError",
     "VersionChange",
     "VersionDiff",
     "diff_bases",
     "diff_versions",
     "engine_rules",
     "lora_id",
+    "parse_engine_version",
     "resolve_adapters",
 ]

@@ -91,6 +91,10 @@ class EngineRules(NamedTuple):
             return f"{self.engine} {self.requested} (verified)"
         return f"{self.engine} {self.requested} is not verified by lorafast ({self.status}): the answer may differ"
 
+    def at_least(self, minimum: str) -> bool:
+        """Do these rules include a change made in `minimum`? (`at_least` for the version asked.)"""
+        return at_least(self.engine, self.requested, minimum)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "engine": self.engine,

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from lorafast.compat import _versions
 from lorafast.compat import diffusion as _diffusion
+from lorafast.compat import engine_rules
 from lorafast.compat.diffusion import PIPELINE_MODULES, VALID_TARGETS
 from lorafast.planner._format import fmt_config
 from lorafast.planner.plans import Action, LoadEvent, Plan, PlanError, PlannedAdapter, TargetPlan
@@ -94,7 +94,7 @@ def plan(
     state = current if current is not None else PipelineState()
     if modules is not None:
         state = replace(state, modules=tuple(modules))
-    rules = _versions.rules_for("sglang", engine_version, strict=strict_version)
+    rules = engine_rules("sglang", engine_version, strict=strict_version)
     version = rules.requested
     params, merge_mode, merge_weights = request_params(requests, merge_mode, merge_weights)
     mode = resolve_merge_mode(merge_weights, merge_mode, state.server_merge_mode, engine_version=version)
