@@ -20,13 +20,11 @@ from lorafast.groups import (
     NO_SHARED_OUTER_FLAG,
     SHARED_OUTER_FLAG,
     OuterLayout,
-    _Item,
-    _lower_bound,
-    _partition,
     outer_layout,
     plan_groups,
-    register_cli,
 )
+from lorafast.groups._plan import _Item, _lower_bound, _partition
+from lorafast.groups_cli import register_cli
 from lorafast.testing import TensorSpec, write_peft_adapter
 
 H, I = 16, 8  # noqa: E741 - hidden and MoE intermediate sizes of the toy model
