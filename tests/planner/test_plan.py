@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import lorafast
 import numpy as np
 import pytest
+from lorafast.compat.diffusion import resolve_lora_merge_mode
 from lorafast.planner import (
     DYNAMIC_MULTI_ADAPTER_ERROR,
     Action,
@@ -27,7 +28,6 @@ from lorafast.planner import (
     plan,
     plan_set_lora,
     register_cli,
-    resolve_merge_mode,
 )
 from lorafast.testing import TensorSpec, write_peft_adapter, write_safetensors
 
@@ -141,13 +141,13 @@ def test_mode_matrix(fleet: dict[str, str], mode: str, n: int, sharded: bool, re
 
 
 def test_merge_mode_resolution_matches_sglang() -> None:
-    assert resolve_merge_mode(None, None, "auto") == "auto"
-    assert resolve_merge_mode(True, None, "auto") == "merge"
-    assert resolve_merge_mode(False, None, "merge") == "dynamic"
-    assert resolve_merge_mode(False, "merge", "auto") == "merge"  # an explicit mode wins
-    assert resolve_merge_mode(None, None, "dynamic") == "dynamic"
+    assert resolve_lora_merge_mode(None, None, "auto") == "auto"
+    assert resolve_lora_merge_mode(True, None, "auto") == "merge"
+    assert resolve_lora_merge_mode(False, None, "merge") == "dynamic"
+    assert resolve_lora_merge_mode(False, "merge", "auto") == "merge"  # an explicit mode wins
+    assert resolve_lora_merge_mode(None, None, "dynamic") == "dynamic"
     with pytest.raises(ValueError) as info:
-        resolve_merge_mode(None, "fast", "auto")
+        resolve_lora_merge_mode(None, "fast", "auto")
     assert str(info.value) == "Invalid LoRA merge mode: fast. Valid modes: ('auto', 'merge', 'dynamic')"
 
 

@@ -33,7 +33,7 @@ from lorafast.planner.cli import _parse_adapter_spec as _parse_adapter_spec
 from lorafast.planner.cli import register_cli as register_cli
 from lorafast.planner.plans import Action, LoadEvent, MergeStep, Plan, PlanError, PlannedAdapter, TargetPlan
 from lorafast.planner.replay import CONFIG_MATCHES_MESSAGE, DYNAMIC_MULTI_ADAPTER_ERROR, plan, plan_set_lora
-from lorafast.planner.requests import LoraRequest, normalize_lora_params, resolve_merge_mode, should_merge
+from lorafast.planner.requests import LoraRequest, normalize_lora_params, should_merge
 from lorafast.planner.scales import module_scale
 from lorafast.planner.state import PipelineState
 
@@ -55,6 +55,5 @@ __all__ = [
     "normalize_lora_params",
     "plan",
     "plan_set_lora",
-    "resolve_merge_mode",
     "should_merge",
 ]

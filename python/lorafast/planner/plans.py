@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -199,6 +199,8 @@ class Plan:
     quantized: bool | Mapping[str, bool] = False
     _adapter_cache: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the planner that built this plan (`replay.plan`), which `then` calls again: plans sit below the replay
+    _planner: Callable[..., Plan] | None = field(default=None, repr=False, compare=False)
 
     @property
     def undecided(self) -> list[tuple[str, str]]:
@@ -232,9 +234,8 @@ class Plan:
         kwargs.setdefault("quantized", self.quantized)
         for key, value in self._options.items():
             kwargs.setdefault(key, value)
-        from lorafast.planner.replay import plan  # the replay builds Plans: imported at call time
-
-        return plan(requests, current=self.next_state, **kwargs)
+        assert self._planner is not None, "a Plan is built by lorafast.plan"
+        return self._planner(requests, current=self.next_state, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return {

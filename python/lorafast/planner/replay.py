@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from lorafast.compat import diffusion as _diffusion
 from lorafast.compat import engine_rules
-from lorafast.compat.diffusion import PIPELINE_MODULES, VALID_TARGETS
+from lorafast.compat.diffusion import PIPELINE_MODULES, VALID_TARGETS, resolve_lora_merge_mode
 from lorafast.planner._format import fmt_config
 from lorafast.planner.plans import Action, LoadEvent, Plan, PlanError, PlannedAdapter, TargetPlan
 from lorafast.planner.requests import (
     LoraRequest,
     normalize_lora_params,
     request_params,
-    resolve_merge_mode,
     should_merge,
 )
 from lorafast.planner.scales import merge_steps, planned_adapter
@@ -97,7 +96,7 @@ def plan(
     rules = engine_rules("sglang", engine_version, strict=strict_version)
     version = rules.requested
     params, merge_mode, merge_weights = request_params(requests, merge_mode, merge_weights)
-    mode = resolve_merge_mode(merge_weights, merge_mode, state.server_merge_mode, engine_version=version)
+    mode = resolve_lora_merge_mode(merge_weights, merge_mode, state.server_merge_mode, engine_version=version)
     nicknames, paths, strengths, targets, alphas = normalize_lora_params(*params, engine_version=version)
     planner = _Planner(
         state,
@@ -663,6 +662,7 @@ class _Planner:
             quantized=self.quantized,
             _adapter_cache={k: v for k, v in self.cache.items() if v is not None},
             _options={"base_weights": self.base_weights, "cache_merged": self.cache_merged},
+            _planner=plan,
         )
 
     # -- SGLang's per-module rules ---------------------------------------------------------------------------

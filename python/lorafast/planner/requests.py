@@ -24,20 +24,6 @@ class LoraRequest:
     """SGLang `lora_alpha`: overrides the adapter-level alpha."""
 
 
-def resolve_merge_mode(
-    merge_weights: bool | None,
-    merge_mode: str | None,
-    server_merge_mode: str = "auto",
-    *,
-    engine_version: str | None = None,
-) -> str:
-    """SGLang `_resolve_lora_merge_mode` (`compat.diffusion.resolve_lora_merge_mode`): explicit mode, else
-    merge_weights, else the server's mode."""
-    return _diffusion.resolve_lora_merge_mode(
-        merge_mode, merge_weights, server_merge_mode, engine_version=engine_version
-    )
-
-
 def normalize_lora_params(
     lora_nickname: str | Sequence[str],
     lora_path: str | None | list[str | None] = None,
