@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 from lorafast.compat import AdapterView
 from lorafast.compat import diffusion as df
-from lorafast.compat import sglang as sg
 from lorafast.testing import write_peft_adapter, write_safetensors
 
 F = df.LoRAFormat
@@ -42,7 +41,6 @@ def keys(*names: str) -> dict[str, tuple[int, ...]]:
 )  # fmt: skip
 def test_detect_lora_format(state: dict[str, tuple[int, ...]], expected: df.LoRAFormat) -> None:
     assert df.detect_lora_format(state) is expected
-    assert sg.detect_lora_format(state) is expected  # the same function, reachable from compat.sglang
 
 
 def test_detect_lora_format_order() -> None:
@@ -142,9 +140,9 @@ def test_check_peft_config() -> None:
 def test_merge_mode_and_one_adapter_per_target() -> None:
     assert df.resolve_lora_merge_mode() == "auto"
     assert df.resolve_lora_merge_mode(merge_weights=False) == "dynamic"
-    assert df.resolve_lora_merge_mode("merge", merge_weights=False) == "merge"
+    assert df.resolve_lora_merge_mode(False, "merge") == "merge"
     with pytest.raises(ValueError) as info:
-        df.resolve_lora_merge_mode("fast")
+        df.resolve_lora_merge_mode(merge_mode="fast")
     assert str(info.value) == "Invalid LoRA merge mode: fast. Valid modes: ('auto', 'merge', 'dynamic')"
     assert df.check_adapters_per_target(2, "auto") is True
     assert df.check_adapters_per_target(1, "dynamic") is False

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from lorafast.compat import diffusion as df
+
 from oracle import cases_diffusion, engines
 
 VERSIONS = engines.PINNED["sglang"]
@@ -94,7 +95,7 @@ def compat(case: dict, v: str) -> dict:
         return {"params": outcome(lambda: list(df.normalize_lora_params(
             a["nickname"], a["path"], a["strength"], a["target"], a["lora_alpha"], engine_version=v)))}  # fmt: skip
     if kind == "merge_mode":
-        return {"merge_mode": outcome(df.resolve_lora_merge_mode, case["merge_mode"], case["merge_weights"],
+        return {"merge_mode": outcome(df.resolve_lora_merge_mode, case["merge_weights"], case["merge_mode"],
                                       case["server_mode"], engine_version=v)}  # fmt: skip
     if kind == "should_merge":
         layers = case["layers"]

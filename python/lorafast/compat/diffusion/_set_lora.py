@@ -95,13 +95,14 @@ def check_targets(targets: list[str], *, engine_version: str | None = None) -> N
 
 
 def resolve_lora_merge_mode(
-    merge_mode: str | None = None,
     merge_weights: bool | None = None,
+    merge_mode: str | None = None,
     server_mode: str = "auto",
     *,
     engine_version: str | None = None,
 ) -> str:
-    """`LoRAPipeline._resolve_lora_merge_mode`: an explicit mode, else merge_weights, else the server's."""
+    """`LoRAPipeline._resolve_lora_merge_mode(merge_weights, merge_mode)`, in its argument order, with the server's
+    `--lora-merge-mode` as `server_mode`: an explicit mode, else merge_weights, else the server's."""
     resolve_version(engine_version)
     if merge_mode is None:
         if merge_weights is not None:
@@ -221,7 +222,7 @@ def check_adapters_per_target(
 ) -> bool:
     """`set_lora`'s rule for one target: dynamic LoRA takes one adapter. Returns whether it would merge."""
     merge = should_merge_lora(
-        resolve_lora_merge_mode(merge_mode, engine_version=engine_version),
+        resolve_lora_merge_mode(merge_mode=merge_mode, engine_version=engine_version),
         fsdp_sharded=fsdp_sharded,
         quantized=quantized,
         engine_version=engine_version,
@@ -272,7 +273,7 @@ def check_set_lora(
     FSDP-sharded weights, or quantized weights that cannot take a merged delta. Loading an adapter and the
     `auto` rounding-loss rule need the files and weights: see `load_lora_adapter`.
     """
-    mode = resolve_lora_merge_mode(merge_mode, merge_weights, server_mode, engine_version=engine_version)
+    mode = resolve_lora_merge_mode(merge_weights, merge_mode, server_mode, engine_version=engine_version)
     nicknames, paths, _strengths, targets, alphas = normalize_lora_params(
         lora_nickname, lora_path, strength, target, lora_alpha, engine_version=engine_version
     )

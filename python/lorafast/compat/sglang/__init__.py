@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
-from lorafast.compat.diffusion import detect_lora_format, normalize_peft_keys, validate_peft_features
 from lorafast.compat.sglang._buffers import BufferPlan, plan_buffers
 from lorafast.compat.sglang._config import predict_loaded_weights
 from lorafast.compat.sglang._detect import detect_shared_outer_loras, shared_outer_verdicts
@@ -57,14 +56,12 @@ __all__ = [
     "can_support",
     "check_expert_layout",
     "check_skipped_weights",
-    "detect_lora_format",
     "detect_shared_outer_loras",
     "get_normalized_target_modules",
     "get_stacked_multiply",
     "get_target_module_name",
     "init_lora_shapes",
     "lora_id",
-    "normalize_peft_keys",
     "parse_lora_paths",
     "plan_buffers",
     "predict_base_model_modules",
@@ -73,5 +70,4 @@ __all__ = [
     "resolve_adapters",
     "shared_outer_verdicts",
     "validate_new_adapter",
-    "validate_peft_features",
 ]
