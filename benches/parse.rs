@@ -2,7 +2,7 @@
 //!
 //! - `lorafast`: `scan::load`, what one scan thread does per adapter (open and read the config,
 //!   open/fstat/pread the weights' header, parse, validate, classify). Every iteration parses and
-//!   classifies anew unless `--memo` is given: then the scan's memory of headers (`_core::memo`) is
+//!   classifies anew unless `--memo` is given: then the scan's memory of headers (`_core::scan::memo`) is
 //!   consulted and filled as in a scan, which on one adapter measures the remembered path, and on
 //!   a folder of more than 16 distinct adapters the real path of a fresh fleet (a miss each time).
 //! - `crate`: the `safetensors` crate's own header parse, the Rust baseline: open, mmap,

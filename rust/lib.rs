@@ -10,17 +10,12 @@ pub mod config;
 pub mod error;
 pub mod header;
 pub mod json;
-pub mod memo;
-pub mod module_table;
 pub mod names;
 pub mod open;
-pub mod parquet;
 pub mod remote;
+pub mod report;
 pub mod scan;
-pub mod store;
 pub mod torch;
-pub mod torch_pickle;
-pub mod torch_zip;
 
 #[cfg(feature = "python")]
 mod py;

@@ -99,7 +99,7 @@ fn scan_finds_the_same_duplicates_as_parse_header() {
                 .map(|r| format!("{r:?}"))
                 .map_err(|e| (e.code(), e.detail()))
         };
-        // Many cases repeat an earlier header byte for byte: a remembered result (`_core::memo`)
+        // Many cases repeat an earlier header byte for byte: a remembered result (`_core::scan::memo`)
         // must equal a fresh read in every field.
         let remembered = outcome(false);
         assert_eq!(remembered, outcome(true), "{json}");

@@ -1,4 +1,4 @@
-//! The module table (`_core::module_table`) is built in parallel, each distinct classification
+//! The module table (`_core::report::module_table`) is built in parallel, each distinct classification
 //! once. It must equal, row for row and code for code, a plain serial walk over every adapter's
 //! modules, whatever the number of threads; and its dictionaries must be in first-appearance order.
 
@@ -8,7 +8,7 @@ use std::fs;
 use std::path::PathBuf;
 
 use _core::classify::ModuleInfo;
-use _core::module_table::{ModuleTable, StringColumn};
+use _core::report::module_table::{ModuleTable, StringColumn};
 use _core::scan::{scan_paths, AdapterResult, ScanOptions};
 
 /// A fleet with repeated headers (shared classifications), headers that differ only in tensor

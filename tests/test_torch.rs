@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use _core::scan::{load, ScanOptions, Target};
+use _core::torch::pickle::{read_state_dict, read_state_dict_with, Limits};
 use _core::torch::{read_torch_file, read_torch_header, TorchError};
-use _core::torch_pickle::{read_state_dict, read_state_dict_with, Limits};
 use _core::ErrorCode;
 use common::alloc::{memory_bound, peak_during, CountingAlloc};
 use proptest::prelude::*;
@@ -779,7 +779,7 @@ fn known(r: Result<impl std::fmt::Debug, TorchError>) {
 fn seed_pickle() -> Vec<u8> {
     let base = fs::read(fixture("state.pt")).unwrap();
     let file = fs::File::open(fixture("state.pt")).unwrap();
-    let zip = _core::torch_zip::Archive::open(&file, base.len() as u64).unwrap();
+    let zip = _core::torch::zip::Archive::open(&file, base.len() as u64).unwrap();
     let rec = zip.record("data.pkl").unwrap().clone();
     zip.read(&rec, 1 << 20).unwrap()
 }

@@ -1,4 +1,4 @@
-//! `lorafast.Index`'s rescan (`crate::store`), as one `IndexScan` per scan: the walk with each adapter's
+//! `lorafast.Index`'s rescan (`crate::report::index`), as one `IndexScan` per scan: the walk with each adapter's
 //! signature, the plan against the stored rows, the reads, then the report. The index's SQLite file is
 //! Python's (the stdlib `sqlite3`); everything per row is here, with the GIL released.
 
@@ -16,8 +16,8 @@ use super::{detach_contained, load_options, remote_options, Concurrency, ScanRes
 use crate::error::Error;
 use crate::header::ReadMode;
 use crate::remote::{self, RemoteOptions, Stat};
+use crate::report::index::{self, FileStat, Plan, Sig, Slot, Stored};
 use crate::scan::{self, is_url, with_pool, AdapterResult, Target};
-use crate::store::{self, FileStat, Plan, Sig, Slot, Stored};
 
 /// A stored row as `SELECT path, entry` gives it.
 type StoredRow = (Py<PyAny>, Py<PyAny>);
@@ -47,7 +47,7 @@ fn sign_local(t: &Target, weights: Option<fs::Metadata>, config: Option<fs::Meta
     let stat = |m: Option<fs::Metadata>, path: &Path| m.map_or_else(|| FileStat::local(path), |m| Ok(FileStat::of(&m)));
     let config = t.config.as_deref().map(|c| stat(config, c)).transpose();
     match (stat(weights, &t.weights), config) {
-        (Ok(w), Ok(c)) => Sig::Known(store::signature(t, &w, c.as_ref(), context)),
+        (Ok(w), Ok(c)) => Sig::Known(index::signature(t, &w, c.as_ref(), context)),
         _ => Sig::Unknown,
     }
 }
@@ -69,7 +69,7 @@ fn sign_remote(t: &Target, weights: &Stat, config: &Stat, context: &[u8]) -> Sig
         (None, _) => None,
     };
     match stats {
-        Some((w, c)) => Sig::Known(store::signature(t, &w, c.as_ref(), context)),
+        Some((w, c)) => Sig::Known(index::signature(t, &w, c.as_ref(), context)),
         None => Sig::Unknown,
     }
 }
@@ -160,7 +160,7 @@ impl IndexScan {
         let roots = &self.roots;
         let plan = {
             let views = views(py, &stored);
-            py.detach(|| store::plan(walked, &views, roots, trust))
+            py.detach(|| index::plan(walked, &views, roots, trust))
         };
         self.plan = plan.map_err(PyValueError::new_err)?;
         self.stored = stored;
@@ -237,7 +237,7 @@ impl IndexScan {
                     progress,
                     ropts,
                 );
-                let fresh = store::encode_rows(&rows, threads);
+                let fresh = index::encode_rows(&rows, threads);
                 Ok((rows, fresh))
             })?
         };
@@ -249,13 +249,13 @@ impl IndexScan {
                 upserts.push((
                     b(t.path.as_os_str().as_bytes()),
                     id.map(b),
-                    b(&store::entry(sig, id, row)),
+                    b(&index::entry(sig, id, row)),
                 ));
             }
         }
         for m in &self.plan.moved {
             let id = m.class.as_deref();
-            upserts.push((b(&m.path), id.map(b), b(&store::entry(&m.signature, id, &m.row))));
+            upserts.push((b(&m.path), id.map(b), b(&index::entry(&m.signature, id, &m.row))));
         }
         let classes = fresh.classes.iter().map(|(id, blob)| (b(id), b(blob))).collect();
         self.fresh = rows;
@@ -276,7 +276,7 @@ impl IndexScan {
         let views = views(py, &stored);
         let threads = self.threads;
         let rows = py
-            .detach(|| store::assemble(plan, &views, fresh, &bodies, threads))
+            .detach(|| index::assemble(plan, &views, fresh, &bodies, threads))
             .map_err(PyValueError::new_err)?;
         Ok(ScanResult { rows })
     }

@@ -16,8 +16,9 @@ use crate::classify::{Format, MoeLayout};
 use crate::codes::{AdapterErrorCode, ErrorCode, Flag, HeaderErrorCode, ProblemCode, TorchErrorCode};
 use crate::error::Error;
 use crate::header::{self, Dtype, ReadMode};
-use crate::module_table::{self, ModuleTable, StringColumn};
 use crate::remote::{self, RemoteOptions};
+use crate::report::module_table::{self, ModuleTable, StringColumn};
+use crate::report::records;
 use crate::scan::{self as core_scan, is_url, AdapterResult, ScanOptions, Target};
 use crate::torch;
 
@@ -597,17 +598,11 @@ impl ScanResult {
     /// for their list, less its brackets: `to_json`'s adapters without a Python object per row.
     fn records_json(&self, py: Python<'_>, start: usize, stop: usize) -> String {
         let stop = stop.min(self.rows.len());
-        let rows = &self.rows[start.min(stop)..stop];
-        py.detach(|| {
-            let mut out = String::new();
-            for a in rows.iter().filter_map(|r| r.as_ref().ok()) {
-                if !out.is_empty() {
-                    out.push_str(", ");
-                }
-                record_json(&mut out, a);
-            }
-            out
-        })
+        let rows: Vec<&AdapterResult> = self.rows[start.min(stop)..stop]
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .collect();
+        py.detach(|| records::records_text(&rows))
     }
 
     /// `prefix`, the summary records of every successful row as `records_json` writes them (joined
@@ -615,8 +610,6 @@ impl ScanResult {
     /// written in place on the scan's threads, so that the text is held once (joining batches held
     /// it twice; growing it by `+=` held it twice whenever the allocator moved it).
     fn json_text<'py>(&self, py: Python<'py>, prefix: &str, suffix: &str) -> PyResult<Bound<'py, PyString>> {
-        use rayon::prelude::*;
-        const SEP: &[u8] = b", ";
         if !prefix.is_ascii() || !suffix.is_ascii() {
             return Err(PyValueError::new_err(
                 "json_text: prefix and suffix must be ASCII (json.dumps output)",
@@ -624,49 +617,17 @@ impl ScanResult {
         }
         let ok: Vec<&AdapterResult> = self.rows.iter().filter_map(|r| r.as_ref().ok()).collect();
         // Each record is written twice: once to learn its length, once into the text.
-        let lens: Vec<usize> = py.detach(|| {
-            core_scan::with_pool(None, || {
-                ok.par_iter()
-                    .map_init(String::new, |buf, a| {
-                        buf.clear();
-                        record_json(buf, a);
-                        buf.len()
-                    })
-                    .collect()
-            })
-        });
-        let records: usize = lens.iter().sum::<usize>() + SEP.len() * lens.len().saturating_sub(1);
-        let total = prefix.len() + records + suffix.len();
+        let lens = py.detach(|| core_scan::with_pool(None, || records::record_lengths(&ok)));
+        let total = prefix.len() + records::joined_len(&lens) + suffix.len();
         let (text, data) = ascii_str(py, total)?;
         // SAFETY: `data` is the `total` bytes of the str just made, which nothing else refers to
-        // until it is returned; the threads below write disjoint parts of it.
+        // until it is returned.
         let out = unsafe { std::slice::from_raw_parts_mut(data, total) };
         let (head, rest) = out.split_at_mut(prefix.len());
         head.copy_from_slice(prefix.as_bytes());
-        let (mut body, tail) = rest.split_at_mut(records);
+        let (body, tail) = rest.split_at_mut(rest.len() - suffix.len());
         tail.copy_from_slice(suffix.as_bytes());
-        let mut parts: Vec<&mut [u8]> = Vec::with_capacity(ok.len());
-        for (i, len) in lens.iter().enumerate() {
-            let (part, more) = body.split_at_mut(len + if i > 0 { SEP.len() } else { 0 });
-            parts.push(part);
-            body = more;
-        }
-        py.detach(|| {
-            core_scan::with_pool(None, || {
-                ok.par_iter()
-                    .zip(parts)
-                    .enumerate()
-                    .for_each_init(String::new, |buf, (i, (a, part))| {
-                        buf.clear();
-                        if i > 0 {
-                            buf.push_str(", ");
-                        }
-                        record_json(buf, a);
-                        // The same record written the same way: the length cannot differ.
-                        part.copy_from_slice(buf.as_bytes());
-                    })
-            })
-        });
+        py.detach(|| core_scan::with_pool(None, || records::write_records(&ok, &lens, body)));
         // `record_json` escapes as `ensure_ascii` does; a str of maxchar 127 must hold nothing else.
         if !out.is_ascii() {
             return Err(PyValueError::new_err("json_text: a record was not ASCII"));
@@ -783,7 +744,7 @@ impl ScanResult {
 
     /// The module table's columns, one row per module of every successful adapter, `row` naming
     /// the adapter's row; encoded as in `table`, with `scale` (`LoraModule.scale`) after `alpha`.
-    /// Built on the scan's threads with the GIL released (`rust/module_table.rs`).
+    /// Built on the scan's threads with the GIL released (`rust/report/module_table.rs`).
     fn module_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = py
             .detach(|| core_scan::with_pool(None, || ModuleTable::build(&self.rows)))
@@ -847,130 +808,6 @@ impl ScanResult {
         }
         (names, rows)
     }
-}
-
-/// `s` as Python's `json.dumps` writes a str (ensure_ascii): `bytes` that are not UTF-8 stand for
-/// the lone surrogates `os.fsdecode` makes of them (U+DC80 + byte).
-fn json_str_bytes(out: &mut String, bytes: &[u8]) {
-    use std::fmt::Write;
-    out.push('"');
-    for chunk in bytes.utf8_chunks() {
-        for c in chunk.valid().chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\r' => out.push_str("\\r"),
-                '\t' => out.push_str("\\t"),
-                '\u{8}' => out.push_str("\\b"),
-                '\u{c}' => out.push_str("\\f"),
-                ' '..='~' => out.push(c),
-                _ => {
-                    let mut units = [0u16; 2];
-                    for u in c.encode_utf16(&mut units) {
-                        let _ = write!(out, "\\u{u:04x}");
-                    }
-                }
-            }
-        }
-        for b in chunk.invalid() {
-            let _ = write!(out, "\\u{:04x}", 0xdc00 + u16::from(*b));
-        }
-    }
-    out.push('"');
-}
-
-fn json_str(out: &mut String, s: &str) {
-    json_str_bytes(out, s.as_bytes());
-}
-
-fn json_opt_str(out: &mut String, s: Option<&str>) {
-    match s {
-        Some(s) => json_str(out, s),
-        None => out.push_str("null"),
-    }
-}
-
-fn json_list<T>(out: &mut String, items: impl IntoIterator<Item = T>, mut each: impl FnMut(&mut String, T)) {
-    out.push('[');
-    for (i, item) in items.into_iter().enumerate() {
-        if i > 0 {
-            out.push_str(", ");
-        }
-        each(out, item);
-    }
-    out.push(']');
-}
-
-/// One record of `ScanResult.records` (less `config_json`), as `json.dumps` writes its dict.
-fn record_json(out: &mut String, r: &AdapterResult) {
-    use std::fmt::Write;
-    let c = &r.class;
-    let path = |out: &mut String, p: &Path| json_str_bytes(out, p.as_os_str().as_bytes());
-    out.push_str("{\"path\": ");
-    path(out, &r.target.path);
-    out.push_str(", \"weight_files\": [");
-    path(out, &r.target.weights);
-    out.push_str("], \"config_path\": ");
-    match &r.target.config {
-        Some(p) => path(out, p),
-        None => out.push_str("null"),
-    }
-    out.push_str(", \"format\": ");
-    json_str(out, c.format.name());
-    out.push_str(", \"peft_type\": ");
-    json_opt_str(out, c.peft_type.as_deref());
-    let _ = write!(out, ", \"num_tensors\": {}, \"dtypes\": ", c.num_tensors);
-    json_list(out, &c.dtypes, |o, d| json_str(o, d.name()));
-    out.push_str(", \"layers\": ");
-    json_list(out, &c.layers, |o, l| {
-        let _ = write!(o, "{l}");
-    });
-    out.push_str(", \"base_model_name_or_path\": ");
-    json_opt_str(out, c.base_model.as_deref());
-    out.push_str(", \"target_modules\": ");
-    json_list(out, &c.target_modules, |o, t| json_str(o, t));
-    let _ = write!(out, ", \"rank\": {}, \"moe_layout\": ", c.rank);
-    json_str(out, c.moe_layout.name());
-    let _ = write!(out, ", \"num_experts\": {}, \"flags\": ", c.num_experts);
-    json_list(out, Flag::set_in(c.flags), |o, f| json_str(o, f.code()));
-    out.push_str(", \"variants\": ");
-    json_list(out, &c.variants, |o, v| json_str(o, v.name()));
-    out.push_str(", \"full_weight_tensors\": ");
-    json_list(out, &c.full_weight_tensors, |o, t| json_str(o, t));
-    out.push_str(", \"problems\": ");
-    json_list(out, &c.problems, |o, p| {
-        o.push('[');
-        json_str(o, p.code.code());
-        o.push_str(", ");
-        json_str(o, &p.message);
-        o.push_str(", ");
-        json_opt_str(o, p.tensor.as_deref());
-        o.push(']');
-    });
-    out.push_str(", \"content_hash\": ");
-    json_opt_str(out, r.content_hash.as_deref());
-    out.push_str(", \"metadata\": ");
-    match &r.metadata {
-        None => out.push_str("null"),
-        Some(m) => {
-            out.push('{');
-            for (i, (k, v)) in m.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                json_str(out, k);
-                out.push_str(": ");
-                json_str(out, v);
-            }
-            out.push('}');
-        }
-    }
-    let _ = write!(
-        out,
-        ", \"header_size\": {}, \"file_size\": {}}}",
-        r.header_size, r.file_size
-    );
 }
 
 /// A string column as dictionary codes: each distinct string once, a code per row (-1: null).

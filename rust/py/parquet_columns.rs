@@ -1,5 +1,5 @@
 //! `_core.write_parquet`: a report's table, as `lorafast.report` holds its columns (numpy arrays,
-//! dictionary codes with their names, Arrow's string buffers), written by `crate::parquet` with the
+//! dictionary codes with their names, Arrow's string buffers), written by `crate::report::parquet` with the
 //! GIL released. The arrays are read in place, not copied.
 
 use std::fs::File;
@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::error::Error;
-use crate::parquet::{self, Column, Offsets, Values};
+use crate::report::parquet::{self, Column, Offsets, Values};
 
 /// A numpy array held (read-only) while the file is written.
 enum Held<'py> {

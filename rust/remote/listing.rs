@@ -1,5 +1,5 @@
 //! Discovery on a listing: object store prefixes are listed and the local rules apply
-//! (`scan.rs`); web servers cannot be listed, so their URLs are taken for a file or a PEFT folder.
+//! (`crate::scan`); web servers cannot be listed, so their URLs are taken for a file or a PEFT folder.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;

@@ -9,7 +9,7 @@
 //! fetched with small range requests (nearby ones merged) so that remote results equal local ones.
 //!
 //! Discovery: an object store prefix is listed and the local rules apply to the listing (see
-//! `scan.rs`). Web servers (`http(s)://`, `hf://`) cannot be listed: a URL there names either a
+//! `crate::scan`). Web servers (`http(s)://`, `hf://`) cannot be listed: a URL there names either a
 //! `.safetensors` file or a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`).
 //!
 //! Requests run in a [`Session`]: one per call, with one tokio runtime, one store (connection pool)

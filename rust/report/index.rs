@@ -693,7 +693,7 @@ pub struct Fresh {
 }
 
 /// Encodes `rows` for the index, in parallel. Rows that share their modules (a classification the memo
-/// remembered, see `memo.rs`) share their classification; so do classifications of the same fields and module
+/// remembered, see `scan::memo`) share their classification; so do classifications of the same fields and module
 /// buffers, which a scan builds wherever its memo missed a header it had seen (most of a fleet's: encoding and
 /// hashing each was most of an index's first scan). Each such group is encoded, hashed and compressed once.
 pub fn encode_rows(rows: &[Result<AdapterResult, Error>], threads: Option<usize>) -> Fresh {

@@ -1,6 +1,6 @@
 //! `.bin` / `.pt` weights (`torch.save`'s zip format) read like a safetensors header: tensor
-//! names, dtypes and shapes from `data.pkl`, interpreted by `torch_pickle` without running it,
-//! each checked against its storage record in the zip (`torch_zip`). The entries become a
+//! names, dtypes and shapes from `data.pkl`, interpreted by [`pickle`] without running it,
+//! each checked against its storage record in the zip ([`zip`]). The entries become a
 //! `Header`, so these adapters get the same classification and checks as safetensors ones.
 
 use std::borrow::Cow;
@@ -16,8 +16,12 @@ use crate::error::{AdapterErrorCode, Error, ErrorCode, TorchErrorCode};
 use crate::header::{Header, TensorEntry, Warning, N_LEN};
 use crate::open::open_regular;
 use crate::scan::{build_result, check_config_size, parse_config, AdapterResult, ScanOptions, Target};
-use crate::torch_pickle::{read_state_dict, Storage, Tensor};
-use crate::torch_zip::{read_at, Archive};
+
+pub mod pickle;
+pub mod zip;
+
+use pickle::{read_state_dict, Storage, Tensor};
+use zip::{read_at, Archive};
 
 /// PEFT's pickled weights, in vLLM's order after `adapter_model.safetensors`.
 pub const PEFT_TORCH_WEIGHTS: [&str; 2] = ["adapter_model.bin", "adapter_model.pt"];

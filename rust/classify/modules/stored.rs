@@ -1,4 +1,4 @@
-//! [`Modules`] as bytes, for the index (`crate::store`): its buffers as they are (the text whole, the records
+//! [`Modules`] as bytes, for the index (`crate::report::index`): its buffers as they are (the text whole, the records
 //! field by field), so that loading a stored classification is a copy and a pass over small numbers, not a
 //! rebuild module by module. Every span is checked on the way in (within its buffer, on character
 //! boundaries), so stored bytes that decode at all give records that never panic when read.
@@ -10,7 +10,7 @@
 use super::{Modules, Record, Span};
 use crate::classify::ModuleKind;
 use crate::header::Dtype;
-use crate::store::{bad, put_u32};
+use crate::report::index::{bad, put_u32};
 
 /// Every `Record::present` bit.
 const ALL_PRESENT: u16 = (1 << 15) - 1;
