@@ -95,24 +95,24 @@ test: setup test-rust test-python ## set everything up, then run the whole suite
 	@echo "make test leaves this build in $(VENV) (make build-release, or make demo, for a release one):"
 	@$(BIN)/lorafast --version
 
-# The Python fuzz harness (tests/fuzz_python.py, atheris). `make test` runs a 30 s seeded pass of it.
+# The Python fuzz harness (tests/fuzz/fuzz_python.py, atheris). `make test` runs a 30 s seeded pass of it.
 FUZZ_SECONDS ?= 600
 FUZZ_SEED ?= 1
 .PHONY: fuzz-python
 fuzz-python: $(BIN)/python ## long pass of the Python fuzz harness (FUZZ_SECONDS=600); crashers go to tests/fuzz-corpus/python
-	$(BIN)/python tests/fuzz_python.py --seeds .cache/fuzz-seeds
+	$(BIN)/python tests/fuzz/fuzz_python.py --seeds .cache/fuzz-seeds
 	@mkdir -p .cache/fuzz-python
-	LORAFAST_FUZZ_OUT=tests/fuzz-corpus/python $(BIN)/python tests/fuzz_python.py -seed=$(FUZZ_SEED) \
+	LORAFAST_FUZZ_OUT=tests/fuzz-corpus/python $(BIN)/python tests/fuzz/fuzz_python.py -seed=$(FUZZ_SEED) \
 	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -artifact_prefix=tests/fuzz-corpus/python/ \
 	  .cache/fuzz-python tests/fuzz-corpus/python .cache/fuzz-seeds
 
-# The torch reader's differential harness (tests/fuzz_torch.py, atheris, against torch.load(weights_only=True)).
-# `make test` runs a 20 s seeded pass of it (tests/test_fuzz_torch.py).
+# The torch reader's differential harness (tests/fuzz/fuzz_torch.py, atheris, against torch.load(weights_only=True)).
+# `make test` runs a 20 s seeded pass of it (tests/fuzz/test_fuzz_torch.py).
 .PHONY: fuzz-torch
 fuzz-torch: $(BIN)/python ## long pass of the torch reader's fuzz harness against torch.load (FUZZ_SECONDS=600); findings go to tests/fuzz-corpus/torch
-	$(BIN)/python tests/fuzz_torch.py --seeds .cache/fuzz-torch-seeds
+	$(BIN)/python tests/fuzz/fuzz_torch.py --seeds .cache/fuzz-torch-seeds
 	@mkdir -p .cache/fuzz-torch
-	LORAFAST_FUZZ_OUT=tests/fuzz-corpus/torch $(BIN)/python tests/fuzz_torch.py -seed=$(FUZZ_SEED) \
+	LORAFAST_FUZZ_OUT=tests/fuzz-corpus/torch $(BIN)/python tests/fuzz/fuzz_torch.py -seed=$(FUZZ_SEED) \
 	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -artifact_prefix=tests/fuzz-corpus/torch/ \
 	  .cache/fuzz-torch tests/fuzz-corpus/torch .cache/fuzz-torch-seeds
 
@@ -142,10 +142,10 @@ fuzz: ## long fuzz pass: FUZZ_CASES inputs per core harness (header, classify, n
 	$(MAKE) fuzz-torch
 	$(MAKE) fuzz-differential
 
-# The hypothesis differential passes (tests/fuzzing.py): convert against PEFT and merge equality, Index.scan against a
+# The hypothesis differential passes (tests/helpers/fuzzing.py): convert against PEFT and merge equality, Index.scan against a
 # fresh scan under rewrites and concurrent scans. `make test` runs them short and seeded; this runs FUZZ_CASES inputs
 # each from a new seed (LORAFAST_FUZZ_SEED to replay one).
 .PHONY: fuzz-differential
 fuzz-differential: $(BIN)/python ## long pass of the convert and Index differential fuzz (FUZZ_CASES inputs each)
 	LORAFAST_FUZZ_CASES=$${LORAFAST_FUZZ_CASES:-500} LORAFAST_FUZZ_SEED=$${LORAFAST_FUZZ_SEED:-$$(date +%s)} \
-	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 0 tests/test_convert_fuzz.py tests/test_index_fuzz.py tests/test_base_fuzz.py
+	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 0 tests/converting/test_convert_fuzz.py tests/scanning/test_index_fuzz.py tests/model/test_base_fuzz.py

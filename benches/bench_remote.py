@@ -46,7 +46,7 @@ from lorafast.testing import write_safetensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "tests")]
-from servers import files_under  # noqa: E402
+from helpers.servers import files_under  # noqa: E402
 
 BUCKET = "bench"
 HOST = "127.0.0.1"
@@ -128,7 +128,7 @@ class Child:
 
 def serve_http(root: str) -> None:
     """Child mode: tests/servers.py's range server over `root`, HTTP/1.1 keep-alive, until stdin closes."""
-    from servers import RangeServer, _Server
+    from helpers.servers import RangeServer, _Server
 
     _Server.request_queue_size = 1024  # the listen backlog (5 by default drops bursts of connects)
     server = RangeServer(root, keep_alive=True)
@@ -147,7 +147,7 @@ def serve_s3_light(root: str) -> None:
     """
     from http import HTTPStatus
 
-    from servers import S3Store
+    from helpers.servers import S3Store
 
     store = S3Store(root)
 

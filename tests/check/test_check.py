@@ -20,7 +20,9 @@ from lorafast.cli import main
 from lorafast.families import identify, rank_families
 from lorafast.testing import write_safetensors
 
-cf = pytest.importorskip("check_fixtures")
+pytestmark = pytest.mark.slow
+
+cf = pytest.importorskip("helpers.check_fixtures")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -367,7 +369,7 @@ def test_cli_exit_codes(zoo: dict[str, Path], capsys: pytest.CaptureFixture[str]
 def test_remote_bases_over_http_and_hf(zoo: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    servers = pytest.importorskip("servers")
+    servers = pytest.importorskip("helpers.servers")
     site = tmp_path / "site"
     shutil.copytree(zoo["llava"], site / "llava")
     shutil.copytree(zoo["llama"], site / "org" / "llama")

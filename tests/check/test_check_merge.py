@@ -21,6 +21,8 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 from lorafast.merging import MergeError, merge, merge_file  # noqa: E402  (needs torch)
 
+pytestmark = pytest.mark.slow
+
 R = 2
 N = 8
 
@@ -137,7 +139,7 @@ def test_check_and_merge_agree_on_names(case: str, tmp_path: Path) -> None:
 def wrapper(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    cf = pytest.importorskip("check_fixtures")
+    cf = pytest.importorskip("helpers.check_fixtures")
     root = tmp_path_factory.mktemp("wrapper")
     torch.manual_seed(0)
     llama = cf.make_llama(root / "llama")

@@ -10,6 +10,8 @@ import pytest
 from lorafast import demo
 from lorafast.sample_bases import write_with_bases
 
+pytestmark = pytest.mark.slow
+
 
 def test_sample_with_bases_fits_where_it_should(tmp_path: Path) -> None:
     p = write_with_bases(tmp_path)

@@ -16,7 +16,7 @@ import pytest
 from lorafast.cli import main
 from lorafast.sample import write_samples
 
-FIXTURES = Path(__file__).parent / "fixtures" / "real"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from lorafast.compat import sglang as sg
 from lorafast.testing import write_peft_adapter
 from safetensors import safe_open
 
+pytestmark = pytest.mark.fuzz
+
 NUM_LAYERS = 4
 H, INTER = 4, 3  # hidden and (expert) intermediate sizes: tiny, only shapes matter
 

@@ -157,7 +157,7 @@ def test_preflight(peft: Callable[..., str]) -> None:
     assert plan.suggested_max_lora_rank == 64 and not plan.ok
 
 
-FIXTURES = Path(__file__).parent / "fixtures" / "real"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 LLAMA = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"]
 
 

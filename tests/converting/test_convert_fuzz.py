@@ -26,7 +26,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("peft")
 
 import lorafast  # noqa: E402
-from fuzzing import fuzz  # noqa: E402
+from helpers.fuzzing import fuzz  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from lorafast import ConvertError, convert  # noqa: E402
@@ -45,6 +45,8 @@ from test_convert import (  # noqa: E402
     write_kohya,
 )
 from test_convert_kohya import kohya_deltas, peft_deltas  # noqa: E402
+
+pytestmark = pytest.mark.fuzz
 
 
 def _refused(exc: ConvertError, work: Path, stats: Counter[str]) -> None:

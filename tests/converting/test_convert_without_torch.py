@@ -21,7 +21,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import lorafast  # noqa: E402
 from lorafast.converting import bits  # noqa: E402
-from lorafast.tensors import _ST_DTYPES, TensorFile, torch_dtype  # noqa: E402
+from lorafast.formats.safetensors import DTYPES  # noqa: E402
+from lorafast.tensors import TensorFile, torch_dtype  # noqa: E402
 from test_convert import (  # noqa: E402
     H,
     _kohya,
@@ -158,14 +159,14 @@ def test_a_lossy_refusal_reports_the_max_difference_torch_computes(tmp_path: Pat
 
 
 def _torch_dtypes() -> list[str]:
-    return [d for d in _ST_DTYPES if getattr(torch, _ST_DTYPES[d][0], None) is not None]
+    return [d for d in DTYPES if getattr(torch, DTYPES[d].torch or "", None) is not None]
 
 
 @pytest.mark.parametrize("dtype", _torch_dtypes())
 def test_values_read_without_torch_equal_torchs(tmp_path: Path, dtype: str) -> None:
     """`bits.as_float64` (a lossy refusal's difference) and `bits.scalar` (a kohya alpha) give torch's values, on
     random bit patterns (NaNs, infinities and subnormals included) of each dtype."""
-    width = _ST_DTYPES[dtype][1]
+    width = DTYPES[dtype].bits // 8
     rng = np.random.default_rng(width)
     raw = rng.integers(0, 256, 4096 * width, dtype=np.uint8)
     if dtype == "BOOL":

@@ -20,7 +20,7 @@ import lorafast
 import pytest
 from lorafast import _core, types
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: constant name -> (the list the core exports, or None for a Python-owned list; the Literal alias)
 LISTS: dict[str, tuple[Any, Any]] = {

@@ -13,12 +13,10 @@ import threading
 
 import lorafast
 import pytest
+from helpers import malformed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lorafast.testing import DTYPE_BITS, write_raw, write_safetensors
-
-sys.path.insert(0, os.path.dirname(__file__))
-import malformed
 
 
 @pytest.fixture(scope="module")

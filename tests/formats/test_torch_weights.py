@@ -24,9 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import lorafast  # noqa: E402
-from lorafast import _core  # noqa: E402
-from lorafast.errors import AdapterError  # noqa: E402
-from torch_files import (  # noqa: E402
+from helpers.torch_files import (  # noqa: E402
     ST_DTYPES,
     Call,
     Storage,
@@ -36,8 +34,10 @@ from torch_files import (  # noqa: E402
     tensor_bytes,
     torch_zip,
 )
+from lorafast import _core  # noqa: E402
+from lorafast.errors import AdapterError  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "real"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 
 
 def expected_entries(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -40,6 +40,8 @@ import atheris
 import torch
 import torch._weights_only_unpickler as _wou
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+
 # fuzz_python's import instruments lorafast's Python code (as atheris needs it, before anything imports lorafast).
 from fuzz_python import (
     DOCUMENTED,
@@ -55,7 +57,7 @@ from fuzz_python import (
     peak,
     reset_peak,
 )
-from torch_files import ST_DTYPES, Storage, Tensor, random_state_dict, state_pickle, tensor_bytes, torch_records
+from helpers.torch_files import ST_DTYPES, Storage, Tensor, random_state_dict, state_pickle, tensor_bytes, torch_records
 
 # The reader is Rust, which libFuzzer cannot see: torch's own pure-Python reading of the pickle (its
 # weights-only unpickler, `torch.load` and the tensor rebuilds) gives the coverage that guides the mutations.

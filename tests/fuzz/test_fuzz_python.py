@@ -18,7 +18,7 @@ pytest.importorskip("atheris")
 
 HERE = Path(__file__).parent
 HARNESS = HERE / "fuzz_python.py"
-KEPT = HERE / "fuzz-corpus" / "python"
+KEPT = HERE.parent / "fuzz-corpus" / "python"
 SECONDS = 30
 
 

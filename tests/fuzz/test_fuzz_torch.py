@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 
 HERE = Path(__file__).parent
 HARNESS = HERE / "fuzz_torch.py"
-KEPT = HERE / "fuzz-corpus" / "torch"
+KEPT = HERE.parent / "fuzz-corpus" / "torch"
 SECONDS = 20
 
 

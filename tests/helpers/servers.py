@@ -34,8 +34,7 @@ import numpy as np
 from lorafast.sample import write_samples
 from lorafast.testing import write_safetensors
 
-sys.path.insert(0, os.path.dirname(__file__))
-from malformed import write_corpus
+from helpers.malformed import write_corpus
 
 #: The most the core asks for in a first read (rust/remote/mod.rs SPECULATIVE_BYTES); later first reads fit the
 #: store's headers.

@@ -16,6 +16,8 @@ import pytest
 import torch
 from lorafast.merging import merge
 
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 LoraConfig = peft.LoraConfig

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lorafast.errors import HeaderError
 from lorafast.merging import MergeError, merge, merge_file, register_cli
-from lorafast.tensors import TensorFile, TruncatedFileError
+from lorafast.tensors import TensorFile
 from lorafast.testing import write_peft_adapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -198,8 +199,10 @@ def test_tensor_file_reads(tmp_path: Path) -> None:
         with pytest.raises(Exception, match="no tensor"):
             tf.view("missing")
     os.truncate(path, 50)
-    with pytest.raises(TruncatedFileError):
+    # the core validates the header for merge as for a scan: the same exception, with the rule's code
+    with pytest.raises(HeaderError) as refused:
         TensorFile(path)
+    assert refused.value.code == "invalid_header_length" and refused.value.path == str(path)
 
 
 def test_workspace_memory_is_bounded(tmp_path: Path) -> None:

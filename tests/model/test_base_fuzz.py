@@ -17,13 +17,16 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from fuzzing import fuzz
+import pytest
+from helpers.fuzzing import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafast.base import BaseModelError, read_base
 from lorafast.errors import HeaderError
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+pytestmark = pytest.mark.fuzz
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "U8": np.uint8}
 SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)

@@ -21,7 +21,7 @@ try:
 except ImportError:  # the extension is not built in this environment
     lorafast = None  # type: ignore[assignment]
 
-REAL = Path(__file__).resolve().parent / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 MANIFEST = json.loads((REAL / "MANIFEST.json").read_text())
 FIXTURES: dict[str, dict[str, Any]] = MANIFEST["fixtures"]
 NAMES = sorted(FIXTURES)

@@ -123,8 +123,8 @@ def _peft_adapter(model: Any, out: Path, targets: Any, r: int, **kw: Any) -> tup
 
 
 def build_fleet(root: Path) -> Fleet:
-    import check_fixtures as cf
     import torch
+    from helpers import check_fixtures as cf
 
     torch.manual_seed(0)
     fleet = Fleet()

@@ -16,7 +16,7 @@ from lorafast.cli import main
 from lorafast.compat import _versions, diff_versions, engine_rules, sglang, vllm
 from lorafast.testing import write_peft_adapter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "oracle"))
 import engines  # noqa: E402
 
@@ -271,7 +271,7 @@ def test_engine_diff_lists_and_diffs_the_lora_files(capsys: pytest.CaptureFixtur
 def test_upgrade_check_transformers_llava_rename(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """transformers 5 renamed Llava's modules (`language_model.model.*` -> `model.language_model.*`) and loads a
     checkpoint of 4 under the new names. A base as 5 names it serves an adapter made on 5, and not one made on 4."""
-    import check_fixtures as cf
+    from helpers import check_fixtures as cf
     from lorafast.testing import write_safetensors
 
     saved = tmp_path / "llava4"  # the installed transformers saves Llava under 4's names

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "oracle"))
+sys.path.insert(0, str(Path(__file__).parent))
 
 import cases_launch
 import engines
@@ -29,7 +29,7 @@ from lorafast.compat.launch import _SGLANG_SPEC, LaunchCommand, _parser, _vllm_s
 pytestmark = pytest.mark.timeout(900)  # the module's first test waits for four engine runs
 
 RELEASES = [(engine, v) for engine in ("vllm", "sglang") for v in engines.PINNED[engine]]
-OUT = Path(__file__).resolve().parents[1] / "target" / "launch_flags.py"
+OUT = Path(__file__).resolve().parents[2] / "target" / "launch_flags.py"
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,9 @@ import pytest
 import torch
 from lorafast.planner import PipelineState, plan_set_lora
 from lorafast.testing import write_peft_adapter
-from oracle import engines
 from safetensors.torch import save_file
+
+from oracle import engines
 
 VERSIONS = engines.PINNED["sglang"]
 LAYERS = ("blocks.0.attn.to_q", "blocks.0.attn.to_k", "blocks.1.ff.proj")

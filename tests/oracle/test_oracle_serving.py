@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "oracle"))
+sys.path.insert(0, str(Path(__file__).parent))
 
 import engines
 import lorafast

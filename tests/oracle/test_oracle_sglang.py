@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from oracle import cases_sglang, engines
 
 VERSION = "0.5.23"
@@ -27,7 +28,7 @@ HASH_SEED = "11"  # both children hash strings alike, so printed sets come out i
 def _lorafast_side(cases: list[dict[str, Any]], functions: list[dict[str, Any]]) -> dict[str, Any]:
     env = {**os.environ, "PYTHONHASHSEED": HASH_SEED}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "oracle" / "sglang_lorafast.py")],
+        [sys.executable, str(Path(__file__).parent / "sglang_lorafast.py")],
         input=json.dumps({"cases": cases, "functions": functions, "version": VERSION}),
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "oracle"))
+sys.path.insert(0, str(Path(__file__).parent))
 
 import cases as case_gen
 import cases_vllm
@@ -30,7 +30,7 @@ import engines
 
 VERSIONS = engines.PINNED["vllm"]
 HASH_SEED = "0"
-RUNNER = Path(__file__).parent / "oracle" / "lorafast_vllm_runner.py"
+RUNNER = Path(__file__).parent / "lorafast_vllm_runner.py"
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,10 @@ from typing import Any
 
 import lorafast
 import pytest
+from helpers.servers import HostileServer
 from lorafast.base import BaseModelError, read_base
 from lorafast.errors import HeaderError
 from lorafast.testing import write_attention_adapter, write_safetensors
-from servers import HostileServer
 
 NESTED = "[" * 100_000
 #: The linear weight every test base holds.

@@ -16,10 +16,12 @@ from lorafast.checker import check
 from lorafast.errors import HeaderError
 from lorafast.testing import write_safetensors
 
-servers = pytest.importorskip("servers")
+pytestmark = pytest.mark.slow
+
+servers = pytest.importorskip("helpers.servers")
 pytest.importorskip("moto")
 pytest.importorskip("boto3")
-cf = pytest.importorskip("check_fixtures")
+cf = pytest.importorskip("helpers.check_fixtures")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -13,10 +13,10 @@ import time
 
 import lorafast
 import pytest
+from helpers.reports import same_report
+from helpers.servers import LocalS3, RangeServer
 from lorafast.sample import write_samples
 from lorafast.testing import write_attention_adapter as peft
-from servers import LocalS3, RangeServer
-from test_index import same_report
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -189,7 +189,7 @@ def test_http_without_validators_is_read_every_time(tmp_path, web, monkeypatch):
     """A server that sends no ETag and no Last-Modified gives no signature: such adapters are read on every scan
     rather than trusted on their size alone."""
     server, _ = web
-    import servers
+    from helpers import servers
 
     monkeypatch.setattr(servers._Handler, "send_header", _skip_validators(servers._Handler.send_header))
     url = f"{server.url}/ok/solo.safetensors"

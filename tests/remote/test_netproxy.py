@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-PROXY = os.path.join(os.path.dirname(__file__), "..", "benches", "netproxy.py")
+PROXY = os.path.join(os.path.dirname(__file__), "..", "..", "benches", "netproxy.py")
 
 
 def reversing_server() -> tuple[socket.socket, threading.Thread]:

@@ -8,9 +8,17 @@ import os
 import lorafast
 import lorafast.testing
 import pytest
+from helpers.servers import (
+    FIRST_GUESS_BYTES,
+    SPECULATIVE_BYTES,
+    RangeServer,
+    build_fleet,
+    long_kohya,
+    long_peft,
+    normalized,
+)
 from lorafast.errors import AdapterError
 from lorafast.testing import write_attention_adapter
-from servers import FIRST_GUESS_BYTES, SPECULATIVE_BYTES, RangeServer, build_fleet, long_kohya, long_peft, normalized
 
 
 @pytest.fixture(scope="module")

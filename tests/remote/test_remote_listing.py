@@ -8,8 +8,8 @@ import os
 import random
 
 import lorafast
+from helpers.servers import FIRST_GUESS_BYTES, LocalS3, files_under, keys_after, normalized
 from lorafast.testing import write_attention_adapter, write_safetensors
-from servers import FIRST_GUESS_BYTES, LocalS3, files_under, keys_after, normalized
 
 
 def _header_size(path: str) -> int:

@@ -7,8 +7,8 @@ import os
 
 import lorafast
 import pytest
+from helpers.servers import MotoS3, build_fleet, normalized
 from lorafast.errors import AdapterError
-from servers import MotoS3, build_fleet, normalized
 
 BUCKET = "fleet"
 URL = f"s3://{BUCKET}"
@@ -182,8 +182,8 @@ def test_index_follows_moto_etags(s3, tmp_path):
 
 def test_listing_and_header_reads_share_connections(tmp_path):
     """One session per scan: the connection that listed the bucket carries the header reads after it."""
+    from helpers.servers import LocalS3
     from lorafast.testing import write_attention_adapter
-    from servers import LocalS3
 
     for i in range(4):
         write_attention_adapter(tmp_path / "pool" / f"a{i}")

@@ -15,7 +15,9 @@ import pytest
 from lorafast.cli import main
 from lorafast.serving import VERDICTS, trained_scale
 
-cf = pytest.importorskip("check_fixtures")
+pytestmark = pytest.mark.slow
+
+cf = pytest.importorskip("helpers.check_fixtures")
 
 
 @pytest.fixture(scope="module")
