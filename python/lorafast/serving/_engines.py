@@ -1,4 +1,4 @@
-"""The engine side of `lorafast.preflight`: each adapter judged by the engine's own rules (see `serving`)."""
+"""The engine side of `lorafast.preflight`: each adapter judged by the engine's own rules (see `serving._preflight`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .serving import AdapterVerdict, ModuleScale, PreflightReport, _differs, trained_scale
+from lorafast.serving._verdicts import AdapterVerdict, ModuleScale, PreflightReport, differs, trained_scale
 
 if TYPE_CHECKING:
-    from .adapter import Adapter
-    from .base import BaseModel
-    from .checker import ModuleCheck
-    from .compat.launch import LaunchCommand
-    from .serving import _Fleet
+    from lorafast.adapter import Adapter
+    from lorafast.base import BaseModel
+    from lorafast.checker import ModuleCheck
+    from lorafast.compat.launch import LaunchCommand
+    from lorafast.serving._preflight import Fleet
 
 #: check()'s module statuses under which an engine applies the module nowhere.
 _NOT_IN_BASE = {
@@ -23,7 +23,7 @@ _NOT_IN_BASE = {
 }
 
 
-def judge(launch: LaunchCommand, fleet: _Fleet, base: BaseModel | None, note: str | None) -> PreflightReport:
+def judge(launch: LaunchCommand, fleet: Fleet, base: BaseModel | None, note: str | None) -> PreflightReport:
     # `sglang serve` of a diffusers pipeline runs SGLang's diffusion runtime, whose flags the LLM parser's
     # problems do not describe.
     diffusion = launch.engine == "sglang" and base is not None and bool(base.components)
@@ -68,7 +68,7 @@ def judge(launch: LaunchCommand, fleet: _Fleet, base: BaseModel | None, note: st
     )
 
 
-def _problem_dict(p: Any, fleet: _Fleet, fix: str | None = None) -> dict[str, Any]:
+def _problem_dict(p: Any, fleet: Fleet, fix: str | None = None) -> dict[str, Any]:
     path = next((path for name, path, _ in fleet.entries if name == p.adapter_name), None)
     return {
         "code": p.code,
@@ -87,11 +87,11 @@ def _with_undecided(row: AdapterVerdict, why: str) -> AdapterVerdict:
     return replace(row, verdict=verdict, undecided=(*row.undecided, why), reasons=reasons)
 
 
-def _base_fit(fleet: _Fleet, base: BaseModel | None) -> dict[str, dict[str, ModuleCheck]]:
+def _base_fit(fleet: Fleet, base: BaseModel | None) -> dict[str, dict[str, ModuleCheck]]:
     """Adapter path -> {module key: check's answer (status and the base weight it matched)} against the base."""
     if base is None or not fleet.adapters:
         return {}
-    from .checker import check
+    from lorafast.checker import check
 
     report = check(list(fleet.adapters.values()), base)
     return {pair.adapter: {m.module: m for m in pair.modules} for pair in report}
@@ -186,13 +186,13 @@ def _base_undecided(base: BaseModel | None, note: str | None) -> list[str]:
 
 def _vllm(
     launch: LaunchCommand,
-    fleet: _Fleet,
+    fleet: Fleet,
     base: BaseModel | None,
     note: str | None,
     base_fit: Mapping[str, Mapping[str, ModuleCheck]],
 ) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
-    from .compat import vllm
-    from .compat.sglang import parse_lora_paths
+    from lorafast.compat import vllm
+    from lorafast.compat.sglang import parse_lora_paths
 
     opts = launch.options
     targets = opts.get("lora_target_modules")
@@ -291,7 +291,7 @@ def _vllm(
             trained = by_name.get(module)
             if trained is not None and module not in {m for m, _ in dropped}:
                 t = trained_scale(trained)
-                if _differs(t, float(weights.scaling)):
+                if differs(t, float(weights.scaling)):
                     scales.append(ModuleScale(module, t, float(weights.scaling)))
         if scales:
             fixes.append("merge it into the base (lorafast merge), or serve it on a vLLM that follows its patterns")
@@ -343,7 +343,7 @@ def _vllm_fused_moe_at_2d(
     """vLLM before 0.33: the first wrapped 2-D MoE layer for which the adapter holds one fused (3-D,
     `target_parameters`) LoRA tensor. Activation hands that tensor to `FusedMoEWithLoRA.set_lora`, which asserts
     a per-expert list; 0.33 refuses such an adapter at load (`_validate_moe_lora_format`, in `compat.vllm`)."""
-    from .compat import vllm
+    from lorafast.compat import vllm
 
     if launch.rules.at_least("0.31.0"):
         return None
@@ -439,12 +439,12 @@ def _is_multimodal(base: BaseModel) -> bool:
 
 def _sglang(
     launch: LaunchCommand,
-    fleet: _Fleet,
+    fleet: Fleet,
     base: BaseModel | None,
     note: str | None,
     base_fit: Mapping[str, Mapping[str, ModuleCheck]],
 ) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
-    from .compat import LoraRef, sglang
+    from lorafast.compat import LoraRef, sglang
 
     opts = launch.options
     startup_refs = [LoraRef(name, path) for name, path, s in fleet.entries if s == "command"]
@@ -512,7 +512,7 @@ def _sglang(
             skipped = {m for m, _ in dropped}
             for m in adapter.modules:
                 t = trained_scale(m)
-                if m.name not in skipped and _differs(t, served):
+                if m.name not in skipped and differs(t, served):
                     scales.append(ModuleScale(m.name, t, served))
         if scales:
             fix.append("merge it into the base (lorafast merge), or rescale it for SGLang's lora_alpha / r")
@@ -545,7 +545,7 @@ def _sglang_unapplied(adapter: Adapter | None) -> list[tuple[str, str]]:
 
 def _sglang_fix(problem: Any, adapter: Adapter | None, plan: Any) -> list[str]:
     """The flag values that let the server take the adapter: a pool rank or target modules it does not have."""
-    from .compat import sglang
+    from lorafast.compat import sglang
 
     text = problem.message
     if adapter is None or not ("max_lora_rank" in text or "max-lora-rank" in text or "buffer shape" in text):
@@ -564,7 +564,7 @@ def _sglang_drops(
     adapter: Adapter | None, path: str, targets: set[str], base_config: Mapping[str, Any] | None
 ) -> tuple[list[tuple[str, str]], int]:
     """(module, why) for the adapter's modules whose weights SGLang's memory pool does not take."""
-    from .compat import sglang
+    from lorafast.compat import sglang
 
     if adapter is None:
         return [], 0
@@ -599,12 +599,12 @@ def _diffusion_flags(argv: tuple[str, ...]) -> Any:
     return p.parse_known_args(list(argv))[0]
 
 
-def _diffusion(launch: LaunchCommand, fleet: _Fleet) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
+def _diffusion(launch: LaunchCommand, fleet: Fleet) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
     """The start-up adapter (`--lora-path`) and every later one, applied together by one `set_lora` call on the
     pipeline, as SGLang's diffusion runtime plans it (`lorafast.plan`): its ValueErrors are the verdicts."""
     import os
 
-    from .planner import LoraRequest, PipelineState, plan
+    from lorafast.planner import LoraRequest, PipelineState, plan
 
     flags = _diffusion_flags(launch.argv)
     entries = [(n, p, s) for n, p, s in fleet.entries if s != "command"]
