@@ -167,14 +167,6 @@ class Adapter:
         return base[: -len(".safetensors")] if base.endswith(".safetensors") else base
 
     @property
-    def sglang_target_modules(self) -> tuple[str, ...]:
-        """`target_modules` as SGLang names them after loading (`.w1/.w3/.w2` renamed, q/k/v -> qkv_proj, ...)."""
-        from .compat.sglang import get_normalized_target_modules
-
-        renamed = [SGLANG_W_RENAMES.get(t, t) for t in self.target_modules]
-        return tuple(sorted(get_normalized_target_modules(renamed))) if renamed else ()
-
-    @property
     def fingerprint(self) -> dict[str, int]:
         """Base-model dimensions visible in the shapes (hidden/intermediate size, layers, attention widths, experts,
         vocab, UNet/DiT layout); `lorafast.identify` ranks known families by them."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import _core
-from .errors import AdapterError, HeaderError, _CodedError
+from .errors import AdapterError, CodedError, HeaderError
 from .formats.moe import NUMBERED_EXPERT_WEIGHT, SGLANG_W_RENAMES
 
 PathLike = str | os.PathLike[str]
@@ -49,7 +49,7 @@ _INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safeten
 _FILE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
 
 
-class BaseModelError(_CodedError):
+class BaseModelError(CodedError):
     """A base checkpoint cannot be read: `code` is one of `missing_file`, `missing_shard`, `bad_index`,
     `missing_config`, `bad_config`, `no_weights`, `unsupported_url`, or for an object store the remote layer's
     (`timeout`, `connection_error`, `remote_error`, `store_config`, ...); `path` names the file."""
@@ -118,12 +118,14 @@ class BaseModel:
 # Where the files come from
 
 
-class _Local:
+class LocalFiles:
+    """A local folder as the base reader reads it (`Remote` is the same for a URL)."""
+
     def __init__(self, root: str) -> None:
         self.root = root
 
-    def at(self, root: str) -> _Local:
-        return _Local(root)
+    def at(self, root: str) -> LocalFiles:
+        return LocalFiles(root)
 
     def join(self, *parts: str) -> str:
         return os.path.join(self.root, *parts) if parts else self.root
@@ -221,7 +223,7 @@ _URL_SCHEMES = tuple(
 )
 
 
-def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> _Local | _Remote:
+def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any] | None) -> LocalFiles | _Remote:
     if path.startswith(_URL_SCHEMES):
         return _Remote(path, timeout, storage_options)
     if "://" in path:
@@ -231,7 +233,7 @@ def _opener(path: str, timeout: float | None, storage_options: Mapping[str, Any]
             "unsupported_url",
             path,
         )
-    return _Local(path)
+    return LocalFiles(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,7 +261,7 @@ def read_base(
     """
     path = os.fspath(path_or_url)
     src = _opener(path, timeout, storage_options)
-    if isinstance(src, _Local) and not os.path.exists(path):
+    if isinstance(src, LocalFiles) and not os.path.exists(path):
         raise FileNotFoundError(2, f"no such base model: {path}", path)
     if path.endswith(".index.json"):
         folder, index = _split(src, path)
@@ -271,7 +273,7 @@ def read_base(
     return _read_model(src, None, allow_outside_shards)
 
 
-def _split(src: _Local | _Remote, path: str) -> tuple[str, str]:
+def _split(src: LocalFiles | _Remote, path: str) -> tuple[str, str]:
     """(folder, file name) of a path or URL."""
     if isinstance(src, _Remote):
         folder, _, name = path.rpartition("/")
@@ -280,7 +282,7 @@ def _split(src: _Local | _Remote, path: str) -> tuple[str, str]:
     return folder or ".", name
 
 
-def _read_single(src: _Local | _Remote, path: str) -> BaseModel:
+def _read_single(src: LocalFiles | _Remote, path: str) -> BaseModel:
     folder, name = _split(src, path)
     sub = src.at(folder)
     try:
@@ -289,7 +291,7 @@ def _read_single(src: _Local | _Remote, path: str) -> BaseModel:
         if e.code == "missing_file":  # the path given is not there: as for a local path
             raise FileNotFoundError(2, f"no such base model: {path}", path) from None
         raise
-    config = _optional_json(sub, "config.json")
+    config = optional_json(sub, "config.json")
     comps = _split_single_file(weights, path)
     if comps:
         return BaseModel(
@@ -298,7 +300,7 @@ def _read_single(src: _Local | _Remote, path: str) -> BaseModel:
     return BaseModel(path, "checkpoint", weights, config, _architecture(config), {}, (path,), meta_quant)
 
 
-def _read_model(src: _Local | _Remote, index_name: str | None, allow_outside: bool) -> BaseModel:
+def _read_model(src: LocalFiles | _Remote, index_name: str | None, allow_outside: bool) -> BaseModel:
     """A transformers model folder or a diffusers component folder: config.json plus weights."""
     index = index_name or next((n for n in _INDEX_NAMES if src.exists(n)), None)
     if index is not None:
@@ -329,7 +331,7 @@ def _read_model(src: _Local | _Remote, index_name: str | None, allow_outside: bo
     )
 
 
-def _read_pipeline(src: _Local | _Remote, allow_outside: bool) -> BaseModel:
+def _read_pipeline(src: LocalFiles | _Remote, allow_outside: bool) -> BaseModel:
     index = _json(src, "model_index.json", "bad_config")
     comps: dict[str, BaseModel] = {}
     for name, value in index.items():
@@ -357,7 +359,7 @@ def _outside(name: str) -> bool:
     return posixpath.normpath(name.replace("\\", "/")).split("/")[0] == ".."
 
 
-def _refuse_outside(src: _Local | _Remote, index: str, names: list[str], what: str) -> None:
+def _refuse_outside(src: LocalFiles | _Remote, index: str, names: list[str], what: str) -> None:
     """`allow_outside_shards=False`: an index naming a file outside its folder is refused, naming the file."""
     outside = [n for n in names if _outside(n)]
     if outside:
@@ -368,7 +370,7 @@ def _refuse_outside(src: _Local | _Remote, index: str, names: list[str], what: s
         )
 
 
-def _index_files(src: _Local | _Remote, index: str, allow_outside: bool) -> list[str]:
+def _index_files(src: LocalFiles | _Remote, index: str, allow_outside: bool) -> list[str]:
     data = _json(src, index, "bad_index")
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
@@ -387,7 +389,7 @@ def _index_files(src: _Local | _Remote, index: str, allow_outside: bool) -> list
     return files
 
 
-def _weights_of(src: _Local | _Remote, files: list[str]) -> tuple[dict[str, Weight], str | None]:
+def _weights_of(src: LocalFiles | _Remote, files: list[str]) -> tuple[dict[str, Weight], str | None]:
     weights: dict[str, Weight] = {}
     for f in files:
         full = src.join(f)
@@ -550,7 +552,7 @@ def _architecture(config: Mapping[str, Any] | None) -> str | None:
     return cls if isinstance(cls, str) else None
 
 
-def _json(src: _Local | _Remote, rel: str, code: str) -> dict[str, Any]:
+def _json(src: LocalFiles | _Remote, rel: str, code: str) -> dict[str, Any]:
     try:
         data = json.loads(src.text(rel))
     except FileNotFoundError:
@@ -568,7 +570,7 @@ def _json(src: _Local | _Remote, rel: str, code: str) -> dict[str, Any]:
     return data
 
 
-def _required_json(src: _Local | _Remote, rel: str) -> dict[str, Any]:
+def _required_json(src: LocalFiles | _Remote, rel: str) -> dict[str, Any]:
     if not src.exists(rel):
         raise BaseModelError(
             f"{src.join()} has weights but no {rel}; pass the model folder with its config",
@@ -578,7 +580,7 @@ def _required_json(src: _Local | _Remote, rel: str) -> dict[str, Any]:
     return _json(src, rel, "bad_config")
 
 
-def _optional_json(src: _Local | _Remote, rel: str) -> dict[str, Any] | None:
+def optional_json(src: LocalFiles | _Remote, rel: str) -> dict[str, Any] | None:
     return _json(src, rel, "bad_config") if src.exists(rel) else None
 
 

@@ -26,17 +26,18 @@ class _Coded(LorafastError):
         return (type(self), (self.args[0], self.code, self.path))
 
 
-class _CodedError(_Coded, ValueError):
-    pass
+class CodedError(_Coded, ValueError):
+    """A refused input with a stable `.code` and the `.path` (the base of `HeaderError`, `AdapterError` and
+    `BaseModelError`)."""
 
 
-class HeaderError(_CodedError):
+class HeaderError(CodedError):
     """A safetensors header breaks a rule. `code` names the rule (see `HEADER_ERROR_CODES`)."""
 
     code: HeaderErrorCode
 
 
-class AdapterError(_CodedError):
+class AdapterError(CodedError):
     """A file or folder is not a usable adapter (no weights, a broken config, ...): a code from
     `ADAPTER_ERROR_CODES`, or from `TORCH_ERROR_CODES` for refused torch weights."""
 

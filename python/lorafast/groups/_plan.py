@@ -43,7 +43,7 @@ from lorafast.compat.sglang import (
 )
 from lorafast.compat.sglang import preflight as sglang_preflight
 from lorafast.errors import LorafastError
-from lorafast.formats.moe import NUMBERED_EXPERT
+from lorafast.formats.moe import NUMBERED_EXPERT, SGLANG_W_RENAMES
 from lorafast.scanning import inspect
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def outer_layout(adapter: Adapter, *, view: AdapterView | None = None) -> OuterL
 
 def adapter_targets(adapter: Adapter) -> set[str]:
     """SGLang-normalized target modules: the config's list (what `can_support` checks) ∪ what the tensors hold."""
-    targets = set(adapter.sglang_target_modules)
+    renamed = [SGLANG_W_RENAMES.get(t, t) for t in adapter.target_modules]  # `.w1/.w3/.w2` as SGLang loads them
+    targets = set(get_normalized_target_modules(renamed)) if renamed else set()
     config_tm = (adapter.config or {}).get("target_modules")
     if isinstance(config_tm, list):
         targets |= _normalize_targets(str(t) for t in config_tm)

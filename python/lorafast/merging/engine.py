@@ -246,7 +246,7 @@ class MergeHandle:
             e0, e1, r0, r1 = block = r.done[i]
             w = r.view[e0:e1, r0:r1]
             guard.save(block, w)
-            sub = [_slice_segment(s, e0, e1, r0, r1) for s in r.segments]
+            sub = [slice_segment(s, e0, e1, r0, r1) for s in r.segments]
             kernel.run(w, sub, ws=ws, budget=self._budget, sign=-1.0, safe=False)
             r.undone = len(r.done) - i  # one store: the block counts as subtracted from here on
         guard.release()
@@ -290,7 +290,7 @@ def _mark_restored(records: list[_Record]) -> None:
             pass
 
 
-def _slice_segment(s: kernel.Segment, e0: int, e1: int, r0: int, r1: int) -> kernel.Segment:
+def slice_segment(s: kernel.Segment, e0: int, e1: int, r0: int, r1: int) -> kernel.Segment:
     L = s.L[e0:e1, r0:r1] if s.L.shape[0] != 1 else s.L[:, r0:r1]
     R = s.R[e0:e1] if s.R.shape[0] != 1 else s.R
     return kernel.Segment(s.kind, L, R, None if s.m is None else s.m[r0:r1], s.label)
@@ -376,7 +376,7 @@ def _as_stack(t: Any) -> Any:
 # Factors
 
 
-class _Files:
+class OpenFiles:
     """Adapter weight files opened once per merge."""
 
     def __init__(self, stack: ExitStack) -> None:
@@ -392,7 +392,7 @@ class _Files:
 
 
 def build_segments(
-    target: Target, files: _Files, device: torch.device, dtype: torch.dtype, *, safe: bool
+    target: Target, files: OpenFiles, device: torch.device, dtype: torch.dtype, *, safe: bool
 ) -> list[kernel.Segment]:
     """Load a target's factors (copied out of the maps at once) and group them: consecutive plain terms become
     one `add` segment with the ranks concatenated; each DoRA term is its own step."""
@@ -565,7 +565,7 @@ def _merge_all(
     current: Target | None = None
     try:
         with ExitStack() as stack, torch.no_grad():
-            files = _Files(stack)
+            files = OpenFiles(stack)
             for target in targets:
                 current = target
                 tensor = tensors[target.component][target.key]
@@ -589,7 +589,7 @@ def _apply(
     handle: MergeHandle,
     target: Target,
     tensor: Any,
-    files: _Files,
+    files: OpenFiles,
     device: Any,
     chunk_bytes: int,
     safe: bool,

@@ -23,7 +23,7 @@ from typing import Any
 from lorafast.errors import HeaderError
 from lorafast.formats.safetensors import encode_header
 from lorafast.merging import kernel
-from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, _Files, _slice_segment, build_segments
+from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, OpenFiles, build_segments, slice_segment
 from lorafast.merging.errors import MergeError
 from lorafast.merging.sources import normalize
 from lorafast.merging.targets import NameIndex, Target, prefixes_used, preflight
@@ -89,7 +89,7 @@ def merge_file(
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
                 f.write(header)
-                files = _Files(stack)
+                files = OpenFiles(stack)
                 ws = kernel.Workspace(dev)
                 budget = min(chunk_bytes, kernel.CPU_BLOCK_BYTES) if dev.type == "cpu" else chunk_bytes
                 for e in order:
@@ -129,10 +129,10 @@ def _renamed_on_load(base: str, tf: TensorFile) -> dict[str, str]:
     """Loaded name -> stored name for this file's weights, as `check` (`read_base`) sees the file: by the
     `config.json` beside it (a Llava-style wrapper's `language_model.model.` is `model.language_model.` once
     loaded). No config, or one that cannot be read: none, and names go by the stored names alone."""
-    from lorafast.base import BaseModelError, Weight, _Local, _optional_json, renamed_on_load
+    from lorafast.base import BaseModelError, LocalFiles, Weight, optional_json, renamed_on_load
 
     try:
-        config = _optional_json(_Local(os.path.dirname(os.path.abspath(base))), "config.json")
+        config = optional_json(LocalFiles(os.path.dirname(os.path.abspath(base))), "config.json")
     except (BaseModelError, OSError):
         return {}
     if not config:
@@ -156,7 +156,7 @@ def _merge_tensor(
     tf: TensorFile,
     t: Target,
     out_fd: int,
-    files: _Files,
+    files: OpenFiles,
     dev: Any,
     ws: kernel.Workspace,
     budget: int,
@@ -181,7 +181,7 @@ def _merge_tensor(
             tf.read_into(t.key, block, start=(e0 * stack[1] + r0) * cols)
         except TensorReadError as exc:
             raise MergeError(f"cannot read base tensor {t.key!r}: {exc}", "read_error", module=t.key) from exc
-        sub = [_slice_segment(s, e0, e1, r0, r1) for s in segments]
+        sub = [slice_segment(s, e0, e1, r0, r1) for s in segments]
         work = block if dev.type == "cpu" else block.to(dev, non_blocking=True)
         ok = kernel.run(work, sub, ws=ws, budget=budget, safe=safe)
         if work is not block:
