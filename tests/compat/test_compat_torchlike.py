@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from lorafast.compat.sglang import _torchlike as T
 
@@ -19,14 +19,12 @@ def run(fn: Any) -> tuple[Any, ...]:
         return ("error", type(exc), str(exc))
 
 
-@settings(max_examples=150, deadline=None)
 @given(st.lists(shapes, min_size=1, max_size=4), st.integers(-4, 3))
 def test_cat_matches_torch(inputs: list[tuple[int, ...]], dim: int) -> None:
     expected = run(lambda: tuple(torch.cat([torch.empty(s) for s in inputs], dim).shape))
     assert run(lambda: T.cat(inputs, dim)) == expected
 
 
-@settings(max_examples=100, deadline=None)
 @given(shapes, st.lists(st.integers(1, 3), min_size=1, max_size=4))
 def test_repeat_matches_torch(shape: tuple[int, ...], sizes: list[int]) -> None:
     expected = run(lambda: tuple(torch.empty(shape).repeat(*sizes).shape))

@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 import lorafast
 import safetensors.torch as safetensors_torch
 import torch
+from helpers.bits import same_bits
 from lorafast import ConvertError, convert
 from lorafast.converting import CONVERT_ERROR_CODES
 
@@ -162,7 +163,7 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == torch.float32
-        assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
+        assert same_bits(a[k], b[k]), k
 
 
 def _conversion_meta(out: str) -> dict:

@@ -205,7 +205,7 @@ def headers(draw):
     return obj, raw, data_len, duplicated
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=headers())
 def test_differential_against_safetensors(tmp_path, case):
     from safetensors import safe_open

@@ -13,6 +13,7 @@ from pathlib import Path
 import lorafast
 import pytest
 import torch
+from helpers.bits import bits, same_bits
 from lorafast.merging import MergeError, MergeHandle, merge
 from lorafast.merging import kernel as merge_kernel
 from lorafast.planner import LoraRequest
@@ -35,16 +36,6 @@ PROJ = {
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a float tensor, for bit-exact comparisons (NaN-safe, -0.0 != 0.0)."""
-    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(width)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

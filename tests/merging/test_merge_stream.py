@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.bits import bits
 from lorafast.errors import HeaderError
 from lorafast.merging import MergeError, merge, merge_file, register_cli
 from lorafast.tensors import TensorFile
@@ -21,10 +22,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def make_base(path: Path, gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.bits import same_bits
 from lorafast.merging import MergeError, merge
 from lorafast.merging import kernel as merge_kernel
 from lorafast.testing import write_peft_adapter
@@ -24,15 +25,6 @@ MODES = ("cpu", "device", "subtract")
 NAMES = ("q_proj", "k_proj", "up_proj", "down_proj")
 ROWS, COLS = 12, 8
 BLOCK_BYTES = COLS * 4  # one fp32 row per block: many blocks per weight
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(width)
-
-
-def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
 def weights(dtype: torch.dtype = torch.float16, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -44,7 +36,7 @@ def weights(dtype: torch.dtype = torch.float16, seed: int = 0, device: str = "cp
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
-def write_adapter(folder: Path, b_rows: dict[str, torch.Tensor], rank: int = 2) -> Path:
+def write_rows_adapter(folder: Path, b_rows: dict[str, torch.Tensor], rank: int = 2) -> Path:
     """A PEFT adapter with A = ones and B given per module, so the delta of row i is rank · B[i]."""
     tensors = {}
     for name, b in b_rows.items():
@@ -55,7 +47,7 @@ def write_adapter(folder: Path, b_rows: dict[str, torch.Tensor], rank: int = 2) 
 
 def int_adapter(folder: Path, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
-    return write_adapter(folder, {n: torch.randint(-3, 4, (ROWS, 1), generator=g).float() for n in NAMES})
+    return write_rows_adapter(folder, {n: torch.randint(-3, 4, (ROWS, 1), generator=g).float() for n in NAMES})
 
 
 @pytest.fixture
@@ -86,7 +78,7 @@ def test_non_finite_delta_restores_every_bit_in_every_snapshot_mode(
     b = {n: torch.arange(ROWS, dtype=torch.float32).view(-1, 1) for n in NAMES}
     b["down_proj"] = b["down_proj"].clone()
     b["down_proj"][-1] = 2.4e38
-    path = write_adapter(tmp_path / "huge", b)
+    path = write_rows_adapter(tmp_path / "huge", b)
     with pytest.raises(MergeError) as ei:
         merge(sd, path, snapshot=mode, chunk_bytes=BLOCK_BYTES)
     err = ei.value
@@ -99,7 +91,7 @@ def test_non_finite_delta_restores_every_bit_in_every_snapshot_mode(
 def test_non_finite_in_the_first_block_leaves_the_weight_untouched(tmp_path: Path, mode: str) -> None:
     sd = weights(torch.float16)
     before = {k: v.clone() for k, v in sd.items()}
-    path = write_adapter(tmp_path / "inf", {"q_proj": torch.full((ROWS, 1), 1e5)})  # > fp16 max in every row
+    path = write_rows_adapter(tmp_path / "inf", {"q_proj": torch.full((ROWS, 1), 1e5)})  # > fp16 max in every row
     with pytest.raises(MergeError) as ei:
         merge(sd, path, snapshot=mode, chunk_bytes=BLOCK_BYTES)
     assert ei.value.code == "non_finite" and ei.value.restored
@@ -109,7 +101,7 @@ def test_non_finite_in_the_first_block_leaves_the_weight_untouched(tmp_path: Pat
 def test_subtract_rollback_says_when_it_cannot_restore(tmp_path: Path, hook) -> None:
     # safe=False lets an Inf be written; a later failure's rollback cannot subtract it away, and must say so.
     sd = weights(torch.float16)
-    path = write_adapter(tmp_path / "unsafe", {n: torch.full((ROWS, 1), 1e5) for n in NAMES})  # Inf in fp16
+    path = write_rows_adapter(tmp_path / "unsafe", {n: torch.full((ROWS, 1), 1e5) for n in NAMES})  # Inf in fp16
     calls = {"n": 0}
 
     def fail_late(stage: str, block: tuple[int, int, int, int]) -> None:

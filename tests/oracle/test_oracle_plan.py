@@ -38,7 +38,7 @@ def write_base(path: Path, dtype: str, gen: torch.Generator) -> str:
     return str(path)
 
 
-def write_adapter(folder: Path, rng: random.Random, gen: torch.Generator, scale: float) -> str:
+def write_random_adapter(folder: Path, rng: random.Random, gen: torch.Generator, scale: float) -> str:
     """A PEFT-style adapter in the standard format: `X.lora_A/B.weight` on some layers, a config with r and
     lora_alpha, sometimes per-layer `.alpha` tensors. The update's size decides the rounding loss: tiny updates
     round away in 16-bit weights, large ones do not."""
@@ -77,7 +77,7 @@ def scenarios(root: Path, count: int = 250) -> list[dict[str, Any]]:
     rng = random.Random(1123)
     gen = torch.Generator().manual_seed(1123)
     scales = iter([1e-5, 1e-2, 1.0, 1e-4, 3e-3, 0.1])  # from all of the update rounded away to almost none
-    adapters = {k: [write_adapter(root / f"{k}{i}", rng, gen, next(scales)) for i in range(2)] for k in "abc"}
+    adapters = {k: [write_random_adapter(root / f"{k}{i}", rng, gen, next(scales)) for i in range(2)] for k in "abc"}
     out = []
     for s in range(count):
         names = ["transformer"] + [m for m in ("transformer_2", "critic") if rng.random() < 0.35]

@@ -66,7 +66,6 @@ def test_unchanged_rescan_reads_no_header(tmp_path, fleet):
     ]
 
 
-
 def test_a_rewrite_that_keeps_size_and_mtime_is_read_again(tmp_path):
     root = tmp_path / "f"
     peft(root / "a", r=4)

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers.fuzzing import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -76,7 +77,7 @@ def tables(draw):
     return columns
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled(40), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(columns=tables())
 def test_random_tables_read_back_as_written(tmp_path, columns):
     path = os.path.join(tmp_path, "t.parquet")
