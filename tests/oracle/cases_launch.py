@@ -9,6 +9,7 @@ lorafast parses the whole command, `ENTRIES[engine][entry] + argv`, shell-quoted
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import shlex
 from typing import Any
@@ -325,21 +326,44 @@ def with_files(argv: list[str], folder: str) -> list[str]:
     return [f"{folder}/{a[1:]}" if a.startswith("@") else a for a in argv]
 
 
-FLAGS_HEADER = '''"""The launch parser of each verified engine release, as lorafast.compat.launch rebuilds it. Generated from the
-engines' own parsers by tests/test_oracle_launch.py (which fails, and writes the new text, when they differ).
+def _changes(old: list[str], new: list[str]) -> str:
+    """`new` as edits of `old`: `=N` keeps N lines, `-N` drops N, `+LINE` adds LINE (`launch._flag_table` reads it)."""
+    out: list[str] = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
+        if op == "equal":
+            out.append(f"={i2 - i1}")
+            continue
+        if i2 > i1:
+            out.append(f"-{i2 - i1}")
+        out += [f"+{line}" for line in new[j1:j2]]
+    return "\n".join(out)
 
-One line per argparse action, in the engine's order: the option strings the engine gives `add_argument`, then
-its kind: nothing (one value), `?`/`*`/`+` (that many values), `T` store_true, `A` append, `B`
-BooleanOptionalAction (adds `--no-X`), `E` vLLM's EnableDisableAction (adds `--no-X`, and `--disable-X` for
-`--enable-X` or back), `h` help, `xN:Name` the engine's own action class Name, taking N values (`x:` one);
-then `!` when required and `=dest` when the dest is not argparse's default. `@dest nargs` is a positional.
-"""
 
-FLAGS: dict[tuple[str, str], str] = {
-'''
+def render_flag_tables(tables: dict[tuple[str, str], str]) -> str:
+    """The text of python/lorafast/compat/_launch_flags.py for the engines' flag tables (`encode`'s text): each
+    engine's oldest release whole, each later one as its changes from the release before. The file's docstring
+    is kept as it is."""
+    from lorafast.compat import _launch_flags, parse_engine_version
+
+    whole, changes = [], []
+    previous: dict[str, tuple[str, list[str]]] = {}
+    for (engine, version), text in sorted(tables.items(), key=lambda kv: (kv[0][0], parse_engine_version(kv[0][1]))):
+        lines = text.splitlines()
+        if engine in previous:
+            base, old = previous[engine]
+            edits = _changes(old, lines)
+            changes.append(
+                f'    ("{engine}", "{version}"): (\n        "{base}",\n        """\\\n{edits}\n""",\n    ),\n'
+            )
+        else:
+            whole.append(f'    ("{engine}", "{version}"): """\\\n{text}\n""",\n')
+        previous[engine] = (version, lines)
+    return (
+        f'"""{_launch_flags.__doc__}"""\n\nFLAGS: dict[tuple[str, str], str] = {{\n{"".join(whole)}}}\n\n'
+        f"CHANGES: dict[tuple[str, str], tuple[str, str]] = {{\n{''.join(changes)}}}\n"
+    )
 
 
 def render_flags(tables: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
     """The text of python/lorafast/compat/_launch_flags.py for the engines' parser rows."""
-    body = "".join(f'    ("{e}", "{v}"): """\\\n{encode(rows)}\n""",\n' for (e, v), rows in sorted(tables.items()))
-    return FLAGS_HEADER + body + "}\n"
+    return render_flag_tables({release: encode(rows) for release, rows in tables.items()})

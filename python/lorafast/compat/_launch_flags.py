@@ -1,11 +1,15 @@
 """The launch parser of each verified engine release, as lorafast.compat.launch rebuilds it. Generated from the
-engines' own parsers by tests/test_oracle_launch.py (which fails, and writes the new text, when they differ).
+engines' own parsers by tests/oracle/test_oracle_launch.py (which fails, and writes the new text, when they differ).
 
 One line per argparse action, in the engine's order: the option strings the engine gives `add_argument`, then
 its kind: nothing (one value), `?`/`*`/`+` (that many values), `T` store_true, `A` append, `B`
 BooleanOptionalAction (adds `--no-X`), `E` vLLM's EnableDisableAction (adds `--no-X`, and `--disable-X` for
 `--enable-X` or back), `h` help, `xN:Name` the engine's own action class Name, taking N values (`x:` one);
 then `!` when required and `=dest` when the dest is not argparse's default. `@dest nargs` is a positional.
+
+`FLAGS` holds each engine's oldest verified release whole; `CHANGES` each later release as (the release before
+it, its edits of that table): `=N` keeps the next N lines, `-N` drops them, `+LINE` adds LINE. Read a release's
+table with `lorafast.compat.launch._flag_table`.
 """
 
 FLAGS: dict[tuple[str, str], str] = {
@@ -847,659 +851,238 @@ FLAGS: dict[tuple[str, str], str] = {
 --kda-decode-backend
 --enable-log-requests B
 """,
-    ("vllm", "0.33.0"): """\
--h,--help h
-@model_tag ?
---headless T
---api-server-count,-asc
---config
---grpc T
---lora-modules x+:LoRAParserAction
---chat-template
---chat-template-content-format
---trust-request-chat-template E
---trust-request-mm-kwargs E
---default-chat-template-kwargs
---reasoning-effort-map
---response-role
---return-tokens-as-token-ids E
---enable-auto-tool-choice E
---exclude-tools-when-tool-choice-none E
---tool-call-parser
---tool-parser-plugin
---tool-strict-level
---tool-server
---max-log-len
---enable-prompt-tokens-details E
---enable-per-request-metrics E
---enable-server-load-tracking E
---enable-force-include-usage E
---sse-keep-alive-interval
---enable-tokenizer-info-endpoint E
---enable-log-outputs E
---enable-log-deltas E
---cohere-is-reasoning-model E
---cohere-format
---anthropic-disabled-thinking-effort
---log-error-stack E
---tokens-only E
---enable-scale-out E
---fingerprint-mode
---fingerprint-value
---host
---port
---grpc-port
---data-parallel-supervisor-port
---dp-supervisor-probe-interval-s
---dp-supervisor-probe-timeout-s
---dp-supervisor-probe-failure-threshold
---uds
---uvicorn-log-level
---disable-uvicorn-access-log E
---disable-access-log-for-endpoints
---allow-credentials E
---allowed-origins
---allowed-methods
---allowed-headers
---api-key +
---ssl-keyfile
---ssl-certfile
---ssl-ca-certs
---enable-ssl-refresh E
---ssl-cert-reqs
---ssl-ciphers
---root-path
---middleware A
---enable-request-id-headers E
---disable-fastapi-docs E
---h11-max-incomplete-event-size
---h11-max-header-count
---enable-offline-docs E
---enable-flash-late-interaction E
---model
---runner
---convert
---tokenizer
---tokenizer-mode
---trust-remote-code E
---dtype
---seed
---hf-config-path
---allowed-local-media-path
---allowed-media-domains +
---revision
---code-revision
---tokenizer-revision
---max-model-len
---quantization,-q
---quantization-config
---allow-deprecated-quantization E
---enforce-eager E
---enable-return-routed-experts E
---return-sampling-mask E
---max-logprobs
---logprobs-mode
---use-fp64-gumbel E
---enable-trace-replay E
---disable-sliding-window E
---disable-cascade-attn E
---skip-tokenizer-init E
---enable-prompt-embeds E
---served-model-name +
---config-format
---hf-token ?
---hf-overrides
---model-class-overrides
---pooler-config
---generation-config
---override-generation-config
---enable-sleep-mode E
---sleep-mode-backend
---sleep-mode-offload-cudagraph E
---sleep-preserve-parameter-names +
---enable-cumem-allocator E
---enable-nccl-comm-suspend E
---model-impl
---logits-processors +
---io-processor-plugin
---renderer-num-workers
---load-format
---download-dir
---safetensors-load-strategy
---safetensors-prefetch-num-threads
---safetensors-prefetch-block-size
---model-loader-extra-config
---ignore-patterns +
---use-tqdm-on-load E
---pt-load-map-location
---attention-backend
---mamba-backend
---mamba-ssu-algorithm
---enable-mamba-cache-stochastic-rounding E
---mamba-cache-philox-rounds
---reasoning-parser
---reasoning-parser-plugin
---distributed-executor-backend
---pipeline-parallel-size,-pp
---master-addr
---master-port
---nnodes,-n
---node-rank,-r
---distributed-timeout-seconds
---cpu-distributed-timeout-seconds
---numa-bind E
---numa-bind-nodes +
---numa-bind-cpus +
---device-ids
---tensor-parallel-size,-tp
---decode-context-parallel-size,-dcp
---dcp-comm-backend
---dcp-q-replicate E
---dcp-kv-cache-interleave-size
---cp-kv-cache-interleave-size
---prefill-context-parallel-size,-pcp
---data-parallel-size,-dp
---data-parallel-rank,-dpn
---data-parallel-start-rank,-dpr
---data-parallel-size-local,-dpl
---data-parallel-address,-dpa
---data-parallel-rpc-port,-dpp
---data-parallel-backend,-dpb
---data-parallel-hybrid-lb,-dph E
---data-parallel-external-lb,-dpe E
---data-parallel-multi-port-external-lb,-dpm T
---enable-hc-sp E
---enable-expert-parallel,-ep E
---enable-batch-sharded-sampling E
---enable-ep-weight-filter E
---all2all-backend
---enable-dbo E
---enable-shm-tensor-arena E
---ubatch-size
---enable-elastic-ep E
---elastic-ep-max-dp-size
---dbo-decode-token-threshold
---dp-sync-interval
---dbo-prefill-token-threshold
---disable-nccl-for-dp-synchronization E
---enable-eplb E
---eplb-config
---expert-placement-strategy
---max-parallel-loading-workers
---ray-workers-use-nsight E
---disable-custom-all-reduce E
---worker-cls
---worker-extension-cls
---enable-fault-tolerance E
---fault-tolerance-config
---block-size
---gpu-memory-utilization,--device-memory-utilization
---kv-cache-memory-bytes
---kv-cache-dtype
---num-gpu-blocks-override
---enable-prefix-caching E
---prefix-caching-hash-algo
---prefix-cache-retention-interval
---kv-cache-dtype-skip-layers +
---kv-sharing-fast-prefill E
---swa-bounded-replay E
---mamba-cache-dtype
---mamba-ssm-cache-dtype
---mamba-block-size
---prefix-match-unit
---mamba-cache-mode
---enable-mamba-shared-prefix-checkpoint E
---replayssm-buffer-len
---use-replayssm E
---kv-offloading-size
---kv-offloading-backend
---offload-backend
---cpu-offload-gb
---cpu-offload-params +
---offload-group-size
---offload-num-in-group
---offload-prefetch-step
---offload-params +
---language-model-only E
---limit-mm-per-prompt
---enable-mm-embeds E
---media-io-kwargs
---mm-processor-kwargs
---mm-processor-cache-gb
---mm-processor-cache-type
---mm-hasher-algorithm
---mm-shm-cache-max-object-size-mb
---mm-encoder-only E
---mm-encoder-tp-mode
---mm-encoder-attn-backend
---mm-encoder-attn-dtype
---mm-encoder-fp8-scale-path
---mm-encoder-fp8-scale-save-path
---mm-encoder-fp8-scale-save-margin
---interleave-mm-strings E
---skip-mm-profiling E
---video-pruning-rate
---video-pruning-method
---mm-tensor-ipc
---mm-processor-device
---mm-ipc-gpu-memory-gb
---mm-device-do-normalize E
---enable-lora E
---max-loras
---max-lora-rank
---lora-dtype
---enable-tower-connector-lora E
---max-cpu-loras
---fully-sharded-loras E
---lora-target-modules +
---default-mm-loras
---specialize-active-lora E
---enable-mixed-moe-lora-format E
---enable-moe-shared-loras E
---max-lora-cls-labels
---logging-config
---log-level
---log-config-file x:DeprecatedLogConfigFileAction
---show-hidden-metrics-for-version
---otlp-traces-endpoint
---collect-detailed-traces +
---per-request-spec-decode-metrics
---kv-cache-metrics E
---kv-cache-metrics-sample
---custom-histogram-buckets
---cudagraph-metrics E
---enable-layerwise-nvtx-tracing E
---enable-mfu-metrics E
---enable-logging-iteration-details E
---jit-monitor-mode
---jit-monitor-verbose E
---max-num-batched-tokens
---max-num-scheduled-tokens
---max-num-seqs
---max-num-active-seqs
---max-num-queued-reqs
---max-num-queued-tokens
---long-prefill-token-threshold
---long-prefill-token-threshold-adaptive E
---scheduling-policy
---enable-chunked-prefill E
---disable-chunked-mm-input E
---scheduler-cls
---scheduler-reserve-full-isl E
---watermark
---prefill-schedule-interval
---disable-hybrid-kv-cache-manager E
---async-scheduling E
---stream-interval
---cudagraph-capture-sizes +
---max-cudagraph-capture-size
---ir-op-priority
---enable-flashinfer-autotune E
---monokernel E
---moe-backend
---linear-backend
---sparse-indexer-topk-backend
---speculative-config,-sc
---spec-method
---spec-model
---spec-tokens
---watermark-config
---diffusion-config,-dc
---kv-transfer-config
---kv-events-config
---ec-transfer-config
---ec-manager-config
---compilation-config,-cc
---attention-config,-ac
---engram-config
---reasoning-config
---kernel-config
---additional-config
---structured-outputs-config
---aux-output-config
---profiler-config
---watchdog-config
---optimization-level
---performance-mode
---weight-transfer-config
---disable-log-stats T
---aggregate-engine-logging T
---fail-on-environ-validation E
---shutdown-timeout
---gdn-prefill-backend
---kda-prefill-backend
---kda-decode-backend
---enable-log-requests E
+}
+
+CHANGES: dict[tuple[str, str], tuple[str, str]] = {
+    ("vllm", "0.33.0"): (
+        "0.30.0",
+        """\
+=9
+-1
++--trust-request-chat-template E
++--trust-request-mm-kwargs E
+=1
++--reasoning-effort-map
+=1
+-3
++--return-tokens-as-token-ids E
++--enable-auto-tool-choice E
++--exclude-tools-when-tool-choice-none E
+=2
++--tool-strict-level
+=1
+-1
+=1
+-4
++--enable-prompt-tokens-details E
++--enable-per-request-metrics E
++--enable-server-load-tracking E
++--enable-force-include-usage E
+=1
+-4
++--enable-tokenizer-info-endpoint E
++--enable-log-outputs E
++--enable-log-deltas E
++--cohere-is-reasoning-model E
+=1
+-3
++--anthropic-disabled-thinking-effort
++--log-error-stack E
++--tokens-only E
++--enable-scale-out E
+=4
++--grpc-port
+=6
+-1
++--disable-uvicorn-access-log E
+=1
+-1
++--allow-credentials E
+=7
+-1
++--enable-ssl-refresh E
+=4
+-2
++--enable-request-id-headers E
++--disable-fastapi-docs E
+=2
+-2
++--enable-offline-docs E
++--enable-flash-late-interaction E
+=5
+-1
++--trust-remote-code E
+=11
+-4
++--allow-deprecated-quantization E
++--enforce-eager E
++--enable-return-routed-experts E
++--return-sampling-mask E
+=2
+-6
++--use-fp64-gumbel E
++--enable-trace-replay E
++--disable-sliding-window E
++--disable-cascade-attn E
++--skip-tokenizer-init E
++--enable-prompt-embeds E
+=8
+-3
++--enable-sleep-mode E
++--sleep-mode-backend
++--sleep-mode-offload-cudagraph E
++--sleep-preserve-parameter-names +
++--enable-cumem-allocator E
++--enable-nccl-comm-suspend E
+=11
+-1
++--use-tqdm-on-load E
+=4
+-1
++--enable-mamba-cache-stochastic-rounding E
+=11
+-1
++--numa-bind E
+=6
+-1
++--dcp-q-replicate E
+=10
+-2
++--data-parallel-hybrid-lb,-dph E
++--data-parallel-external-lb,-dpe E
+=1
+-3
++--enable-hc-sp E
++--enable-expert-parallel,-ep E
++--enable-batch-sharded-sampling E
++--enable-ep-weight-filter E
+=1
+-1
++--enable-dbo E
++--enable-shm-tensor-arena E
+=1
+-1
++--enable-elastic-ep E
+=4
+-2
++--disable-nccl-for-dp-synchronization E
++--enable-eplb E
+=3
+-2
++--ray-workers-use-nsight E
++--disable-custom-all-reduce E
+=2
+-1
++--enable-fault-tolerance E
+=2
+-1
++--gpu-memory-utilization,--device-memory-utilization
+=3
+-1
++--enable-prefix-caching E
+=3
+-1
++--kv-sharing-fast-prefill E
++--swa-bounded-replay E
+=5
+-1
++--enable-mamba-shared-prefix-checkpoint E
+=1
+-1
++--use-replayssm E
+=9
+-1
++--language-model-only E
+=1
+-1
++--enable-mm-embeds E
+=6
+-1
++--mm-encoder-only E
+=6
+-2
++--interleave-mm-strings E
++--skip-mm-profiling E
+=5
+-2
++--mm-device-do-normalize E
++--enable-lora E
+=3
+-1
++--enable-tower-connector-lora E
+=1
+-1
++--fully-sharded-loras E
+=2
+-3
++--specialize-active-lora E
++--enable-mixed-moe-lora-format E
++--enable-moe-shared-loras E
++--max-lora-cls-labels
++--logging-config
++--log-level
++--log-config-file x:DeprecatedLogConfigFileAction
+=4
+-1
++--kv-cache-metrics E
+=1
+-4
++--custom-histogram-buckets
++--cudagraph-metrics E
++--enable-layerwise-nvtx-tracing E
++--enable-mfu-metrics E
++--enable-logging-iteration-details E
+=1
+-1
++--jit-monitor-verbose E
+=3
++--max-num-active-seqs
+=3
++--long-prefill-token-threshold-adaptive E
+=1
+-2
++--enable-chunked-prefill E
++--disable-chunked-mm-input E
+=1
+-1
++--scheduler-reserve-full-isl E
+=2
+-2
++--disable-hybrid-kv-cache-manager E
++--async-scheduling E
+=4
+-1
++--enable-flashinfer-autotune E
++--monokernel E
+=20
++--aux-output-config
+=1
++--watchdog-config
+=5
+-1
++--fail-on-environ-validation E
+=4
+-1
++--enable-log-requests E
 """,
-    ("vllm", "0.34.0"): """\
--h,--help h
-@model_tag ?
---headless T
---headless-client-handshake-address
---api-server-count,-asc
---config
---grpc T
---lora-modules x+:LoRAParserAction
---chat-template
---chat-template-content-format
---trust-request-chat-template E
---trust-request-mm-kwargs E
---default-chat-template-kwargs
---reasoning-effort-map
---response-role
---return-tokens-as-token-ids E
---enable-auto-tool-choice E
---exclude-tools-when-tool-choice-none E
---tool-call-parser
---tool-parser-plugin
---tool-strict-level
---tool-server
---max-log-len
---enable-prompt-tokens-details E
---enable-per-request-metrics E
---enable-server-load-tracking E
---enable-force-include-usage E
---sse-keep-alive-interval
---enable-tokenizer-info-endpoint E
---enable-log-outputs E
---enable-log-deltas E
---cohere-is-reasoning-model E
---cohere-format
---anthropic-disabled-thinking-effort
---log-error-stack E
---tokens-only E
---enable-scale-out E
---fingerprint-mode
---fingerprint-value
---host
---port
---grpc-port
---data-parallel-supervisor-port
---dp-supervisor-probe-interval-s
---dp-supervisor-probe-timeout-s
---dp-supervisor-probe-failure-threshold
---uds
---uvicorn-log-level
---disable-uvicorn-access-log E
---disable-access-log-for-endpoints
---allow-credentials E
---allowed-origins
---allowed-methods
---allowed-headers
---api-key +
---ssl-keyfile
---ssl-certfile
---ssl-ca-certs
---enable-ssl-refresh E
---ssl-cert-reqs
---ssl-ciphers
---root-path
---middleware A
---enable-request-id-headers E
---disable-fastapi-docs E
---h11-max-incomplete-event-size
---h11-max-header-count
---enable-offline-docs E
---enable-flash-late-interaction E
---model
---runner
---convert
---tokenizer
---tokenizer-mode
---trust-remote-code E
---dtype
---seed
---hf-config-path
---allowed-local-media-path
---allowed-media-domains +
---revision
---code-revision
---tokenizer-revision
---max-model-len
---quantization,-q
---quantization-config
---allow-deprecated-quantization E
---enforce-eager E
---enable-return-routed-experts E
---return-sampling-mask E
---max-logprobs
---logprobs-mode
---use-fp64-gumbel E
---enable-trace-replay E
---disable-sliding-window E
---disable-cascade-attn E
---skip-tokenizer-init E
---enable-prompt-embeds E
---served-model-name +
---config-format
---hf-token ?
---hf-overrides
---model-class-overrides
---pooler-config
---generation-config
---override-generation-config
---enable-sleep-mode E
---sleep-mode-backend
---sleep-mode-offload-cudagraph E
---sleep-preserve-parameter-names +
---enable-cumem-allocator E
---enable-nccl-comm-suspend E
---checkpoint-prepare-on-startup E
---model-impl
---logits-processors +
---io-processor-plugin
---renderer-num-workers
---load-format
---download-dir
---safetensors-load-strategy
---safetensors-prefetch-num-threads
---safetensors-prefetch-block-size
---model-loader-extra-config
---ignore-patterns +
---use-tqdm-on-load E
---pt-load-map-location
---shuffle-safetensors-files E
---attention-backend
---mamba-backend
---mamba-ssu-algorithm
---enable-mamba-cache-stochastic-rounding E
---mamba-cache-philox-rounds
---reasoning-parser
---reasoning-parser-plugin
---distributed-executor-backend
---pipeline-parallel-size,-pp
---master-addr
---master-port
---nnodes,-n
---node-rank,-r
---distributed-timeout-seconds
---cpu-distributed-timeout-seconds
---numa-bind E
---numa-bind-nodes +
---numa-bind-cpus +
---device-ids
---tensor-parallel-size,-tp
---decode-context-parallel-size,-dcp
---dcp-comm-backend
---dcp-q-replicate E
---dcp-kv-cache-interleave-size
---cp-kv-cache-interleave-size
---prefill-context-parallel-size,-pcp
---data-parallel-size,-dp
---data-parallel-rank,-dpn
---data-parallel-start-rank,-dpr
---data-parallel-size-local,-dpl
---data-parallel-address,-dpa
---data-parallel-rpc-port,-dpp
---data-parallel-backend,-dpb
---data-parallel-hybrid-lb,-dph E
---data-parallel-external-lb,-dpe E
---data-parallel-multi-port-external-lb,-dpm T
---enable-hc-sp E
---enable-expert-parallel,-ep E
---enable-batch-sharded-sampling E
---enable-ep-weight-filter E
---all2all-backend
---enable-dbo E
---enable-shm-tensor-arena E
---ubatch-size
---enable-elastic-ep E
---elastic-ep-max-dp-size
---dbo-decode-token-threshold
---dp-sync-interval
---dbo-prefill-token-threshold
---disable-nccl-for-dp-synchronization E
---enable-eplb E
---eplb-config
---expert-placement-strategy
---max-parallel-loading-workers
---ray-workers-use-nsight E
---disable-custom-all-reduce E
---worker-cls
---worker-extension-cls
---enable-fault-tolerance E
---fault-tolerance-config
---block-size
---gpu-memory-utilization,--device-memory-utilization
---kv-cache-memory-bytes
---enable-extensible-kv-cache E
---kv-cache-dtype
---num-gpu-blocks-override
---enable-prefix-caching E
---prefix-caching-hash-algo
---prefix-cache-retention-interval
---kv-cache-dtype-skip-layers +
---kv-sharing-fast-prefill E
---swa-bounded-replay E
---mamba-cache-dtype
---mamba-ssm-cache-dtype
---mamba-block-size
---prefix-match-unit
---mamba-cache-mode
---enable-mamba-shared-prefix-checkpoint E
---replayssm-buffer-len
---use-replayssm E
---kv-offloading-size
---kv-offloading-backend
---offload-backend
---cpu-offload-gb
---cpu-offload-params +
---offload-group-size
---offload-num-in-group
---offload-prefetch-step
---offload-params +
---language-model-only E
---limit-mm-per-prompt
---enable-mm-embeds E
---media-io-kwargs
---mm-processor-kwargs
---mm-processor-cache-gb
---mm-processor-cache-type
---mm-hasher-algorithm
---mm-shm-cache-max-object-size-mb
---mm-encoder-only E
---mm-encoder-tp-mode
---mm-encoder-attn-backend
---mm-encoder-attn-dtype
---mm-encoder-fp8-scale-path
---mm-encoder-fp8-scale-save-path
---mm-encoder-fp8-scale-save-margin
---interleave-mm-strings E
---skip-mm-profiling E
---video-pruning-rate
---video-pruning-method
---mm-tensor-ipc
---mm-processor-device
---mm-ipc-gpu-memory-gb
---mm-device-do-normalize E
---enable-lora E
---max-loras
---max-lora-rank
---lora-dtype
---enable-tower-connector-lora E
---max-cpu-loras
---fully-sharded-loras E
---lora-target-modules +
---default-mm-loras
---specialize-active-lora E
---enable-mixed-moe-lora-format E
---enable-moe-shared-loras E
---max-lora-cls-labels
---logging-config
---log-level
---log-config-file x:DeprecatedLogConfigFileAction
---show-hidden-metrics-for-version
---otlp-traces-endpoint
---collect-detailed-traces +
---per-request-spec-decode-metrics
---kv-cache-metrics E
---kv-cache-metrics-sample
---custom-histogram-buckets
---cudagraph-metrics E
---enable-layerwise-nvtx-tracing E
---enable-mfu-metrics E
---enable-logging-iteration-details E
---jit-monitor-mode
---jit-monitor-verbose E
---max-num-batched-tokens
---max-num-scheduled-tokens
---max-num-seqs
---max-num-active-seqs
---max-num-inflight-kv-loads
---max-num-queued-reqs
---max-num-queued-tokens
---long-prefill-token-threshold
---long-prefill-token-threshold-adaptive E
---scheduling-policy
---enable-chunked-prefill E
---disable-chunked-mm-input E
---scheduler-cls
---scheduler-reserve-full-isl E
---watermark
---prefill-schedule-interval
---cache-aware-admission-window
---cache-aware-admission-threshold
---disable-hybrid-kv-cache-manager E
---async-scheduling E
---stream-interval
---cudagraph-capture-sizes +
---max-cudagraph-capture-size
---ir-op-priority
---enable-flashinfer-autotune E
---monokernel E
---moe-backend
---linear-backend
---sparse-indexer-topk-backend
---speculative-config,-sc
---spec-method
---spec-model
---spec-tokens
---watermark-config
---diffusion-config,-dc
---kv-transfer-config
---kv-events-config
---ec-transfer-config
---ec-manager-config
---compilation-config,-cc
---attention-config,-ac
---engram-config
---reasoning-config
---kernel-config
---additional-config
---structured-outputs-config
---aux-output-config
---profiler-config
---watchdog-config
---optimization-level
---performance-mode
---weight-transfer-config
---disable-log-stats T
---aggregate-engine-logging T
---fail-on-environ-validation E
---shutdown-timeout
---gdn-prefill-backend
---kda-prefill-backend
---kda-decode-backend
---enable-log-requests E
+    ),
+    ("vllm", "0.34.0"): (
+        "0.33.0",
+        """\
+=3
++--headless-client-handshake-address
+=108
++--checkpoint-prepare-on-startup E
+=13
++--shuffle-safetensors-files E
+=63
++--enable-extensible-kv-cache E
+=82
++--max-num-inflight-kv-loads
+=11
++--cache-aware-admission-window
++--cache-aware-admission-threshold
+=42
 """,
+    ),
 }

@@ -33,7 +33,7 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
-from lorafast.compat._launch_flags import FLAGS
+from lorafast.compat._launch_flags import CHANGES, FLAGS
 from lorafast.compat.sglang._names import (
     MSG_ALL_ALONE,
     MSG_MAX_LORAS_POSITIVE,
@@ -260,11 +260,32 @@ def _auto_dest(strings: list[str]) -> str:
 
 
 @functools.cache
+def _flag_table(engine: str, version: str) -> str:
+    """The flag lines of an engine release (`_launch_flags`): its table, or the table of the release before it with
+    its changes applied."""
+    if (engine, version) in FLAGS:
+        return FLAGS[(engine, version)]
+    base, changes = CHANGES[(engine, version)]
+    old = _flag_table(engine, base).splitlines()
+    lines: list[str] = []
+    at = 0
+    for edit in changes.splitlines():
+        if edit.startswith("+"):
+            lines.append(edit[1:])
+            continue
+        count = int(edit[1:])
+        if edit.startswith("="):
+            lines += old[at : at + count]
+        at += count
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
 def _parser(engine: str, version: str, prog: str) -> _Parser:
-    """The engine release's parser: every flag of `_launch_flags.FLAGS`, the LoRA ones with the engine's spec."""
+    """The engine release's parser: every flag of its `_flag_table`, the LoRA ones with the engine's spec."""
     spec = _vllm_spec(version) if engine == "vllm" else _SGLANG_SPEC
     parser = _Parser(prog=prog, add_help=False)
-    for line in FLAGS[(engine, version)].splitlines():
+    for line in _flag_table(engine, version).splitlines():
         first, *marks = line.split(" ")
         if first.startswith("@"):  # a positional
             dest = first[1:]
