@@ -510,7 +510,7 @@ def test_transformers4_adapter_merges_into_transformers5_mixtral_like_peft(tmp_p
 
 
 def test_preflight_groups_consequential_problems() -> None:
-    from lorafast.compat._way_out import grouped_lines
+    from lorafast.cli._way_out import grouped_lines
 
     dim = {"code": "sglang_expert_dim", "type": "ValueError", "fatal": True, "adapter_name": "b",
            "message": "experts_shared_outer_loras is enabled but gate_up_proj_moe lora_A has expert_dim=4 (expected 1)."}  # fmt: skip
