@@ -23,8 +23,8 @@ use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 use rustc_hash::FxHashMap;
 
 use super::instances::{Maker, ModuleClass};
-use super::metadata_dict;
 use super::module_values::{fields_dict, hold, module_fields, with_weight_file, Fields, HeldFields, Interned};
+use super::scan::metadata_dict;
 use crate::classify::{Classification, ModuleInfo, Modules};
 use crate::codes::Flag;
 use crate::error::Error;

@@ -12,7 +12,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use rayon::prelude::*;
 
-use super::{detach_contained, load_options, remote_options, Concurrency, ScanResult, Timeout};
+use super::args::{load_options, remote_options, Concurrency, Timeout};
+use super::detach_contained;
+use super::report::ScanResult;
 use crate::error::Error;
 use crate::header::ReadMode;
 use crate::remote::{self, RemoteOptions, Stat};
