@@ -1,4 +1,4 @@
-"""lorafast.check / read_base / identify: adapters against base models, from headers only (issue 13).
+"""lorafast.check / read_base / identify: adapters against base models, from headers only.
 
 The bases and adapters are tiny models made here by transformers, diffusers and PEFT. Every LLM verdict is
 compared with PEFT loading the adapter onto a meta-device model built from the base config.

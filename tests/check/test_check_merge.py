@@ -1,4 +1,4 @@
-"""One name rule for `merge` and `check` (issue 13, "One mapping").
+"""One name rule for `merge` and `check`: the same module path resolves to the same weight in both.
 
 `merge` resolves adapter module paths onto weights with `naming.NameTable.match`, and `check` uses the
 same function, so the two never disagree: a module the base has only below another prefix is `prefix_only` in

@@ -1,4 +1,4 @@
-"""Usage errors and argument checks (issue 12 #8, #13, #14, #18): one-line messages and the documented exit
+"""Usage errors and argument checks: one-line messages and the documented exit
 codes, never a traceback; nonsense thread counts and a bare string path refused or taken as one path."""
 
 from __future__ import annotations

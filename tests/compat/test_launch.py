@@ -1,5 +1,5 @@
 """lorafast.compat.launch without the engines: program detection, the result's shape, versions, collecting and
-raising. What each engine makes of a command is proven against its own parser in tests/test_oracle_launch.py."""
+raising. What each engine makes of a command is proven against its own parser in tests/oracle/test_oracle_launch.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ and the output merged with `lorafast.merge` into one tiny base must give the sam
 `ConvertError` with a listed code, nothing left behind); a wrong result or any other exception is not.
 
 The suite runs a short pass with a fixed seed; `LORAFAST_FUZZ_CASES=N` runs N inputs per harness (and
-`LORAFAST_FUZZ_SEED` picks the seed; without it the pass is derandomized): tests/fuzzing.py.
+`LORAFAST_FUZZ_SEED` picks the seed; without it the pass is derandomized): tests/helpers/fuzzing.py.
 """
 
 from __future__ import annotations

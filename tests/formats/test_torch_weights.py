@@ -1,4 +1,4 @@
-"""`.bin` / `.pt` weights read without unpickling (rust/torch*.rs).
+"""`.bin` / `.pt` weights read without unpickling (rust/torch/).
 
 What torch writes is read back as `torch.load(weights_only=True)` reads it: names, dtypes, shapes, and
 the bytes at the reported offsets. Adapters saved by PEFT as `adapter_model.bin` classify exactly as
@@ -443,7 +443,7 @@ def test_a_storage_key_declared_again_must_agree_with_its_first_declaration(tmp_
     assert "then as 32 float64" in str(refused(path, "invalid_torch_tensor"))
 
 
-# ---- what tests/fuzz_torch.py found: files lorafast accepted that torch.load cannot load ----
+# ---- what tests/fuzz/fuzz_torch.py found: files lorafast accepted that torch.load cannot load ----
 
 
 @pytest.mark.parametrize(

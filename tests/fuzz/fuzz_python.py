@@ -1,4 +1,4 @@
-"""Fuzz harness for lorafast's Python surface (issue 12), driven by atheris (libFuzzer).
+"""Fuzz harness for lorafast's Python surface, driven by atheris (libFuzzer).
 
 Each input is a small container that becomes an adapter on disk:
 
@@ -17,8 +17,8 @@ Every case runs `read_header` (pread and mmap), `inspect`, `scan`, `inspect_many
 - a hang: a case over 5 s (a watchdog thread saves the input to `hang-<sha1>` and ends the process);
 - memory: a case whose peak RSS rises more than 10x the file size + 64 MiB (Linux `clear_refs` resets the peak).
 
-Usage: `python tests/fuzz_python.py [libFuzzer flags] [CORPUS_DIR ...]`, e.g. `-max_total_time=600 -seed=1`.
-`python tests/fuzz_python.py --seeds DIR` writes the seed corpus (fixtures + `lorafast sample` output) to DIR.
+Usage: `python tests/fuzz/fuzz_python.py [libFuzzer flags] [CORPUS_DIR ...]`, e.g. `-max_total_time=600 -seed=1`.
+`python tests/fuzz/fuzz_python.py --seeds DIR` writes the seed corpus (fixtures + `lorafast sample` output) to DIR.
 Crashers and interesting inputs are kept in tests/fuzz-corpus/python/.
 """
 
@@ -294,7 +294,8 @@ def _file(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | 
 
 
 def regression_inputs() -> list[bytes]:
-    """Inputs from issue 12's defects that reach the Python surface."""
+    """Inputs that once broke the Python surface: 0-d factors on `experts` modules, a layer index past any model,
+    config fields of the wrong type, and a header of 5,000 metadata keys."""
     experts = "base_model.model.model.layers.0.mlp.experts"
     peft = json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["experts"]}).encode()
     far = "base_model.model.model.layers.999999999.self_attn.q_proj"
@@ -331,7 +332,7 @@ def seed_inputs() -> list[bytes]:
                 out.append(container[: len(container) - len(body) + min(len(body), 8 + 65536)])
                 if (
                     config is not None and st.parent.name == "peft_llama_patterns"
-                ):  # wrong field types (issue 12 #17) and a cut file
+                ):  # config fields of the wrong type, and a cut file
                     out.append(pack(json.dumps({"r": "8", "lora_alpha": [], "target_modules": 7}).encode(), body))
                     out.append(pack(config, body[: len(body) // 2], raw=True))
     return out

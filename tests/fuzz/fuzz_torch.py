@@ -1,4 +1,4 @@
-"""Differential fuzz harness of the torch `.bin` / `.pt` reader (rust/torch*.rs) against
+"""Differential fuzz harness of the torch `.bin` / `.pt` reader (rust/torch/) against
 `torch.load(weights_only=True)`, driven by atheris (libFuzzer).
 
 Each input is a `torch.save` archive taken apart, so that mutations reach the pickle and the storage records
@@ -18,8 +18,8 @@ Every case runs `_core.read_torch_header` and `lorafast.inspect` on the file, an
   contiguous tensors);
 - a hang (5 s; the input is saved as `hang-<sha1>`) or memory over 10x the file + 64 MiB while lorafast reads it.
 
-Usage: `python tests/fuzz_torch.py [libFuzzer flags] [CORPUS_DIR ...]`; `--seeds DIR` writes the seed corpus
-(torch.save output of many state dicts, and hand-written pickles of issue 30's defects). Crashers and the inputs
+Usage: `python tests/fuzz/fuzz_torch.py [libFuzzer flags] [CORPUS_DIR ...]`; `--seeds DIR` writes the seed corpus
+(torch.save output of many state dicts, and hand-written pickles of the reader's past defects). Crashers and the inputs
 worth keeping are in tests/fuzz-corpus/torch/.
 """
 
@@ -238,8 +238,8 @@ def _state_dicts() -> list[Any]:
 
 
 def _hand_written() -> list[bytes]:
-    """Issue 30's defects: a storage declared twice (agreeing, bigger, another dtype), a tensor memoized once and
-    listed under many keys."""
+    """Pickles of the reader's past defects: a storage declared twice (agreeing, bigger, another dtype), a tensor
+    memoized once and listed under many keys."""
     first = Storage(torch.FloatStorage, "0", 64)
     out = []
     for again in (first, Storage(torch.FloatStorage, "0", 4096), Storage(torch.DoubleStorage, "0", 32)):

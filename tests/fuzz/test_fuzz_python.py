@@ -1,7 +1,7 @@
-"""A short seeded pass of the Python fuzz harness (tests/fuzz_python.py); `make fuzz-python` runs a long one.
+"""A short seeded pass of the Python fuzz harness (tests/fuzz/fuzz_python.py); `make fuzz-python` runs a long one.
 
 The harness runs in a child process (libFuzzer ends the process when it is done), from the seeds (fixtures,
-`lorafast sample` output, issue 12's regression inputs) and the kept corpus in tests/fuzz-corpus/python/.
+`lorafast sample` output, inputs that once broke the Python surface) and the kept corpus in tests/fuzz-corpus/python/.
 """
 
 from __future__ import annotations

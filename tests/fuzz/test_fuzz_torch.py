@@ -1,8 +1,9 @@
-"""A short seeded pass of the torch reader's differential fuzz harness (tests/fuzz_torch.py, against
+"""A short seeded pass of the torch reader's differential fuzz harness (tests/fuzz/fuzz_torch.py, against
 `torch.load(weights_only=True)`); `make fuzz-torch` runs a long one.
 
 The harness runs in a child process (libFuzzer ends the process when it is done), from its seeds (torch.save output
-and hand-written pickles of issue 30's defects) and the kept corpus in tests/fuzz-corpus/torch/.
+and hand-written pickles of the reader's past defects: storages declared twice, a tensor listed under many keys) and
+the kept corpus in tests/fuzz-corpus/torch/.
 """
 
 from __future__ import annotations

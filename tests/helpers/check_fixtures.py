@@ -1,4 +1,5 @@
-"""Tiny base models and adapters for tests/test_check.py, made at test time with transformers, diffusers and PEFT.
+"""Tiny base models and adapters for tests/check/ and tests/serving/, made at test time with transformers,
+diffusers and PEFT.
 
 Bases are saved with a small `max_shard_size`, so each has a `model.safetensors.index.json`. Adapters are made by
 PEFT on their own base; kohya files are written from a UNet's module names.

@@ -1,6 +1,6 @@
 """Writes the malformed-file corpus: at least one file per header rule, named after the code it must give.
 
-Run `python tests/malformed.py DIR` to write it by hand; the tests call `write_corpus`.
+Run `python tests/helpers/malformed.py DIR` to write it by hand; the tests call `write_corpus`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Hand-made `torch.save` files for the torch reader's tests and fuzz harness (tests/test_torch_weights.py,
-tests/fuzz_torch.py): a state dict pickled the way torch pickles it, with any storage declarations, and the
+"""Hand-made `torch.save` files for the torch reader's tests and fuzz harness (tests/formats/test_torch_weights.py,
+tests/fuzz/fuzz_torch.py): a state dict pickled the way torch pickles it, with any storage declarations, and the
 zip around it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Merge fault tests (issue 12): non-finite deltas, a truncated adapter, interrupts at every stage of random
+"""Merge under faults: non-finite deltas, a truncated adapter, interrupts at every stage of random
 blocks, and two threads merging into one model. After each, the weights must be bit-identical to before.
 
 Factors and weights are small integers here, so every merged value and every subtraction is exact: then even
@@ -70,7 +70,7 @@ def hook(monkeypatch: pytest.MonkeyPatch):
 def test_non_finite_delta_restores_every_bit_in_every_snapshot_mode(
     tmp_path: Path, mode: str, dtype: torch.dtype, device: str
 ) -> None:
-    # Issue 12 #6: finite factors whose delta reaches 2.4e38 per rank (4.8e38 in all: Inf even in fp32), in the
+    # Finite factors whose delta reaches 2.4e38 per rank (4.8e38 in all: Inf even in fp32), in the
     # last row of the last weight, after every other block was written. Subtract mode used to subtract the delta
     # from the block it had refused to write, leaving down_proj all -Inf.
     sd = weights(dtype, device=device)
@@ -243,7 +243,7 @@ def test_interrupted_snapshot_unmerge_resumes_on_retry(tmp_path: Path, monkeypat
 
 @pytest.mark.parametrize("mode", MODES)
 def test_two_threads_merging_into_one_model_take_turns(tmp_path: Path, mode: str, hook) -> None:
-    # Issue 12 #7: without the claims, both threads read a block, wait, and write it back, so one delta is lost.
+    # Two threads on one block: without the claims, both read it, wait, and write it back, so one delta is lost.
     sd = weights(torch.float32)
     before = {k: v.clone() for k, v in sd.items()}
     paths = [int_adapter(tmp_path / "a", seed=4), int_adapter(tmp_path / "b", seed=5)]

@@ -1,4 +1,4 @@
-"""Issue 30, item 12: a LoRA factor whose number of dimensions is not the one its module kind reads (a 0-d or 1-d
+"""A LoRA factor whose number of dimensions is not the one its module kind reads (a 0-d or 1-d
 lora_A on a plain module, a 0-d lora_A on a target-parameters `experts` module, a 0-d lora_B on a stacked 3-D one)
 is an `invalid_factor_shape` problem, in `scan` rows as in `inspect`. Such files used to give rows with no problem."""
 

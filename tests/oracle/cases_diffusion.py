@@ -6,7 +6,7 @@ weights) and returns the case list the runner and the test share. Sources:
 * real files: the diffusers/PEFT and kohya fixtures in tests/fixtures/real, and `lorafast sample` diffusion kinds;
 * synthetic key sets of every format SGLang's loader tells apart (PEFT DiT, kohya SD, kohya Flux at Flux's real
   sizes, XLabs, kohya MiniMax-H3, Wan, Qwen-Image, ai-toolkit Flux);
-* broken variants of each class of issue 11 §4: tensors written in a data order unlike the header's, configs
+* broken variants of each class of defect: tensors written in a data order unlike the header's, configs
   that are JSON lists (and other non-objects), kohya names met by PEFT config checks after conversion,
   ai-toolkit detection edges, metadata alphas (`lora_adapter_metadata`, global alpha keys) and `lora_alpha`.
 

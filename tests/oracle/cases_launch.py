@@ -1,4 +1,4 @@
-"""Launch-command oracle cases, and the parser-definition helpers both sides of tests/test_oracle_launch.py use.
+"""Launch-command oracle cases, and the parser-definition helpers both sides of tests/oracle/test_oracle_launch.py use.
 
 `describe` writes an argparse parser down as rows (the engine's own, in tests/oracle/launch_runner.py, and
 lorafast's replica); `encode` turns the engine's rows into the text of `lorafast/compat/_launch_flags.py`.

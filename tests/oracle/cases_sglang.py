@@ -1,9 +1,9 @@
-"""Adapters and adapter sets for the SGLang LLM oracle (tests/test_oracle_sglang.py).
+"""Adapters and adapter sets for the SGLang LLM oracle (tests/oracle/test_oracle_sglang.py).
 
 Every adapter is a folder on disk (safetensors headers with sparse zero data, an `adapter_config.json`), built
 for one of six tiny base models. Sources: real PEFT `save_pretrained` output for tiny Llama, Qwen2, Mistral,
 Mixtral, Qwen2-MoE and Qwen3-MoE models; `lorafast sample` adapters; tests/fixtures/real; and hand-made variants
-of every class issue 11 lists (loader rules, Inkling shared experts, first-use failures, added tokens, ...).
+of every class of SGLang failure (loader rules, Inkling shared experts, first-use failures, added tokens, ...).
 Sets combine them with the server flags (`--max-lora-rank`, `--lora-target-modules`, shared-outer override,
 strict loading, `--max-loras-per-batch`) plus later dynamic loads.
 """

@@ -1,5 +1,5 @@
-"""The fleet and launch commands of tests/test_oracle_serving.py: real PEFT adapters of tiny Llama, Qwen2, Llava,
-Mixtral and Qwen3-MoE models (tests/check_fixtures.py), with the scale PEFT trained each module at, and how vLLM's
+"""The fleet and launch commands of test_oracle_serving.py: real PEFT adapters of tiny Llama, Qwen2, Llava,
+Mixtral and Qwen3-MoE models (helpers/check_fixtures.py), with the scale PEFT trained each module at, and how vLLM's
 model files describe each base to the LoRA manager.
 
 Every adapter is made by PEFT (`get_peft_model` on the tiny model, B initialised non-zero, `save_pretrained`);

@@ -181,7 +181,7 @@ def _text(message: str) -> str:
     """An error text without what describes the model rather than the adapter: vLLM's unexpected-modules error
     prints the model's expected module set and the names after the model's weights mapper, and keeps
     `base_model.model.` in names only under a mapper. lorafast describes the model from the base's weights (the
-    texts themselves are proven in tests/test_oracle_vllm.py, on vLLM's own model descriptions). A printed set of
+    texts themselves are proven in test_oracle_vllm.py, on vLLM's own model descriptions). A printed set of
     names is compared as a set."""
     message = re.sub(r"expected target modules in \{[^}]*\} but received \[[^]]*\]", "expected ... received ...",
                      message)  # fmt: skip

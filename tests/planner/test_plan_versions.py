@@ -1,7 +1,7 @@
 """`lorafast.plan` per SGLang version: 0.5.23's quantized-layer rule, auto-merge rounding-loss rule and merge
 cache, how a plan reports the rounding rule when it lacks weight values, and the rules' one home in compat.
 
-The engine itself is the oracle in tests/test_oracle_plan.py; these pin the planner's own reporting.
+The engine itself is the oracle in tests/oracle/test_oracle_plan.py; these pin the planner's own reporting.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""`lorafast.Index` over URLs (issue 16, part 4): remote adapters are keyed by their objects' ETag (or size and
+"""`lorafast.Index` over URLs: remote adapters are keyed by their objects' ETag (or size and
 last-modified), as the discovery's listing reports them, so an unchanged bucket costs the listing and nothing
 else; added, changed and deleted objects are reported as for local paths. Requests are counted on the loopback
-servers of tests/servers.py (no internet)."""
+servers of tests/helpers/servers.py (no internet)."""
 
 from __future__ import annotations
 

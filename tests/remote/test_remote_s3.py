@@ -150,7 +150,7 @@ def test_mixed_local_and_remote_inputs_keep_order(s3):
 
 def test_index_follows_moto_etags(s3, tmp_path):
     """`lorafast.Index` on a real S3 API: rows keyed by moto's ETags; an unchanged bucket reads nothing, and a
-    put, an overwrite and a delete come back as added, changed and removed (tests/test_index_remote.py counts
+    put, an overwrite and a delete come back as added, changed and removed (test_index_remote.py counts
     the requests on a server that logs them)."""
     from lorafast.testing import write_attention_adapter
     from test_index import same_report

@@ -1,4 +1,4 @@
-"""The typed arguments of the compiled core (rust/py.rs): `mode`, `timeout` and `concurrency` are checked as the
+"""The typed arguments of the compiled core (rust/py/): `mode`, `timeout` and `concurrency` are checked as the
 core extracts them, with errors that name the argument, and the Python-visible defaults stay as written."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import lorafast
 import pytest
 import ray
 from helpers.servers import RangeServer, build_fleet, normalized
-from lorafast.scanning import distributed
 from lorafast.cli import main as cli_main
+from lorafast.scanning import distributed
 
 pytestmark = pytest.mark.ray
 

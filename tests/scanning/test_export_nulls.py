@@ -1,4 +1,4 @@
-"""Failed rows are null in every export (issue 29, item 4): a file that could not be read has no format, rank,
+"""Failed rows are null in every export: a file that could not be read has no format, rank,
 layout, flags or sizes in the Arrow, pandas, polars and Parquet tables (nulls, not the core's placeholders 0,
 "unknown" and "dense", which a filter would take for data) and no record in `to_json`'s adapters; its path,
 status, error code and error message are kept. The module table has no rows for it."""

@@ -1,4 +1,4 @@
-"""`lorafast.Index` (issue 16, part 4): a persistent SQLite index whose `scan` reads only what changed and
+"""`lorafast.Index`: a persistent SQLite index whose `scan` reads only what changed and
 returns the report a full scan gives; it survives a writer killed mid-update and serves concurrent readers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The core's Parquet writer (`rust/parquet.rs`, behind `ScanReport.to_parquet`), read back by pyarrow's reader:
+"""The core's Parquet writer (`rust/report/parquet.rs`, behind `ScanReport.to_parquet`), read back by pyarrow's reader:
 random columns of every kind the report tables hold, with nulls, over page and row-group boundaries."""
 
 from __future__ import annotations

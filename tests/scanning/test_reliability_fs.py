@@ -1,4 +1,4 @@
-"""Issue 12: file systems as a hostile user leaves them. FIFOs, devices, sockets, dangling links,
+"""Scans of file systems as a hostile user leaves them. FIFOs, devices, sockets, dangling links,
 link loops, unreadable files and folders, names that are not UTF-8, 1,000-level trees and a
 100,000-entry folder: each gives a row or a clear error, within a bounded time. Also huge timeouts,
 connection resets, unsupported URL schemes, and a panic in the core (forced by a test hook)."""

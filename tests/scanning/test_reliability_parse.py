@@ -1,6 +1,6 @@
-"""Issue 12, parsing and classification: valid files that once crashed the classifier give rows,
+"""Parsing and classification of hostile files: valid files that once crashed the classifier give rows,
 memory and time follow the input, wrong-typed config fields are problems, and bad UTF-8 is the
-error reported first. The Rust side is tested in tests/reliability_parse.rs and the fuzz harnesses."""
+error reported first. The Rust side is tested in the cargo test reliability_parse and the fuzz harnesses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A scan report at column speed (issue 16, part 2): iteration builds `Adapter`s from what the scan kept
+"""A scan report at column speed: iteration builds `Adapter`s from what the scan kept
 (never reading a file again) and equals a fresh `inspect` field by field; `to_json` streams the text
 `json.dumps` gives; the Arrow, pandas, polars and Parquet tables come from the Rust columns."""
 
@@ -25,7 +25,7 @@ from lorafast.testing import write_safetensors
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """Samples of every kind, copies of them (remembered headers, `rust/memo.rs`), kohya metadata that differs
+    """Samples of every kind, copies of them (remembered headers, `rust/scan/memo.rs`), kohya metadata that differs
     per copy, and failed rows."""
     root = tmp_path_factory.mktemp("fleet")
     write_samples(str(root / "samples"), 120)
@@ -282,7 +282,7 @@ def test_arrow_tables_match_the_columns_and_the_adapters(fleet):
     assert table.num_rows == len(report)
     assert table["row"].to_pylist() == cols["path_index"].tolist()
     assert table["path"].to_pylist() == report.paths
-    read = cols["status"] != lorafast.scanning.STATUS_ERROR  # failed rows are null (tests/test_export_nulls.py)
+    read = cols["status"] != lorafast.scanning.STATUS_ERROR  # failed rows are null (test_export_nulls.py)
     assert table["rank"].to_pylist() == [r if ok else None for r, ok in zip(cols["rank"].tolist(), read, strict=True)]
     assert table["format"].to_pylist() == [
         lorafast.scanning.FORMATS[c] if ok else None for c, ok in zip(cols["format"].tolist(), read, strict=True)

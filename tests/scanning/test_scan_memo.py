@@ -1,4 +1,4 @@
-"""A scan remembers the classification of a header it has seen (rust/memo.rs): adapters with the
+"""A scan remembers the classification of a header it has seen (rust/scan/memo.rs): adapters with the
 same header bytes, file size and config get it without a second parse. These tests check that a
 remembered row is always the row a fresh read gives, and that whatever is not in the key (tensor
 data such as kohya alphas, the config, the file size) is never taken from the memory."""

@@ -1,6 +1,6 @@
-"""Issue 30: a huge `threads` gives the same report, on a pool of at most 256 threads (one per file when the paths
+"""A huge `threads` gives the same report, on a pool of at most 256 threads (one per file when the paths
 are files only), instead of making and ending thousands of OS threads for the call (3,000 took 23-30 s for one
-file). The cap itself is tested in rust/scan.rs (`a_pool_has_at_most_max_threads`)."""
+file). The cap itself is tested in rust/scan/pool.rs (`a_pool_has_at_most_max_threads`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`lorafast.preflight`: one verdict per adapter for the server a launch command starts, on real PEFT adapters of
 tiny transformers models. The trained scale is checked against PEFT's own `LoraLayer.scaling`; the engines' side
-(what they load, wrap and scale) against their released code in tests/test_oracle_serving.py."""
+(what they load, wrap and scale) against their released code in tests/oracle/test_oracle_serving.py."""
 
 from __future__ import annotations
 
