@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -338,12 +339,19 @@ def seed_inputs() -> list[bytes]:
     return out
 
 
+def write_seeds(argv: list[str], inputs: Callable[[], list[bytes]]) -> bool:
+    """`--seeds DIR`: write each of `inputs()` to DIR under its sha1 and say so (True); otherwise False."""
+    if len(argv) != 3 or argv[1] != "--seeds":
+        return False
+    dest = Path(argv[2])
+    dest.mkdir(parents=True, exist_ok=True)
+    for data in inputs():
+        (dest / hashlib.sha1(data).hexdigest()).write_bytes(data)
+    return True
+
+
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--seeds":
-        dest = Path(sys.argv[2])
-        dest.mkdir(parents=True, exist_ok=True)
-        for data in seed_inputs():
-            (dest / hashlib.sha1(data).hexdigest()).write_bytes(data)
+    if write_seeds(sys.argv, seed_inputs):
         return
     logging.disable(logging.WARNING)  # the engine checks log what SGLang would log; not wanted here
     out_dir = Path(os.environ.get("LORAFAST_FUZZ_OUT", "."))

@@ -56,6 +56,7 @@ from fuzz_python import (
     lorafast,
     peak,
     reset_peak,
+    write_seeds,
 )
 from helpers.torch_files import ST_DTYPES, Storage, Tensor, random_state_dict, state_pickle, tensor_bytes, torch_records
 
@@ -256,11 +257,7 @@ def seed_inputs() -> list[bytes]:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--seeds":
-        dest = Path(sys.argv[2])
-        dest.mkdir(parents=True, exist_ok=True)
-        for data in seed_inputs():
-            (dest / hashlib.sha1(data).hexdigest()).write_bytes(data)
+    if write_seeds(sys.argv, seed_inputs):
         return
     warnings.simplefilter("ignore")  # torch warns about the odd pickles it is given
     harness = Harness(Path(os.environ.get("LORAFAST_FUZZ_OUT", ".")))

@@ -3,6 +3,8 @@ passes.
 
 - `scaled(n)`: `n` examples under the `default` profile, scaled with the loaded one (`dev` a tenth, `fuzz` ten
   times), for a test whose examples cost more than the profile's size allows;
+- `seeded_pass(harness, kept, tmp_path, seconds)`: a short seeded libFuzzer pass of an atheris harness
+  (tests/fuzz/) in a child process, from its seeds and the kept corpus; fails on any saved finding;
 - `fuzz(short)`: the settings of a differential fuzz pass (test_convert_fuzz.py, test_index_fuzz.py,
   test_base_fuzz.py): `scaled(short)` inputs, derandomized, in the suite; `LORAFAST_FUZZ_CASES=N` for N inputs and
   `LORAFAST_FUZZ_SEED` for a seed of its own, as `make fuzz` runs the core's harnesses."""
@@ -10,7 +12,11 @@ passes.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, seed, settings
@@ -38,3 +44,32 @@ def fuzz(short: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return seed(int(chosen))(fn) if chosen is not None else fn
 
     return wrap
+
+
+def seeded_pass(harness: Path, kept: Path, tmp_path: Path, seconds: int) -> tuple[int, int]:
+    """Run `harness --seeds` then `seconds` of libFuzzer (seed 1) over a new folder, the seeds and `kept` (the
+    committed corpus stays as it is: libFuzzer writes new inputs into the first folder); assert that it ended
+    cleanly with no crash, hang, timeout, out-of-memory or finding saved. Returns (seeds written, runs done)."""
+    seeds = tmp_path / "seeds"
+    subprocess.run([sys.executable, str(harness), "--seeds", str(seeds)], check=True, timeout=300)
+    n_seeds = len(list(seeds.iterdir()))
+    new = tmp_path / "new"
+    new.mkdir()
+    argv = [sys.executable, str(harness), "-seed=1", f"-max_total_time={seconds}", "-timeout=60",
+            "-rss_limit_mb=4096", f"-artifact_prefix={tmp_path}/", str(new), str(seeds), str(kept)]  # fmt: skip
+    proc = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 240,
+        env={**os.environ, "LORAFAST_FUZZ_OUT": str(tmp_path)},
+    )
+    tail = proc.stderr[-4000:]
+    assert proc.returncode == 0, tail
+    found = [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "hang-", "timeout-", "oom-", "finding-"))
+    ]
+    assert not found, tail
+    runs = re.search(r"Done (\d+) runs", proc.stderr)
+    assert runs is not None, tail
+    return n_seeds, int(runs.group(1))
