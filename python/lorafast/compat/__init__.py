@@ -6,7 +6,8 @@
 * `lorafast.compat.vllm`: vLLM's adapter checks;
 * `diff_versions`: what an engine upgrade changes for each adapter; `engine_rules`: which verified version
   answers a version string (`parse_engine_version` reads one), and `VERIFIED_VERSIONS`, the releases the oracle
-  tests run; `UnverifiedEngineVersion` (warning) and `UnverifiedEngineVersionError` (`strict_version=True`).
+  tests run, with `VERSION_CHANGES`, what each changed (`default_engine_version`: the installed one, else
+  the newest); `UnverifiedEngineVersion` (warning) and `UnverifiedEngineVersionError` (`strict_version=True`).
 
 They return the engine's answers and raise the engine's exceptions (same type, same message) without
 loading a tensor. Importing this package imports only the standard library.
@@ -17,13 +18,16 @@ from __future__ import annotations
 from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
 from lorafast.compat._upgrade import AdapterOutcome, BaseDiff, VersionChange, VersionDiff, diff_bases, diff_versions
+from lorafast.compat._versions import CHANGES as VERSION_CHANGES
 from lorafast.compat._versions import SUPPORTED as VERIFIED_VERSIONS
 from lorafast.compat._versions import EngineRules, UnverifiedEngineVersion, UnverifiedEngineVersionError
+from lorafast.compat._versions import default_version as default_engine_version
 from lorafast.compat._versions import parse as parse_engine_version
 from lorafast.compat._versions import rules_for as engine_rules
 
 __all__ = [
     "VERIFIED_VERSIONS",
+    "VERSION_CHANGES",
     "AdapterOutcome",
     "AdapterView",
     "BaseDiff",
@@ -34,6 +38,7 @@ __all__ = [
     "UnverifiedEngineVersionError",
     "VersionChange",
     "VersionDiff",
+    "default_engine_version",
     "diff_bases",
     "diff_versions",
     "engine_rules",

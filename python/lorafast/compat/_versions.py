@@ -132,7 +132,7 @@ def resolve(engine: str, engine_version: str | None = None) -> tuple[int, ...]:
 
 
 @functools.cache
-def _default(engine: str) -> str:
+def default_version(engine: str) -> str:
     """The installed engine's version, else the newest supported one. Looked up once per process: a metadata
     search stats every entry of sys.path, and rules ask for the version per tensor (a 1,000-adapter preflight
     spent half its time here)."""
@@ -163,7 +163,7 @@ def rules_for(engine: str, engine_version: str | None = None, *, strict: bool = 
     """The rules that answer `engine_version` (default: installed, else newest), warning once per call site
     with `UnverifiedEngineVersion` when it is not verified, or raising `UnverifiedEngineVersionError` with
     `strict=True`. Raises `ValueError` for a string that is not a version."""
-    rules = _rules(engine, engine_version if engine_version is not None else _default(engine))
+    rules = _rules(engine, engine_version if engine_version is not None else default_version(engine))
     if not rules.verified:
         verified = ", ".join(SUPPORTED[engine])
         text = (
@@ -185,7 +185,7 @@ def at_least(engine: str, engine_version: str | None, minimum: str) -> bool:
     """Do the rules that answer `engine_version` include a change made in `minimum`? Versions between two
     verified releases take the newer one's rules (see `_rules`); versions before the oldest verified release
     are compared as they are, for the older rules lorafast keeps."""
-    return _at_least(engine, engine_version if engine_version is not None else _default(engine), minimum)
+    return _at_least(engine, engine_version if engine_version is not None else default_version(engine), minimum)
 
 
 @functools.cache
