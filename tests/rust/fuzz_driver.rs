@@ -1,4 +1,4 @@
-//! The fuzz driver's watchdog (`tests/common/fuzz.rs`): an input that runs over
+//! The fuzz driver's watchdog (`tests/rust/common/fuzz.rs`): an input that runs over
 //! `LORAFAST_FUZZ_HANG_SECS` ends the run and is saved as `hang-<hash>`; inputs under the limit,
 //! however many, pass. The driver ends the whole process on a hang, so each case runs this test
 //! binary again as a child, with a corpus root in a temporary folder.
