@@ -6,8 +6,8 @@
 * `lorafast.compat.vllm`: vLLM's adapter checks;
 * `diff_versions`: what an engine upgrade changes for each adapter; `engine_rules`: which verified version
   answers a version string (`parse_engine_version` reads one), and `VERIFIED_VERSIONS`, the releases the oracle
-  tests run, with `VERSION_CHANGES`, what each changed (`default_engine_version`: the installed one, else
-  the newest); `UnverifiedEngineVersion` (warning) and `UnverifiedEngineVersionError` (`strict_version=True`).
+  tests run, with `VERSION_CHANGES`, what each changed; `UnverifiedEngineVersion` (warning) and
+  `UnverifiedEngineVersionError` (`strict_version=True`).
 
 They return the engine's answers and raise the engine's exceptions (same type, same message) without
 loading a tensor. Importing this package imports only the standard library.
@@ -21,7 +21,6 @@ from lorafast.compat._upgrade import AdapterOutcome, BaseDiff, VersionChange, Ve
 from lorafast.compat._versions import CHANGES as VERSION_CHANGES
 from lorafast.compat._versions import SUPPORTED as VERIFIED_VERSIONS
 from lorafast.compat._versions import EngineRules, UnverifiedEngineVersion, UnverifiedEngineVersionError
-from lorafast.compat._versions import default_version as default_engine_version
 from lorafast.compat._versions import parse as parse_engine_version
 from lorafast.compat._versions import rules_for as engine_rules
 
@@ -38,7 +37,6 @@ __all__ = [
     "UnverifiedEngineVersionError",
     "VersionChange",
     "VersionDiff",
-    "default_engine_version",
     "diff_bases",
     "diff_versions",
     "engine_rules",
