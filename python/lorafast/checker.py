@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -751,109 +752,94 @@ def check(
     return CheckReport(fleet, models, table, engines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# CLI
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add `lorafast check --base PATH [--base PATH ...] ADAPTER... [--engine sglang|vllm] [--json]`."""
-    from .cli import add_remote_arguments, add_version_arguments, positive_int  # shared options: same parsing
-
-    p = subparsers.add_parser("check", help="does each adapter fit each base model? (headers only)")
-    p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders (scanned like `scan`)")
-    p.add_argument(
-        "--base",
-        action="append",
-        default=[],
-        help="base checkpoint, sharded folder, pipeline or URL; without one, name the likely base families",
-    )
-    p.add_argument("--engine", choices=("sglang", "vllm"), default=None, help="add the engine's own outcome")
-    add_version_arguments(p, "--engine")
-    p.add_argument(
-        "--max-lora-rank",
-        type=positive_int,
-        default=None,
-        help="with --engine: the server's --max-lora-rank (default: the engine's, vLLM 16, SGLang inferred)",
-    )
-    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.add_argument("--threads", type=positive_int, default=None, help="worker threads (default: cores)")
-    add_remote_arguments(p, "URL bases and adapters")
-    p.set_defaults(func=_cmd_check)
-
-
-def _cmd_check(args: Any) -> int:
-    """Exit 1 when any adapter would fail or silently do nothing on some base."""
-    import sys
-
-    if not args.base:
-        if args.engine is not None or args.max_lora_rank is not None:
-            print("lorafast check: error: --engine and --max-lora-rank need --base", file=sys.stderr)
-            return 2
-        return _cmd_identify(args)
-    report = check(
-        args.adapters,
-        args.base,
-        engine=args.engine,
-        engine_version=args.engine_version,
-        strict_version=args.strict_version,
-        max_lora_rank=args.max_lora_rank,
-        threads=args.threads,
-        storage_options=dict(args.storage_option) or None,
-        timeout=args.timeout,
-    )
-    if args.json:
-        sys.stdout.write(report.to_json(indent=2) + "\n")
-        return 1 if report.failed else 0
-    for r in report:
-        line = (
-            f"{r.verdict:<15} {r.adapter}  on  {r.base}  ({r.matched} matched, {r.missing} missing, "
-            f"{r.mismatched} mismatched)"
-        )
-        print(line)
-        if r.hint or r.error:
-            print(f"    {r.error or r.hint}")
-        if r.engine is not None:
-            print(f"    {r.engine.engine}: {r.engine.outcome}" + (f" ({r.engine.note})" if r.engine.note else ""))
-            for e in r.engine.errors[:3]:
-                print(f"      {e}")
-    s = report.summary()
-    print(", ".join(f"{v} {k}" for k, v in s["verdicts"].items() if v) + f" ({s['pairs']} pairs)")
-    return 1 if report.failed else 0
-
-
-def _cmd_identify(args: Any) -> int:
-    import sys
-
-    from .families import identify
-    from .scanning import scan
-
-    report = scan(
-        args.adapters,
-        threads=args.threads,
-        progress=False,
-        storage_options=dict(args.storage_option) or None,
-        timeout=args.timeout,
-    )
-    out: list[dict[str, Any]] = []
-    for adapter in report:
-        ident = identify(adapter)
-        out.append(
-            {
-                "adapter": adapter.path,
-                "base_model_name_or_path": adapter.base_model_name_or_path,
-                "fingerprint": dict(ident.fingerprint),
-                "candidates": [list(c) for c in ident.candidates],
-                "ambiguous": list(ident.ambiguous),
-                "best": ident.best,
-            }
-        )
-    if args.json:
-        sys.stdout.write(json.dumps({"identified": out, "errors": report.errors}, indent=2) + "\n")
-    else:
-        for row in out:
-            best = row["best"] or (f"ambiguous: {', '.join(row['ambiguous'])}" if row["ambiguous"] else "unknown")
-            print(f"{best:<40} {row['adapter']}  (config says {row['base_model_name_or_path'] or 'nothing'})")
-    return 1 if report.errors else 0
-
-
 __all__ = ["MODULE_STATUSES", "VERDICTS", "CheckReport", "EngineOutcome", "ModuleCheck", "PairResult", "check"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A base upgrade (`lorafast upgrade-check --from-base --to-base`): check on both, compared
+
+#: what can change for an adapter between two bases
+BASE_CHANGE_KINDS = ("verdict", "modules")
+
+
+@dataclass(frozen=True)
+class BaseOutcome:
+    """One adapter on one base, as `lorafast.check` sees it: its verdict and the modules that reach a weight."""
+
+    name: str
+    path: str
+    verdict: str
+    matched: tuple[str, ...] = ()
+    hint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "verdict": self.verdict, "matched": list(self.matched),
+                "hint": self.hint}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BaseChange:
+    name: str
+    kinds: tuple[str, ...]
+    old: BaseOutcome
+    new: BaseOutcome
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kinds": list(self.kinds), "old": self.old.to_dict(), "new": self.new.to_dict()}
+
+
+@dataclass(frozen=True)
+class BaseDiff:
+    """`diff_bases`' answer: each adapter on the base as one transformers version saved it, and as the other did."""
+
+    old_base: str
+    new_base: str
+    changes: tuple[BaseChange, ...]
+    adapters: int
+    labels: tuple[str | None, str | None] = (None, None)
+
+    def summary(self) -> dict[str, Any]:
+        kinds = Counter(k for c in self.changes for k in c.kinds)
+        return {
+            "engine": "transformers",
+            "from": {"base": self.old_base, "version": self.labels[0]},
+            "to": {"base": self.new_base, "version": self.labels[1]},
+            "adapters": self.adapters,
+            "changed": len(self.changes),
+            "unchanged": self.adapters - len(self.changes),
+            "kinds": {k: kinds[k] for k in BASE_CHANGE_KINDS if kinds[k]},
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "changes": [c.to_dict() for c in self.changes]}
+
+
+def diff_bases(
+    adapters: Any,
+    from_base: Any,
+    to_base: Any,
+    *,
+    labels: tuple[str | None, str | None] = (None, None),
+    **options: Any,
+) -> BaseDiff:
+    """A transformers upgrade: every adapter whose fit changes between a base as one transformers version saved it
+    (`from_base`) and as another did (`to_base`), by `lorafast.check` on each, which knows transformers' load-time
+    renames (a Llava or Mixtral checkpoint of transformers 4 loads under 5's names). A change is another verdict
+    or another set of modules that reach a base weight. `options` go to `check` (`storage_options`, ...)."""
+    report = check(adapters, [from_base, to_base], **options)
+    pairs = list(report)
+    n = len(pairs) // 2
+    sides = []
+    for pair in pairs:
+        name = pair.adapter.rstrip("/").rsplit("/", 1)[-1]
+        matched = tuple(sorted(m.module for m in pair.modules if m.status == "ok"))
+        sides.append(BaseOutcome(name, pair.adapter, pair.verdict, matched, pair.hint))
+    old, new = sides[:n], sides[n:]
+    changes = []
+    for a, b in zip(old, new, strict=True):
+        kinds = tuple(k for k, differs in (("verdict", a.verdict != b.verdict), ("modules", a.matched != b.matched))
+                      if differs)  # fmt: skip
+        if kinds:
+            changes.append(BaseChange(a.name, kinds, a, b))
+    names = [str(getattr(m, "path", m)) for m in (from_base, to_base)]
+    return BaseDiff(names[0], names[1], tuple(changes), n, labels)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lorafast
+import lorafast.checker
 import pytest
 from lorafast.cli import main
 from lorafast.compat import _versions, diff_versions, engine_rules, sglang, vllm
@@ -295,7 +296,7 @@ def test_upgrade_check_transformers_llava_rename(tmp_path: Path, capsys: pytest.
     write_safetensors(old_names / "adapter_model.safetensors", renamed)
     (old_names / "adapter_config.json").write_text((v5 / "adapter_config.json").read_text())
 
-    diff = lorafast.compat.diff_bases([v5, old_names], saved, new, labels=("4.57.0", "5.0.0"))
+    diff = lorafast.checker.diff_bases([v5, old_names], saved, new, labels=("4.57.0", "5.0.0"))
     by = {c.name: c for c in diff.changes}
     single = {p.adapter: p.verdict for p in lorafast.check([v5, old_names], new)}
     assert single[str(v5)] == "ok" and single[str(old_names)] != "ok"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from lorafast.compat._common import CompatProblem, LoraRef, lora_id
 from lorafast.compat._inputs import AdapterView, resolve_adapters
-from lorafast.compat._upgrade import AdapterOutcome, BaseDiff, VersionChange, VersionDiff, diff_bases, diff_versions
+from lorafast.compat._upgrade import AdapterOutcome, VersionChange, VersionDiff, diff_versions
 from lorafast.compat._versions import CHANGES as VERSION_CHANGES
 from lorafast.compat._versions import SUPPORTED as VERIFIED_VERSIONS
 from lorafast.compat._versions import EngineRules, UnverifiedEngineVersion, UnverifiedEngineVersionError
@@ -29,7 +29,6 @@ __all__ = [
     "VERSION_CHANGES",
     "AdapterOutcome",
     "AdapterView",
-    "BaseDiff",
     "CompatProblem",
     "EngineRules",
     "LoraRef",
@@ -37,7 +36,6 @@ __all__ = [
     "UnverifiedEngineVersionError",
     "VersionChange",
     "VersionDiff",
-    "diff_bases",
     "diff_versions",
     "engine_rules",
     "lora_id",

@@ -19,7 +19,6 @@ from lorafast.compat import _versions
 #: The kinds of change, in the order they are reported.
 CHANGE_KINDS = ("outcome", "exception", "text", "stage", "modules", "scale")
 #: For a base saved by two transformers versions (`diff_bases`): `check`'s verdict and the modules it matches.
-BASE_CHANGE_KINDS = ("verdict", "modules")
 
 
 @dataclass(frozen=True)
@@ -191,88 +190,3 @@ def diff_versions(
         VersionChange(a.name, kinds, a, b) for a, b in zip(before, after, strict=True) if (kinds := _kinds(a, b))
     )
     return VersionDiff(engine, old, new, changes, len(refs))
-
-
-@dataclass(frozen=True)
-class BaseOutcome:
-    """One adapter on one base, as `lorafast.check` sees it: its verdict and the modules that reach a weight."""
-
-    name: str
-    path: str
-    verdict: str
-    matched: tuple[str, ...] = ()
-    hint: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "verdict": self.verdict, "matched": list(self.matched),
-                "hint": self.hint}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class BaseChange:
-    name: str
-    kinds: tuple[str, ...]
-    old: BaseOutcome
-    new: BaseOutcome
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kinds": list(self.kinds), "old": self.old.to_dict(), "new": self.new.to_dict()}
-
-
-@dataclass(frozen=True)
-class BaseDiff:
-    """`diff_bases`' answer: each adapter on the base as one transformers version saved it, and as the other did."""
-
-    old_base: str
-    new_base: str
-    changes: tuple[BaseChange, ...]
-    adapters: int
-    labels: tuple[str | None, str | None] = (None, None)
-
-    def summary(self) -> dict[str, Any]:
-        kinds = Counter(k for c in self.changes for k in c.kinds)
-        return {
-            "engine": "transformers",
-            "from": {"base": self.old_base, "version": self.labels[0]},
-            "to": {"base": self.new_base, "version": self.labels[1]},
-            "adapters": self.adapters,
-            "changed": len(self.changes),
-            "unchanged": self.adapters - len(self.changes),
-            "kinds": {k: kinds[k] for k in BASE_CHANGE_KINDS if kinds[k]},
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary(), "changes": [c.to_dict() for c in self.changes]}
-
-
-def diff_bases(
-    adapters: Any,
-    from_base: Any,
-    to_base: Any,
-    *,
-    labels: tuple[str | None, str | None] = (None, None),
-    **options: Any,
-) -> BaseDiff:
-    """A transformers upgrade: every adapter whose fit changes between a base as one transformers version saved it
-    (`from_base`) and as another did (`to_base`), by `lorafast.check` on each, which knows transformers' load-time
-    renames (a Llava or Mixtral checkpoint of transformers 4 loads under 5's names). A change is another verdict
-    or another set of modules that reach a base weight. `options` go to `check` (`storage_options`, ...)."""
-    from lorafast.checker import check
-
-    report = check(adapters, [from_base, to_base], **options)
-    pairs = list(report)
-    n = len(pairs) // 2
-    sides = []
-    for pair in pairs:
-        name = pair.adapter.rstrip("/").rsplit("/", 1)[-1]
-        matched = tuple(sorted(m.module for m in pair.modules if m.status == "ok"))
-        sides.append(BaseOutcome(name, pair.adapter, pair.verdict, matched, pair.hint))
-    old, new = sides[:n], sides[n:]
-    changes = []
-    for a, b in zip(old, new, strict=True):
-        kinds = tuple(k for k, differs in (("verdict", a.verdict != b.verdict), ("modules", a.matched != b.matched))
-                      if differs)  # fmt: skip
-        if kinds:
-            changes.append(BaseChange(a.name, kinds, a, b))
-    names = [str(getattr(m, "path", m)) for m in (from_base, to_base)]
-    return BaseDiff(names[0], names[1], tuple(changes), n, labels)
