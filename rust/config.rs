@@ -47,7 +47,7 @@ pub enum Matcher {
 }
 
 /// Limits on a config's compiled regexes, so that a small config cannot take much memory or
-/// time (100 keys like `\w{100}` took 870 MB and a minute): bytes per compiled program and
+/// time (a hundred keys like `\w{100}` would take gigabytes and a minute): bytes per compiled program and
 /// per lazy-DFA cache, and compiled patterns per config (later ones are reported as bad).
 const REGEX_SIZE_LIMIT: usize = 256 << 10;
 const MAX_REGEX_PATTERNS: usize = 64;

@@ -577,7 +577,7 @@ mod tests {
             "q_proj"
         );
         assert_eq!(leaf("lora_unet_mid_block_attentions_0_proj_out", true), "proj_out");
-        // Keys that are only a number (or empty) used to underflow in the Sequential-index rule.
+        // Keys that are only a number (or empty) must not underflow in the Sequential-index rule.
         assert_eq!(leaf("0", false), "0");
         assert_eq!(leaf("", false), "");
         assert_eq!(split(".lora_A.weight"), None);

@@ -9,7 +9,7 @@
 //!
 //! The columns are tens of megabytes written once (224,000 modules: 24 MB). Their first touch, a
 //! page fault per 4 KiB, was most of the time of building them, so they all live in one anonymous
-//! mapping (`Arena`) that the kernel may back with 2 MiB pages: 13 ms -> 3 ms for 24 MB here.
+//! mapping (`Arena`) that the kernel may back with 2 MiB pages.
 
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -535,9 +535,8 @@ impl<'r> ModuleTable<'r> {
         // Each distinct classification's rows, interned by groups in parallel; then the groups'
         // dictionaries merged in order into the table's, and their codes rewritten to it.
         let ranges = balanced(classes.iter().map(|m| m.len()), threads * 4);
-        // The groups' codes in one mapping, each group a stretch of it: the unique fleet's 224,000
-        // modules have 6 MB of codes, and a buffer per group (under 2 MiB each) took 1,540 faults of
-        // 4 KiB pages a table, where one mapping takes huge pages (`Arena`).
+        // The groups' codes in one mapping, each group a stretch of it: a buffer per group (each
+        // under 2 MiB) faults in 4 KiB pages, where one mapping takes huge pages (`Arena`).
         let mut layout = Layout::default();
         let all_codes = layout.column::<[i32; 7]>(classes.iter().map(|m| m.len()).sum());
         let mut code_arena = Arena::new(layout.size)?;

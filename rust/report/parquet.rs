@@ -2,8 +2,8 @@
 //! and numpy hold them: numbers, masks of nulls, dictionary codes with their distinct strings, and
 //! Arrow's string buffers.
 //!
-//! Why not pyarrow's or the `parquet` crate's writer: on a 224,000-module table pyarrow's writer
-//! took 16–22 ms on one thread, more than the scan it reports on (12.5 ms), and the `parquet`
+//! Why not pyarrow's or the `parquet` crate's writer: pyarrow's writer runs on one thread and takes
+//! longer than the scan it reports on, and the `parquet`
 //! crate re-hashes every value of a dictionary column to build its dictionary. Here the codes the
 //! core already made are written as they are (RLE/bit-packed, the Parquet dictionary encoding),
 //! and the column chunks of a row group are encoded in parallel. The file is plain Parquet 2.x:
@@ -17,7 +17,7 @@ use rayon::prelude::*;
 /// Rows of a row group, as pyarrow's default.
 pub const ROW_GROUP_ROWS: usize = 1 << 20;
 /// Rows of a data page. Each thread encodes a page whole in memory, then compresses it: 16 Ki rows of
-/// u64 are 128 KiB (with 1 MiB pages, writing 20,000 small adapters added 2.2x their columns at peak).
+/// u64 are 128 KiB, so the pages in flight stay small beside the columns themselves.
 pub const PAGE_ROWS: usize = 1 << 14;
 /// A page of strings ends once past this many bytes.
 pub const PAGE_BYTES: usize = 1 << 18;

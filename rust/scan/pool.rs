@@ -19,8 +19,8 @@ pub fn install_fork_guard() {
     }
 }
 
-/// The most threads a pool has, whatever is asked: a pool of 3,000 took 23-30 s to make and end
-/// for a one-file scan, and reading headers gains nothing from that many.
+/// The most threads a pool has, whatever is asked: a pool of thousands takes seconds to make and
+/// end, and reading headers gains nothing from that many.
 pub const MAX_THREADS: usize = 256;
 
 /// Threads to use: `LORAFAST_NUM_THREADS`, else the available cores (at most `MAX_THREADS`).

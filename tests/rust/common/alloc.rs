@@ -69,7 +69,7 @@ pub fn peak_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
     (out, peak.saturating_sub(start).max(0) as usize)
 }
 
-/// The bound on memory for an input of `len` bytes: 10x its size plus 64 MB.
+/// The bound on memory for an input of `len` bytes: 10x its size plus 64 MB.
 pub fn memory_bound(len: usize) -> usize {
     len.saturating_mul(10).saturating_add(64 << 20)
 }
