@@ -67,6 +67,26 @@ class _InertModule(types.ModuleType):
         return cls
 
 
+def _engine_import_to_stub(me: object, name: str, path: object, target: object, engine: str, root: str) -> bool:
+    """Whether a finder stubs `name`: not the engine's own package or the standard library, found by no other
+    finder on sys.meta_path, and imported by one of the engine's own files (under `root`)."""
+    top = name.split(".")[0]
+    if top == engine or top in sys.stdlib_module_names:
+        return False
+    for finder in sys.meta_path:
+        if finder is me:
+            continue
+        try:
+            if finder.find_spec(name, path, target) is not None:  # type: ignore[attr-defined]
+                return False
+        except Exception:  # a broken finder is not our concern
+            pass
+    frame = sys._getframe(2)  # the caller of find_spec, past the import machinery
+    while frame and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(root)
+
+
 def _accept_anything(self: object, *args: object, **kwargs: object) -> None:
     pass
 
@@ -174,25 +194,9 @@ def install_sglang_llm() -> None:
 
     class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, name, path, target=None):
-            if not any(name == p or name.startswith(p + ".") for p in SGLANG_REPLACED):
-                top = name.split(".")[0]
-                if top == "sglang" or top in sys.stdlib_module_names:
-                    return None
-                for finder in sys.meta_path:
-                    if finder is self:
-                        continue
-                    try:
-                        if finder.find_spec(name, path, target) is not None:
-                            return None
-                    except Exception:  # a broken finder is not our concern
-                        pass
-                frame = sys._getframe(1)
-                while frame and (
-                    frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename
-                ):
-                    frame = frame.f_back
-                if frame is None or not frame.f_code.co_filename.startswith(root):
-                    return None  # only imports made by the engine's own files are stubbed
+            replaced = any(name == p or name.startswith(p + ".") for p in SGLANG_REPLACED)
+            if not replaced and not _engine_import_to_stub(self, name, path, target, "sglang", root):
+                return None
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
         def create_module(self, spec):
@@ -623,22 +627,8 @@ def install_vllm_cli() -> None:
 
     class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
-            top = name.split(".")[0]
-            if top == "vllm" or top in sys.stdlib_module_names:
+            if not _engine_import_to_stub(self, name, path, target, "vllm", root):
                 return None
-            for finder in sys.meta_path:
-                if finder is self:
-                    continue
-                try:
-                    if finder.find_spec(name, path, target) is not None:
-                        return None
-                except Exception:  # a broken finder is not our concern
-                    pass
-            frame = sys._getframe(1)
-            while frame and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in frame.f_code.co_filename):
-                frame = frame.f_back
-            if frame is None or not frame.f_code.co_filename.startswith(root):
-                return None  # only imports made by the engine's own files are stubbed
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
         def create_module(self, spec):  # type: ignore[no-untyped-def]
