@@ -210,7 +210,8 @@ def _actions(parser: Any, prefix: tuple[str, ...] = ()) -> Any:
 
 
 def test_every_flag_has_help() -> None:
-    from lorafast.cli import build_parser, launch_parser
+    from lorafast.cli import build_parser
+    from lorafast.cli.preflight import launch_parser
 
     found = list(_actions(build_parser())) + list(_actions(launch_parser(), ("preflight --",)))
     assert len(found) > 100  # every subcommand was reached

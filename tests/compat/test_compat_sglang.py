@@ -786,45 +786,32 @@ def test_structure_cache_keeps_names_and_errors() -> None:
 
 
 def test_cli_preflight(tmp_path: Path, peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
+    from lorafast.cli import main
 
-    from lorafast.compat.cli import register_cli
-
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
     shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
     numbered = peft("numbered", moe_numbered(), target_modules=MOE_TARGETS)
-    args = parser.parse_args(["preflight", "sglang", f"s={shared}", f"n={numbered}", "--json"])
-    assert args.func(args) == 1
+    assert main(["preflight", "sglang", f"s={shared}", f"n={numbered}", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert [p["message"] for p in report["problems"] if p["fatal"]][0] == MIXED.format(lora_id("n", numbered))
-    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--base-config", str(_write(tmp_path, QWEN_MOE))])
-    assert args.func(args) == 0
+    assert main(["preflight", "sglang", f"s={shared}", "--base-config", str(_write(tmp_path, QWEN_MOE))]) == 0
     assert "experts_shared_outer: True" in capsys.readouterr().out
-    args = parser.parse_args(["preflight", "vllm", shared, "--max-lora-rank", "8"])
-    assert args.func(args) == 0
+    assert main(["preflight", "vllm", shared, "--max-lora-rank", "8"]) == 0
 
 
 def test_cli_engine_version(tmp_path: Path, peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
+    from lorafast.cli import main
 
-    from lorafast.compat.cli import register_cli
-
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
     shared = peft("shared", moe_shared(), target_modules=MOE_TARGETS)
     config = str(_write(tmp_path, QWEN_MOE))
-    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json",
-                              "--base-config", config])  # fmt: skip
-    assert args.func(args) == 0
+    assert main(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23", "--json",
+                              "--base-config", config]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["passed"] == ["s"]
     # without the base's config the first-use checks cannot run: never a silent ok
-    args = parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23"])
-    assert args.func(args) == 1
+    assert main(["preflight", "sglang", f"s={shared}", "--engine-version", "0.5.23"]) == 1
     out = capsys.readouterr().out
     assert "skipped (no --base-config)" in out and out.splitlines()[-1].startswith("unknown: ")
     with pytest.raises(SystemExit) as exit_:  # a string that is not a version is a usage error
-        parser.parse_args(["preflight", "sglang", f"s={shared}", "--engine-version", "next", "--json"])
+        main(["preflight", "sglang", f"s={shared}", "--engine-version", "next", "--json"])
     assert exit_.value.code == 2 and "not an engine version: 'next'" in capsys.readouterr().err
 
 

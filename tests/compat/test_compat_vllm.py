@@ -201,20 +201,14 @@ def test_bin_weights_read_without_running_the_pickle(tmp_path: Path) -> None:
 
 
 def test_cli_engine_version(peft: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
+    from lorafast.cli import main
 
-    from lorafast.compat.cli import register_cli
-
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
     # modules_to_save ["score"]: 0.33.0 allows it (classification heads), 0.30.0 rejects it
     head = peft("head", ATTN, modules_to_save=["score"])
-    args = parser.parse_args(["preflight", "vllm", f"h={head}", "--engine-version", "0.30.0", "--json"])
-    assert args.func(args) == 1
+    assert main(["preflight", "vllm", f"h={head}", "--engine-version", "0.30.0", "--json"]) == 1
     (problem,) = json.loads(capsys.readouterr().out)["problems"]
     assert problem["message"] == "vLLM only supports modules_to_save being None." and problem["adapter"] == "h"
-    args = parser.parse_args(["preflight", "vllm", f"h={head}", "--engine-version", "0.33.0", "--json"])
-    assert args.func(args) == 0
+    assert main(["preflight", "vllm", f"h={head}", "--engine-version", "0.33.0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["skipped"] == ["expected_modules", "moe_format", "classification_head"]
 
 

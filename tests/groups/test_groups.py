@@ -7,7 +7,6 @@ is SGLang's own start-up check (`compat.sglang.preflight`) plus "one base model"
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import lorafast
 import pytest
+from lorafast.cli import main
 from lorafast.compat.sglang import LoraRef, detect_shared_outer_loras, preflight
 from lorafast.groups import (
     NO_SHARED_OUTER_FLAG,
@@ -24,7 +24,6 @@ from lorafast.groups import (
     plan_groups,
 )
 from lorafast.groups._plan import _Item, _lower_bound, _partition
-from lorafast.groups_cli import register_cli
 from lorafast.testing import TensorSpec, write_peft_adapter
 
 H, I = 16, 8  # noqa: E741 - hidden and MoE intermediate sizes of the toy model
@@ -295,15 +294,11 @@ def test_partition_matches_brute_force_on_keys() -> None:
 
 
 def test_cli_groups(fleet: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
-    args = parser.parse_args(["groups", fleet["s1"], fleet["p1"], fleet["d1"], "--json"])
-    assert args.func(args) == 0
+    assert main(["groups", fleet["s1"], fleet["p1"], fleet["d1"], "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [len(g["adapters"]) for g in data["groups"]] == [1, 2] and data["minimal"] is True
     assert data["groups"][0]["server_args"][-2:] == ["--lora-paths", f"s1={fleet['s1']}"]
-    args = parser.parse_args(["groups", fleet["s1"], fleet["m1"], "--max-lora-rank", "8"])
-    assert args.func(args) == 1  # something is unservable
+    assert main(["groups", fleet["s1"], fleet["m1"], "--max-lora-rank", "8"]) == 1  # something is unservable
     assert "unservable: m1" in capsys.readouterr().out
 
 
@@ -322,7 +317,4 @@ def test_groups_with_a_base_config_run_the_first_use_checks(fleet: dict[str, str
     assert not wide.ok and wide.unservable[0].code == "preflight" and "buffer shape" in wide.unservable[0].reason
     config = tmp_path / "config.json"
     config.write_text(json.dumps(qwen))
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
-    args = parser.parse_args(["groups", fleet["p1"], "--base-config", str(config), "--json"])
-    assert args.func(args) == 0
+    assert main(["groups", fleet["p1"], "--base-config", str(config), "--json"]) == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -14,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.bits import bits
+from lorafast.cli import main as run_cli
 from lorafast.errors import HeaderError
-from lorafast.merging import MergeError, merge, merge_file, register_cli
+from lorafast.merging import MergeError, merge, merge_file
 from lorafast.tensors import TensorFile
 from lorafast.testing import write_peft_adapter
 from safetensors import safe_open
@@ -243,13 +243,6 @@ def test_workspace_memory_is_bounded(tmp_path: Path) -> None:
 # CLI
 
 
-def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lorafast")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
 def test_cli_merge(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base, a, b, sd = files
     out = tmp_path / "cli.safetensors"
@@ -303,7 +296,7 @@ def test_cli_errors(files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_cli_helpers() -> None:
-    from lorafast.merging.cli import parse_adapter, parse_size
+    from lorafast.cli.merge import parse_adapter, parse_size
 
     assert parse_adapter("a/b:0.5") == ("a/b", 0.5)
     assert parse_adapter("a/b") == ("a/b", 1.0)

@@ -5,7 +5,6 @@ Adapters are real files written with `lorafast.testing.write_safetensors` and re
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 import lorafast
 import numpy as np
 import pytest
+from lorafast.cli import main
 from lorafast.compat.diffusion import resolve_lora_merge_mode
 from lorafast.planner import (
     DYNAMIC_MULTI_ADAPTER_ERROR,
@@ -27,7 +27,6 @@ from lorafast.planner import (
     normalize_lora_params,
     plan,
     plan_set_lora,
-    register_cli,
 )
 from lorafast.testing import TensorSpec, write_peft_adapter, write_safetensors
 
@@ -513,18 +512,22 @@ def test_unreadable_adapter_is_reported_not_raised(tmp_path: Path) -> None:
     assert any("could not inspect" in w for w in p.warnings)
 
 
-def _cli(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
-    return parser.parse_args(argv)
-
-
 def test_cli_plan(fleet: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     both = ["--modules", "transformer", "transformer_2"]
-    args = _cli(
-        ["plan", "--adapter", f"a={fleet['a']}:0.5@transformer", "-a", f"b={fleet['b']}@transformer_2", *both, "--json"]
+    assert (
+        main(
+            [
+                "plan",
+                "--adapter",
+                f"a={fleet['a']}:0.5@transformer",
+                "-a",
+                f"b={fleet['b']}@transformer_2",
+                *both,
+                "--json",
+            ]
+        )
+        == 0
     )
-    assert args.func(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert [(t["target"], t["adapters"][0]["strength"]) for t in data["targets"]] == [
         ("transformer", 0.5),
@@ -532,28 +535,25 @@ def test_cli_plan(fleet: dict[str, str], tmp_path: Path, capsys: pytest.CaptureF
     ]
     state_file = tmp_path / "state.json"
     state_file.write_text(json.dumps(data))  # a previous plan's JSON is a valid --state
-    args = _cli(["plan", "-a", "a:0.5@transformer", "-a", "b@transformer_2", "--state", str(state_file)])
-    assert args.func(args) == 0
+    assert main(["plan", "-a", "a:0.5@transformer", "-a", "b@transformer_2", "--state", str(state_file)]) == 0
     out = capsys.readouterr().out
     assert out.count("action: skip") == 2, out
-    args = _cli(["plan", "-a", f"a={fleet['a']}", "-a", f"b={fleet['b']}", "--merge-mode", "dynamic"])
-    assert args.func(args) == 1
+    assert main(["plan", "-a", f"a={fleet['a']}", "-a", f"b={fleet['b']}", "--merge-mode", "dynamic"]) == 1
     err = capsys.readouterr().err
     assert DYNAMIC_MULTI_ADAPTER_ERROR in err and "--resolve plans it as a merge" in err
-    args = _cli(["plan", "-a", f"a={fleet['a']}", "-a", f"b={fleet['b']}", "--merge-mode", "dynamic", "--resolve"])
-    assert args.func(args) == 0
+    assert main(["plan", "-a", f"a={fleet['a']}", "-a", f"b={fleet['b']}", "--merge-mode", "dynamic", "--resolve"]) == 0
     assert "(resolved)" in capsys.readouterr().out
 
 
 def test_cli_adapter_spec_parsing() -> None:
-    from lorafast.planner import _parse_adapter_spec
+    from lorafast.planner import parse_adapter_spec
 
-    assert _parse_adapter_spec("n=/x/y:0.25@critic") == LoraRequest("n", "/x/y", 0.25, "critic")
-    assert _parse_adapter_spec("n=C:/x@y/z") == LoraRequest("n", "C:/x@y/z", 1.0, "all")  # ':' / '@' in paths
-    assert _parse_adapter_spec("n") == LoraRequest("n", None, 1.0, "all")
-    assert _parse_adapter_spec("n:2") == LoraRequest("n", None, 2.0, "all")
+    assert parse_adapter_spec("n=/x/y:0.25@critic") == LoraRequest("n", "/x/y", 0.25, "critic")
+    assert parse_adapter_spec("n=C:/x@y/z") == LoraRequest("n", "C:/x@y/z", 1.0, "all")  # ':' / '@' in paths
+    assert parse_adapter_spec("n") == LoraRequest("n", None, 1.0, "all")
+    assert parse_adapter_spec("n:2") == LoraRequest("n", None, 2.0, "all")
     with pytest.raises(ValueError):
-        _parse_adapter_spec("=p")
+        parse_adapter_spec("=p")
 
 
 def test_lorafast_plan_is_the_function_even_after_importing_its_module(fleet: dict[str, str]) -> None:
@@ -581,11 +581,9 @@ def test_supplied_adapters_are_used_and_a_reload_reads_the_new_file(fleet: dict[
 
 def test_cli_sharded_modules(fleet: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     two = ["--modules", "transformer", "transformer_2"]
-    args = _cli(["plan", "-a", f"a={fleet['a']}", *two, "--sharded", "transformer_2", "--json"])
-    assert args.func(args) == 0
+    assert main(["plan", "-a", f"a={fleet['a']}", *two, "--sharded", "transformer_2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["targets"][0]["module_modes"] == {"transformer": "merge", "transformer_2": "dynamic"}
     assert data["weights_sharded"] == {"transformer_2": True}
-    args = _cli(["plan", "-a", f"a={fleet['a']}", *two, "--sharded", "--json"])
-    assert args.func(args) == 0
+    assert main(["plan", "-a", f"a={fleet['a']}", *two, "--sharded", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["targets"][0]["mode"] == "dynamic"

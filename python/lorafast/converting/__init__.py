@@ -5,13 +5,11 @@
 - `ConvertError` (`.code` in `CONVERT_ERROR_CODES`, `.cli` as the CLI says it), `LAYOUTS`
 
 No conversion imports torch (`bits`): each moves bits, with numpy and the OS's copies.
-- `register_cli(subparsers)`: the `lorafast convert` command.
 """
 
 from __future__ import annotations
 
 from lorafast.converting.api import LAYOUTS, ConvertResult, convert, detect_layout
-from lorafast.converting.cli import register_cli
 from lorafast.converting.errors import CONVERT_ERROR_CODES, ConvertError
 
 __all__ = [
@@ -21,5 +19,4 @@ __all__ = [
     "ConvertResult",
     "convert",
     "detect_layout",
-    "register_cli",
 ]

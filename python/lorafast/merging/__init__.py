@@ -3,14 +3,12 @@
 - `merge(model, plan_or_requests, ...) -> MergeHandle`: in place, transactional; `handle.unmerge()` restores
   the original bits.
 - `merge_file(base, requests, out, ...)`: base checkpoint + adapters -> merged checkpoint, streamed.
-- `register_cli(subparsers)`: the `lorafast merge` command.
 
 Nothing here imports torch until a merge runs.
 """
 
 from __future__ import annotations
 
-from lorafast.merging.cli import register_cli
 from lorafast.merging.engine import DEFAULT_CHUNK_BYTES, SNAPSHOT_MODES, MergedTarget, MergedTerm, MergeHandle, merge
 from lorafast.merging.errors import MERGE_ERROR_CODES, MergeError
 from lorafast.merging.sources import Source
@@ -27,5 +25,4 @@ __all__ = [
     "Source",
     "merge",
     "merge_file",
-    "register_cli",
 ]

@@ -23,17 +23,16 @@ feeding it back as `current=` (or with `Plan.then`).
 
 The package follows the parts of that work: `requests` (a call's requests and SGLang's argument handling),
 `state` (the pipeline state), `scales` (effective scales, and what an adapter's family means for merging),
-`plans` (the objects `plan()` returns), `replay` (the replay of `set_lora` itself) and `cli` (`lorafast plan`).
+`plans` (the objects `plan()` returns) and `replay` (the replay of `set_lora` itself); `lorafast plan` is
+`lorafast.cli.plan`.
 """
 
 from __future__ import annotations
 
 from lorafast.compat.diffusion import LORA_MERGE_MODES, VALID_TARGETS
-from lorafast.planner.cli import _parse_adapter_spec as _parse_adapter_spec
-from lorafast.planner.cli import register_cli as register_cli
 from lorafast.planner.plans import Action, LoadEvent, MergeStep, Plan, PlanError, PlannedAdapter, TargetPlan
 from lorafast.planner.replay import CONFIG_MATCHES_MESSAGE, DYNAMIC_MULTI_ADAPTER_ERROR, plan, plan_set_lora
-from lorafast.planner.requests import LoraRequest, normalize_lora_params, should_merge
+from lorafast.planner.requests import LoraRequest, normalize_lora_params, parse_adapter_spec, should_merge
 from lorafast.planner.scales import module_scale
 from lorafast.planner.state import PipelineState
 
@@ -53,6 +52,7 @@ __all__ = [
     "TargetPlan",
     "module_scale",
     "normalize_lora_params",
+    "parse_adapter_spec",
     "plan",
     "plan_set_lora",
     "should_merge",

@@ -24,6 +24,27 @@ class LoraRequest:
     """SGLang `lora_alpha`: overrides the adapter-level alpha."""
 
 
+def parse_adapter_spec(spec: str) -> LoraRequest:
+    """`NICK[=PATH][:STRENGTH][@TARGET]` (`lorafast plan --adapter`), parsed from the right so paths may hold ':'
+    or '@'. Raises `ValueError` for a spec without a nickname."""
+    target = "all"
+    head, sep, tail = spec.rpartition("@")
+    if sep and tail in _diffusion.VALID_TARGETS:
+        spec, target = head, tail
+    strength = 1.0
+    head, sep, tail = spec.rpartition(":")
+    if sep:
+        try:
+            strength = float(tail)
+            spec = head
+        except ValueError:
+            pass
+    nickname, sep, path = spec.partition("=")
+    if not nickname:
+        raise ValueError(f"bad --adapter {spec!r}: expected NICK=PATH[:STRENGTH][@TARGET]")
+    return LoraRequest(nickname, path or None, strength, target)
+
+
 def normalize_lora_params(
     lora_nickname: str | Sequence[str],
     lora_path: str | None | list[str | None] = None,

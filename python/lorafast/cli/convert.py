@@ -8,14 +8,16 @@ is written to `DIR/<name>`; one that fails is reported and the others go on (exi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from lorafast.cli import _options as o
+from lorafast.cli._output import print_json
+from lorafast.cli._status import ExitStatus
+
 if TYPE_CHECKING:
-    from lorafast.converting.api import ConvertResult
-    from lorafast.converting.errors import ConvertError
+    from lorafast.converting import ConvertError, ConvertResult
 
 
 def _rate(nbytes: int, seconds: float) -> str:
@@ -53,9 +55,8 @@ def _one_adapter(paths: list[str]) -> bool:
     return True
 
 
-def _run(args: argparse.Namespace) -> int:
-    from lorafast.converting.api import convert
-    from lorafast.converting.errors import ConvertError
+def run(args: argparse.Namespace) -> int:
+    from lorafast.converting import ConvertError, convert
 
     options = {"overwrite": args.overwrite, "source_layout": args.from_layout, "gate_up": args.gate_up}
     if _one_adapter(args.paths):
@@ -63,12 +64,12 @@ def _run(args: argparse.Namespace) -> int:
             res = convert(args.paths[0], args.to, args.out, **options)
         except ConvertError as exc:
             _refused(exc)
-            return 1
+            return ExitStatus.FAILED
         if args.json:
-            sys.stdout.write(json.dumps(res.to_dict(), indent=2) + "\n")
+            print_json(res.to_dict())
         else:
             _line(res)
-        return 0
+        return ExitStatus.OK
     results = convert(list(args.paths), args.to, args.out, **options)
     failed = [r for r in results if isinstance(r, ConvertError)]
     for r in results:
@@ -83,15 +84,14 @@ def _run(args: argparse.Namespace) -> int:
             else r.to_dict()
             for r in results
         ]
-        sys.stdout.write(json.dumps(shown, indent=2) + "\n")
+        print_json(shown)
     else:
         print(f"{len(results) - len(failed)} converted, {len(failed)} failed -> {args.out}")
-    return 1 if failed else 0
+    return ExitStatus.failed_if(failed)
 
 
-def register_cli(subparsers: Any) -> None:
-    """Add `lorafast convert` to an argparse subparsers object."""
-    from lorafast.converting.api import LAYOUTS
+def add_parser(subparsers: Any) -> None:
+    from lorafast.converting import LAYOUTS
 
     p = subparsers.add_parser(
         "convert",
@@ -121,5 +121,4 @@ def register_cli(subparsers: Any) -> None:
         help="row order of a target_parameters gate_up lora_B: interleaved for GPT-OSS (default: from "
         "the adapter config's base_model_name_or_path)",
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON (a list with several adapters)")
-    p.set_defaults(func=_run)
+    o.add_json(p, "print the result as JSON (a list with several adapters)")

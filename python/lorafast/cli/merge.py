@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import argparse
+from lorafast.cli import _options as o
+from lorafast.cli._status import ExitStatus, usage_error
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -90,22 +91,16 @@ def _base_file(base: str, out: str) -> tuple[str, str]:
     return os.path.join(base, files[0]), os.path.join(out, files[0])
 
 
-def _run(args: argparse.Namespace) -> int:
-    from lorafast.merging.errors import MergeError
-    from lorafast.merging.stream import merge_file
+def run(args: argparse.Namespace) -> int:
+    from lorafast.merging import MergeError, merge_file
 
     try:
         chunk = parse_size(args.chunk_bytes) if isinstance(args.chunk_bytes, str) else int(args.chunk_bytes)
-    except ValueError as exc:
-        print(f"lorafast merge: error: {exc}", file=sys.stderr)
-        return 2
+        base, out = _base_file(args.base, args.out)
+    except ValueError as exc:  # a bad --chunk-bytes, or a --base folder / --out that do not go together
+        return usage_error("merge", str(exc))
     requests = [parse_adapter(a) for a in args.adapter]
     bar = _Bar(enabled=not args.quiet and not args.json and sys.stderr.isatty())
-    try:
-        base, out = _base_file(args.base, args.out)
-    except ValueError as exc:
-        print(f"lorafast merge: error: {exc}", file=sys.stderr)
-        return 2
     try:
         summary: dict[str, Any] = merge_file(
             base,
@@ -125,10 +120,10 @@ def _run(args: argparse.Namespace) -> int:
                 )
             )
         print(f"lorafast merge: error: {exc}", file=sys.stderr)
-        return 1
+        return ExitStatus.FAILED
     except (OSError, ValueError) as exc:
         print(f"lorafast merge: error: {exc}", file=sys.stderr)
-        return 1
+        return ExitStatus.FAILED
     if args.json:
         print(json.dumps({"ok": True, **summary}))
     elif not args.quiet:
@@ -145,12 +140,11 @@ def _run(args: argparse.Namespace) -> int:
                 f"{row['adapter_prefix'] or '(none)'!r} -> {row['base_prefix'] or '(none)'!r} (--allow-prefix)",
                 file=sys.stderr,
             )
-    return 0
+    return ExitStatus.OK
 
 
-def register_cli(subparsers: Any) -> None:
-    """Add `lorafast merge` to an argparse subparsers object."""
-    from lorafast.merging.engine import DEFAULT_CHUNK_BYTES
+def add_parser(subparsers: Any) -> None:
+    from lorafast.merging import DEFAULT_CHUNK_BYTES
 
     p = subparsers.add_parser(
         "merge",
@@ -178,6 +172,5 @@ def register_cli(subparsers: Any) -> None:
         "without it they are refused, as `lorafast check` reports them",
     )
     p.add_argument("--unsafe", action="store_true", help="skip the NaN/Inf check of merged tensors")
-    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    o.add_json(p, "print a JSON summary on stdout")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
-    p.set_defaults(func=_run)
