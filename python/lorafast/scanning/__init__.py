@@ -5,7 +5,7 @@
 
 from lorafast.scanning._common import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK, STATUS_PROBLEMS, PathLike
 from lorafast.scanning.results import ScanReport, adapter_from_raw
-from lorafast.scanning.scan import inspect, inspect_many, scan
+from lorafast.scanning._entry import inspect, inspect_many, scan
 
 __all__ = [
     "FLAGS",
