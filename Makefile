@@ -87,8 +87,8 @@ test-python: ## pytest against the installed build
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 .PHONY: test-fast
-test-fast: ## pytest without the oracle, Ray, remote, fuzz and slow families (for a quick loop; make test is the gate)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not oracle and not ray and not remote and not fuzz and not slow"
+test-fast: ## pytest without the oracle, Ray, remote, fuzz and slow families, hypothesis profile dev (a quick loop; make test is the gate)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-dev} $(BIN)/python -m pytest -q -p no:cacheprovider -m "not oracle and not ray and not remote and not fuzz and not slow"
 
 .PHONY: test
 test: setup test-rust test-python ## set everything up, then run the whole suite
@@ -131,7 +131,7 @@ bench-fleet: build-release ## remote (loopback S3) and Ray scan benchmarks
 	$(BIN)/python benches/bench_remote.py
 	$(BIN)/python benches/bench_ray.py
 
-# Every fuzz harness (tests/fuzz_*.rs) with many more inputs than `make test`'s short seeded
+# Every fuzz harness (tests/rust/fuzz_*.rs) with many more inputs than `make test`'s short seeded
 # pass, from a new seed each run; failing inputs are saved in tests/fuzz-corpus/.
 FUZZ_CASES ?= 100000
 .PHONY: fuzz
