@@ -2,10 +2,10 @@
 
 Writes N small-header adapters (one .safetensors of 16 tensors each: a ~2 KB header, 128 KiB of data, so what
 a first read asks past the header is tensor data), and serves them on loopback from
-  s3:       moto's S3 app (as tests/servers.py MotoS3 runs it, but behind an HTTP/1.1 keep-alive server),
-  s3-light: tests/servers.py LocalS3's answers (ListObjectsV2, ranged GET, HEAD over a folder; `S3Store`) from
+  s3:       moto's S3 app (as tests/helpers/servers.py MotoS3 runs it, but behind an HTTP/1.1 keep-alive server),
+  s3-light: tests/helpers/servers.py LocalS3's answers (ListObjectsV2, ranged GET, HEAD over a folder; `S3Store`) from
             one asyncio event loop with keep-alive: a lighter S3-compatible server than moto, and
-  http:     the range server of tests/servers.py, with keep-alive, laid out as the Hub's resolve URLs,
+  http:     the range server of tests/helpers/servers.py, with keep-alive, laid out as the Hub's resolve URLs,
 each in a subprocess, behind benches/netproxy.py (an asyncio TCP proxy on 127.0.0.1 that adds the round trip
 time, a handshake round trip per new connection, and a bandwidth limit per direction). For each store and
 RTT, in the same run:
@@ -127,7 +127,7 @@ class Child:
 
 
 def serve_http(root: str) -> None:
-    """Child mode: tests/servers.py's range server over `root`, HTTP/1.1 keep-alive, until stdin closes."""
+    """Child mode: tests/helpers/servers.py's range server over `root`, HTTP/1.1 keep-alive, until stdin closes."""
     from helpers.servers import RangeServer, _Server
 
     _Server.request_queue_size = 1024  # the listen backlog (5 by default drops bursts of connects)
@@ -138,7 +138,7 @@ def serve_http(root: str) -> None:
 
 
 def serve_s3_light(root: str) -> None:
-    """Child mode: LocalS3's answers (tests/servers.py `S3Store`; bucket = a top-level folder of `root`) from one
+    """Child mode: LocalS3's answers (tests/helpers/servers.py `S3Store`; bucket = a top-level folder of `root`) from one
     asyncio event loop, HTTP/1.1 keep-alive, until stdin closes.
 
     Not LocalS3's own threaded server: with a thread per connection, 16 connections' requests handed the GIL
