@@ -4,7 +4,7 @@ The lists that live in Rust (header, adapter and torch error codes, problem code
 `rust/codes.rs`; module kinds: `ModuleKind` in `rust/classify.rs`) are exported by the extension, and the tuples
 here are those lists; the aliases spell the same values for type
 checkers. Merge forms live in Python (`lorafast.merging`), so their tuple is the alias's arguments.
-`tests/test_codes.py` checks, list by list, that the Rust list, the alias and the documented list are the
+`tests/formats/test_codes.py` checks, list by list, that the Rust list, the alias and the documented list are the
 same set.
 """
 

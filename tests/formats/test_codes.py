@@ -18,19 +18,19 @@ from typing import Any, get_args
 
 import lorafast
 import pytest
-from lorafast import _core, types
+from lorafast import _core, codes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 #: constant name -> (the list the core exports, or None for a Python-owned list; the Literal alias)
 LISTS: dict[str, tuple[Any, Any]] = {
-    "HEADER_ERROR_CODES": (_core.HEADER_ERROR_CODES, types.HeaderErrorCode),
-    "ADAPTER_ERROR_CODES": (_core.ADAPTER_ERROR_CODES, types.AdapterErrorCode),
-    "TORCH_ERROR_CODES": (_core.TORCH_ERROR_CODES, types.TorchErrorCode),
-    "PROBLEM_CODES": (_core.PROBLEM_CODES, types.ProblemCode),
-    "FLAGS": (_core.FLAGS, types.Flag),
-    "MODULE_KINDS": (_core.MODULE_KINDS, types.ModuleKind),
-    "MERGE_FORMS": (None, types.MergeForm),
+    "HEADER_ERROR_CODES": (_core.HEADER_ERROR_CODES, codes.HeaderErrorCode),
+    "ADAPTER_ERROR_CODES": (_core.ADAPTER_ERROR_CODES, codes.AdapterErrorCode),
+    "TORCH_ERROR_CODES": (_core.TORCH_ERROR_CODES, codes.TorchErrorCode),
+    "PROBLEM_CODES": (_core.PROBLEM_CODES, codes.ProblemCode),
+    "FLAGS": (_core.FLAGS, codes.Flag),
+    "MODULE_KINDS": (_core.MODULE_KINDS, codes.ModuleKind),
+    "MERGE_FORMS": (None, codes.MergeForm),
 }
 
 #: constant name -> the docs/ page that lists its codes
@@ -46,7 +46,7 @@ DOCS: dict[str, str] = {
 
 
 def _anchor(name: str) -> str:
-    return rf"`lorafast\.(?:types\.)?{name}`"
+    return rf"`lorafast\.(?:codes\.)?{name}`"
 
 
 def documented(name: str) -> set[str]:
@@ -64,7 +64,7 @@ def documented(name: str) -> set[str]:
 @pytest.mark.parametrize("name", sorted(LISTS))
 def test_code_list_is_one_set(name: str) -> None:
     core, alias = LISTS[name]
-    exported = getattr(types, name)
+    exported = getattr(codes, name)
     assert isinstance(exported, tuple)
     assert len(set(exported)) == len(exported), f"{name} repeats a code"
     assert set(exported) == set(get_args(alias)), f"{name} and its Literal differ"
@@ -88,9 +88,9 @@ def test_code_list_has_one_home(name: str) -> None:
     assert homes == [f"docs/{DOCS[name]}"], homes
 
 
-def test_top_level_tuples_are_the_types_tuples() -> None:
+def test_top_level_tuples_are_the_codes_tuples() -> None:
     for name in ("HEADER_ERROR_CODES", "ADAPTER_ERROR_CODES", "TORCH_ERROR_CODES", "PROBLEM_CODES"):
-        assert getattr(lorafast, name) is getattr(types, name)
+        assert getattr(lorafast, name) is getattr(codes, name)
 
 
 def test_codes_seen_in_results_are_listed(tmp_path: Path) -> None:
@@ -104,9 +104,9 @@ def test_codes_seen_in_results_are_listed(tmp_path: Path) -> None:
         kinds |= {m.kind for m in adapter.modules}
         problems |= {p.code for p in adapter.problems}
         flags |= set(adapter.flags)
-    assert kinds and kinds <= set(types.MODULE_KINDS), kinds - set(types.MODULE_KINDS)
-    assert problems <= set(types.PROBLEM_CODES), problems - set(types.PROBLEM_CODES)
-    assert flags and flags <= set(types.FLAGS), flags - set(types.FLAGS)
+    assert kinds and kinds <= set(codes.MODULE_KINDS), kinds - set(codes.MODULE_KINDS)
+    assert problems <= set(codes.PROBLEM_CODES), problems - set(codes.PROBLEM_CODES)
+    assert flags and flags <= set(codes.FLAGS), flags - set(codes.FLAGS)
 
 
 def test_a_torch_warning_problem_survives_the_index(tmp_path: Path) -> None:

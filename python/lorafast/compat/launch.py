@@ -14,7 +14,7 @@ What the engine would refuse is returned as `problems` (stage "startup"), with t
 exact text, in the engine's order: the first is the one the engine raises. An argparse error, which the engine
 prints as `<prog>: error: <text>` before exiting with status 2, is an `argparse.ArgumentError` with that text;
 so are tokens no flag of the engine takes ("unrecognized arguments: ..."), which are also listed in `ignored`.
-`tests/test_oracle_launch.py` runs the engines' own parsers on the same commands.
+`tests/oracle/test_oracle_launch.py` runs the engines' own parsers on the same commands.
 """
 
 from __future__ import annotations

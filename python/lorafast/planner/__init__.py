@@ -2,7 +2,7 @@
 
 `plan(requests, engine_version=...)` replays the decisions of SGLang's diffusion `LoRAPipeline.set_lora` of that
 release without touching a weight. SGLang's rules, names and texts live in `lorafast.compat.diffusion`; this
-module imports them. tests/test_oracle_plan.py runs the released `set_lora` (0.5.23) on the same calls:
+module imports them. tests/oracle/test_oracle_plan.py runs the released `set_lora` (0.5.23) on the same calls:
 
 1. the merge mode is resolved (`merge_mode`, else `merge_weights`, else the server's `--lora-merge-mode`);
 2. the parallel lists are normalized and the targets validated, with SGLang's exact error texts;

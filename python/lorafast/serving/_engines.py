@@ -134,7 +134,7 @@ def _decide(
     if undecided and verdict != "unknown":
         # What is missing decides more than what was found: without the base the engine may refuse the adapter
         # (vLLM's expected modules, SGLang's first use) or apply none of it, so a drop or a scale found so far is
-        # a reason, not the verdict (tests/test_oracle_serving.py holds this against the engines).
+        # a reason, not the verdict (tests/oracle/test_oracle_serving.py holds this against the engines).
         reasons = [*undecided, f"so far: {reasons[0]}", *reasons[1:]]
         verdict = "unknown"
     return AdapterVerdict(

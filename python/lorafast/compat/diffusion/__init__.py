@@ -1,6 +1,6 @@
 """SGLang's diffusion (multimodal_gen) LoRA loading rules, from safetensors headers.
 
-Proven against SGLang 0.5.23's own `pipelines_core/lora/` code by tests/test_oracle_sglang_diffusion.py:
+Proven against SGLang 0.5.23's own `pipelines_core/lora/` code by tests/oracle/test_oracle_sglang_diffusion.py:
 
 * `detect_lora_format`: `detect_lora_format_from_state_dict`, the key-pattern test that picks a converter;
 * `normalize_peft_keys`: strip a uniform PEFT wrapper prefix and the adapter-slot name, with SGLang's errors;

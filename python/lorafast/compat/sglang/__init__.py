@@ -9,7 +9,7 @@ the names and shapes SGLang would hold after its weight normalization are predic
 adapter's load checks, target-module and rank inference, shared-outer detection, memory-pool shapes)
 plus the checks SGLang only makes when an adapter first enters a GPU slot.
 
-Rules and texts are SGLang 0.5.23's, checked against its released code by tests/test_oracle_sglang.py.
+Rules and texts are SGLang 0.5.23's, checked against its released code by tests/oracle/test_oracle_sglang.py.
 """
 
 from __future__ import annotations

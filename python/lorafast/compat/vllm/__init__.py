@@ -1,7 +1,7 @@
 """vLLM's LoRA adapter checks, answered from safetensors headers, version by version (vLLM 0.30.0, 0.33.0, 0.34.0).
 
 The rules follow vLLM's released code (`vllm/lora/peft_helper.py`, `lora_model.py`, `utils.py`,
-`worker_manager.py`, `model_manager.py`), and the oracle tests (`tests/test_oracle_vllm.py`) run that code on
+`worker_manager.py`, `model_manager.py`), and the oracle tests (`tests/oracle/test_oracle_vllm.py`) run that code on
 the same adapters. Every entry point takes `engine_version=` (default: the installed vLLM, else the newest
 supported).
 
