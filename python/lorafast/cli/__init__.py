@@ -47,6 +47,12 @@ COMMANDS: dict[str, ModuleType] = {
 }
 
 
+_DESCRIPTION = (
+    "Header-only tools for LoRA adapter fleets. Exit status, for every command: 0 all fine, "
+    "1 something failed or does not serve, 2 a usage error."
+)
+
+
 class _Version(argparse.Action):
     """`--version` on one line (argparse's own action wraps the text to the terminal)."""
 
@@ -65,11 +71,7 @@ def version_text() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="lorafast",
-        description="Header-only tools for LoRA adapter fleets. Exit status, for every command: 0 all fine, "
-        "1 something failed or does not serve, 2 a usage error.",
-    )
+    parser = Parser(prog="lorafast", description=_DESCRIPTION)
     parser.add_argument(
         "--version", action=_Version, nargs=0, help="the version and whether the build is a release one"
     )

@@ -92,10 +92,10 @@ def _base_file(base: str, out: str) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorafast.merging import MergeError, merge_file
+    from lorafast.merging import DEFAULT_CHUNK_BYTES, MergeError, merge_file
 
     try:
-        chunk = parse_size(args.chunk_bytes) if isinstance(args.chunk_bytes, str) else int(args.chunk_bytes)
+        chunk = DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else parse_size(args.chunk_bytes)
         base, out = _base_file(args.base, args.out)
     except ValueError as exc:  # a bad --chunk-bytes, or a --base folder / --out that do not go together
         return usage_error("merge", str(exc))
@@ -144,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    from lorafast.merging import DEFAULT_CHUNK_BYTES
-
     p = subparsers.add_parser(
         "merge",
         help="merge LoRA adapters into a base safetensors checkpoint (streamed)",
@@ -162,9 +160,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--out", required=True, help="merged checkpoint to write (.safetensors; a folder for a folder base)")
     p.add_argument("--device", default=None, help="compute device (default cpu), e.g. cuda or cuda:1")
-    p.add_argument(
-        "--chunk-bytes", default=str(DEFAULT_CHUNK_BYTES), help="bound on working memory, e.g. 256M (default 256M)"
-    )
+    p.add_argument("--chunk-bytes", default=None, help="bound on working memory, e.g. 256M (default 256M)")
     p.add_argument(
         "--allow-prefix",
         action="store_true",
