@@ -174,32 +174,28 @@ impl<'a> Cursor<'a> {
     /// After a value inside an object: true if a `,` follows, false at `}`.
     #[inline]
     pub fn object_next(&mut self) -> Result<bool> {
-        match self.peek() {
-            Some(b',') => {
-                self.pos += 1;
-                Ok(true)
-            }
-            Some(b'}') => {
-                self.pos += 1;
-                Ok(false)
-            }
-            _ => self.err("expected ',' or '}'"),
-        }
+        self.next_or_close(b'}', "expected ',' or '}'")
     }
 
     /// After a value inside an array: true if a `,` follows, false at `]`.
     #[inline]
     pub fn array_next(&mut self) -> Result<bool> {
+        self.next_or_close(b']', "expected ',' or ']'")
+    }
+
+    /// After a value inside a container that `close` ends: true if a `,` follows, false at `close`.
+    #[inline]
+    fn next_or_close(&mut self, close: u8, message: &'static str) -> Result<bool> {
         match self.peek() {
             Some(b',') => {
                 self.pos += 1;
                 Ok(true)
             }
-            Some(b']') => {
+            Some(b) if b == close => {
                 self.pos += 1;
                 Ok(false)
             }
-            _ => self.err("expected ',' or ']'"),
+            _ => self.err(message),
         }
     }
 
