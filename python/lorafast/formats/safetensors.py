@@ -50,6 +50,23 @@ FROM_NUMPY: dict[str, str] = {d.numpy: name for name, d in DTYPES.items() if d.n
 FROM_TORCH: dict[str, str] = {d.torch: name for name, d in DTYPES.items() if d.torch is not None}
 
 
+#: struct formats of the one-element values lorafast reads (kohya `.alpha` scalars); BF16 is widened to F32
+_SCALAR_FORMATS = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b",
+                   "U8": "<B", "U16": "<H", "U32": "<I", "U64": "<Q", "BOOL": "<?"}  # fmt: skip
+
+
+def decode_scalar(raw: bytes, dtype: str) -> float | int | None:
+    """The value of one little-endian element of `dtype` (a `.alpha` scalar's bytes); None for a dtype without
+    a plain number (F8, F4, complex)."""
+    if dtype == "BF16":
+        return float(struct.unpack("<f", b"\x00\x00" + raw)[0])
+    fmt = _SCALAR_FORMATS.get(dtype)
+    if fmt is None or len(raw) != struct.calcsize(fmt):
+        return None
+    value = struct.unpack(fmt, raw)[0]
+    return int(value) if dtype == "BOOL" else value
+
+
 def nbytes(dtype: str, shape: Sequence[int]) -> int:
     """Bytes of a tensor of `dtype` and `shape` (KeyError for a dtype safetensors does not have)."""
     n = 1

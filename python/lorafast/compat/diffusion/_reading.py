@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from lorafast.compat import _versions
 from lorafast.compat._inputs import AdapterView
+from lorafast.formats.safetensors import DTYPES, decode_scalar
 
 Shape = tuple[int, ...]
 
@@ -36,31 +36,6 @@ def resolve_version(engine_version: str | None) -> tuple[int, ...]:
 
 
 # --- reading ----------------------------------------------------------------------------------------------
-
-_SCALAR_FORMATS = {
-    "F64": "<d",
-    "F32": "<f",
-    "F16": "<e",
-    "I64": "<q",
-    "I32": "<i",
-    "I16": "<h",
-    "I8": "<b",
-    "U8": "<B",
-    "U16": "<H",
-    "U32": "<I",
-    "U64": "<Q",
-    "BOOL": "<?",
-}
-
-
-def _scalar(raw: bytes, dtype: str) -> float | int | None:
-    if dtype == "BF16":
-        return struct.unpack("<f", b"\x00\x00" + raw)[0]
-    fmt = _SCALAR_FORMATS.get(dtype)
-    if fmt is None:
-        return None
-    value = struct.unpack(fmt, raw)[0]
-    return int(value) if dtype == "BOOL" else value
 
 
 def weight_file(path: str) -> str:
@@ -92,7 +67,7 @@ def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], dict[str
             value = None
             if name.endswith(".alpha") and math.prod(shape) == 1:
                 f.seek(base + start)
-                value = _scalar(f.read(end - start), dtype)
+                value = decode_scalar(f.read(end - start), dtype)
             out[name] = Tensor(shape, value, (path, dtype, base + start, base + end))
     return out, dict(header["metadata"] or {})
 
@@ -127,20 +102,6 @@ def adapter_state(adapter: Any) -> dict[str, Tensor]:
     raise TypeError(f"expected a path, an Adapter, an AdapterView or a state dict, got {type(adapter).__name__}")
 
 
-_TORCH_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
 def _tensor_values(t: Tensor) -> Any:
     """The tensor's values, from its file or the array given; None when unknown."""
     import torch
@@ -150,9 +111,10 @@ def _tensor_values(t: Tensor) -> Any:
     if not isinstance(t.data, tuple):
         return torch.as_tensor(t.data)
     path, dtype, start, end = t.data
-    if dtype not in _TORCH_DTYPES:
+    torch_name = DTYPES[dtype].torch if dtype in DTYPES else None
+    if torch_name is None or not hasattr(torch, torch_name):
         return None
     with open(path, "rb") as f:
         f.seek(start)
         raw = bytearray(f.read(end - start))
-    return torch.frombuffer(raw, dtype=getattr(torch, _TORCH_DTYPES[dtype])).reshape(t.shape) if raw else None
+    return torch.frombuffer(raw, dtype=getattr(torch, torch_name)).reshape(t.shape) if raw else None
