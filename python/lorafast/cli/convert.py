@@ -20,6 +20,40 @@ if TYPE_CHECKING:
     from lorafast.converting import ConvertError, ConvertResult
 
 
+def add_parser(subparsers: Any) -> None:
+    from lorafast.converting import LAYOUTS
+
+    p = subparsers.add_parser(
+        "convert",
+        help="rewrite adapters into another layout (exact), so one server can load a mixed fleet",
+        description="Convert adapters between MoE layouts, from transformers 4 expert names to transformers 5, "
+        "or from kohya/old diffusers to a PEFT folder. Exact or refused; nothing is left behind on failure.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="adapter folder or .safetensors file; several, or a folder of adapters, convert each into --out/<name>",
+    )
+    p.add_argument("--to", required=True, choices=LAYOUTS, help="target layout")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output folder (adapter_model.safetensors + adapter_config.json); with several adapters, the folder "
+        "that holds one such folder per adapter",
+    )
+    p.add_argument("--from", dest="from_layout", default=None, help="expected source layout (checked)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument(
+        "--gate-up",
+        choices=("concatenated", "interleaved"),
+        default=None,
+        help="row order of a target_parameters gate_up lora_B: interleaved for GPT-OSS (default: from "
+        "the adapter config's base_model_name_or_path)",
+    )
+    o.add_json(p, "print the result as JSON (a list with several adapters)")
+
+
 def _rate(nbytes: int, seconds: float) -> str:
     per = nbytes / seconds if seconds > 0 else 0.0
     return f"{per / 1e9:.2f} GB/s" if per >= 1e9 else f"{per / 1e6:.3g} MB/s"
@@ -88,37 +122,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{len(results) - len(failed)} converted, {len(failed)} failed -> {args.out}")
     return ExitStatus.failed_if(failed)
-
-
-def add_parser(subparsers: Any) -> None:
-    from lorafast.converting import LAYOUTS
-
-    p = subparsers.add_parser(
-        "convert",
-        help="rewrite adapters into another layout (exact), so one server can load a mixed fleet",
-        description="Convert adapters between MoE layouts, from transformers 4 expert names to transformers 5, "
-        "or from kohya/old diffusers to a PEFT folder. Exact or refused; nothing is left behind on failure.",
-    )
-    p.add_argument(
-        "paths",
-        nargs="+",
-        metavar="PATH",
-        help="adapter folder or .safetensors file; several, or a folder of adapters, convert each into --out/<name>",
-    )
-    p.add_argument("--to", required=True, choices=LAYOUTS, help="target layout")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="output folder (adapter_model.safetensors + adapter_config.json); with several adapters, the folder "
-        "that holds one such folder per adapter",
-    )
-    p.add_argument("--from", dest="from_layout", default=None, help="expected source layout (checked)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument(
-        "--gate-up",
-        choices=("concatenated", "interleaved"),
-        default=None,
-        help="row order of a target_parameters gate_up lora_B: interleaved for GPT-OSS (default: from "
-        "the adapter config's base_model_name_or_path)",
-    )
-    o.add_json(p, "print the result as JSON (a list with several adapters)")

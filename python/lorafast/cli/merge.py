@@ -12,6 +12,37 @@ from typing import Any
 from lorafast.cli import _options as o
 from lorafast.cli._status import ExitStatus, usage_error
 
+_DESCRIPTION = (
+    "Write a merged checkpoint: W += Σ strength·scale·(B@A), accumulated in fp32, cast once. "
+    "Streams tensor by tensor, so memory stays bounded by --chunk-bytes."
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    summary = "merge LoRA adapters into a base safetensors checkpoint (streamed)"
+    p = subparsers.add_parser("merge", help=summary, description=_DESCRIPTION)
+    p.add_argument("--base", required=True, help="base checkpoint: a .safetensors file, or a model folder holding one")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        required=True,
+        metavar="PATH[:STRENGTH]",
+        help="adapter folder or .safetensors file, with an optional strength (default 1.0); repeat to add more",
+    )
+    p.add_argument("--out", required=True, help="merged checkpoint to write (.safetensors; a folder for a folder base)")
+    p.add_argument("--device", default=None, help="compute device (default cpu), e.g. cuda or cuda:1")
+    p.add_argument("--chunk-bytes", default=None, help="bound on working memory, e.g. 256M (default 256M)")
+    p.add_argument(
+        "--allow-prefix",
+        action="store_true",
+        help="merge modules found only below another prefix (a CausalLM adapter on a Llava-style wrapper); "
+        "without it they are refused, as `lorafast check` reports them",
+    )
+    p.add_argument("--unsafe", action="store_true", help="skip the NaN/Inf check of merged tensors")
+    o.add_json(p, "print a JSON summary on stdout")
+    p.add_argument("--quiet", action="store_true", help="print nothing on success")
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -141,32 +172,3 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return ExitStatus.OK
-
-
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "merge",
-        help="merge LoRA adapters into a base safetensors checkpoint (streamed)",
-        description="Write a merged checkpoint: W += Σ strength·scale·(B@A), accumulated in fp32, cast once. "
-        "Streams tensor by tensor, so memory stays bounded by --chunk-bytes.",
-    )
-    p.add_argument("--base", required=True, help="base checkpoint: a .safetensors file, or a model folder holding one")
-    p.add_argument(
-        "--adapter",
-        action="append",
-        required=True,
-        metavar="PATH[:STRENGTH]",
-        help="adapter folder or .safetensors file, with an optional strength (default 1.0); repeat to add more",
-    )
-    p.add_argument("--out", required=True, help="merged checkpoint to write (.safetensors; a folder for a folder base)")
-    p.add_argument("--device", default=None, help="compute device (default cpu), e.g. cuda or cuda:1")
-    p.add_argument("--chunk-bytes", default=None, help="bound on working memory, e.g. 256M (default 256M)")
-    p.add_argument(
-        "--allow-prefix",
-        action="store_true",
-        help="merge modules found only below another prefix (a CausalLM adapter on a Llava-style wrapper); "
-        "without it they are refused, as `lorafast check` reports them",
-    )
-    p.add_argument("--unsafe", action="store_true", help="skip the NaN/Inf check of merged tensors")
-    o.add_json(p, "print a JSON summary on stdout")
-    p.add_argument("--quiet", action="store_true", help="print nothing on success")
