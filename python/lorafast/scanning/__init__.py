@@ -4,8 +4,8 @@
 """
 
 from lorafast.scanning._common import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR, STATUS_OK, STATUS_PROBLEMS, PathLike
-from lorafast.scanning.results import ScanReport, adapter_from_raw
 from lorafast.scanning._entry import inspect, inspect_many, scan
+from lorafast.scanning.results import ScanReport, adapter_from_raw
 
 __all__ = [
     "FLAGS",
