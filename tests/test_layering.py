@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "lorafast"
 LAYERS: dict[str, int] = {
     # 1. the base vocabulary
     "_core": 1,
+    "_records": 1,
     "errors": 1,
     "codes": 1,
     "formats": 1,

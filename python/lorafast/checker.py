@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
+from ._records import record
 from .adapter import Adapter, LoraModule
 from .base import BaseModel, read_base
 from .naming import (
@@ -773,8 +774,7 @@ class BaseOutcome:
     hint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "verdict": self.verdict, "matched": list(self.matched),
-                "hint": self.hint}  # fmt: skip
+        return record(self)
 
 
 @dataclass(frozen=True)
@@ -785,7 +785,7 @@ class BaseChange:
     new: BaseOutcome
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kinds": list(self.kinds), "old": self.old.to_dict(), "new": self.new.to_dict()}
+        return record(self)
 
 
 @dataclass(frozen=True)

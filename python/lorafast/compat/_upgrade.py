@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafast._records import record
 from lorafast.compat import _versions
 
 #: The kinds of change, in the order they are reported.
@@ -37,16 +38,7 @@ class AdapterOutcome:
     """Module -> the scale it is served at."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "outcome": self.outcome,
-            "type": self.exc_type,
-            "message": self.message,
-            "stage": self.stage,
-            "modules": list(self.modules),
-            "scales": dict(self.scales),
-        }
+        return record(self, {"exc_type": "type"})
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,7 @@ class VersionChange:
     new: AdapterOutcome
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kinds": list(self.kinds), "old": self.old.to_dict(), "new": self.new.to_dict()}
+        return record(self)
 
 
 @dataclass(frozen=True)

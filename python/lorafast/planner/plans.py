@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from lorafast._records import record
 from lorafast.errors import LorafastError
 from lorafast.planner._format import fmt_number
 from lorafast.planner.requests import LoraRequest
@@ -109,17 +110,7 @@ class PlannedAdapter:
         return f"scales {fmt_number(values[0])}..{fmt_number(values[-1])} on {n} modules ({len(values)} distinct)"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "nickname": self.nickname,
-            "path": self.path,
-            "strength": self.strength,
-            "alpha": self.alpha,
-            "additive": self.additive,
-            "variants": list(self.variants),
-            "scales": None if self.scales is None else dict(self.scales),
-            "alpha_sources": dict(self.alpha_sources),
-            "notes": list(self.notes),
-        }
+        return record(self)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorafast._records import record
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -58,22 +60,12 @@ class AdapterVerdict:
     """The way out: a flag value, server groups, a conversion or a merge."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "source": self.source,
-            "verdict": self.verdict,
-            "reasons": list(self.reasons),
-            "stage": self.stage,
-            "type": self.exc_type,
-            "message": self.message,
-            "modules": self.modules,
-            "applied": self.applied,
-            "dropped": [{"module": m, "why": w} for m, w in self.dropped],
-            "scales": [{"module": s.module, "trained": s.trained, "served": s.served} for s in self.scales],
-            "undecided": list(self.undecided),
-            "fix": list(self.fix),
-        }
+        return record(
+            self,
+            {"exc_type": "type"},
+            dropped=[{"module": m, "why": w} for m, w in self.dropped],
+            scales=[{"module": s.module, "trained": s.trained, "served": s.served} for s in self.scales],
+        )
 
 
 @dataclass(frozen=True)
