@@ -24,33 +24,32 @@ _KOHYA_H3_SUFFIXES = {"lora_down": "lora_A", "lora_up": "lora_B", "alpha": "alph
 # --- key conversion per format ------------------------------------------------------------------------------
 
 
+#: (how the key is tested: "in" or "end", old text, new text): the first rule that holds renames, as SGLang's
+#: if/elif chains do
+_QWEN_IMAGE_RULES = (("end", ".lora.down.weight", ".lora_A.weight"), ("end", ".lora.up.weight", ".lora_B.weight"))
+_DOWN_UP_RULES = (
+    ("in", "lora_down.weight", "lora_A.weight"),
+    ("in", "lora_up.weight", "lora_B.weight"),
+    ("end", ".lora_down", ".lora_A"),
+    ("end", ".lora_up", ".lora_B"),
+)
+
+
+def _rename_first(name: str, rules: tuple[tuple[str, str, str], ...]) -> str:
+    for how, old, new in rules:
+        if (old in name) if how == "in" else name.endswith(old):
+            return name.replace(old, new)
+    return name
+
+
 def _convert_qwen_image(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {}
-    for name, tensor in state.items():
-        new = name.removeprefix("transformer.")
-        if new.endswith(".lora.down.weight"):
-            new = new.replace(".lora.down.weight", ".lora_A.weight")
-        elif new.endswith(".lora.up.weight"):
-            new = new.replace(".lora.up.weight", ".lora_B.weight")
-        out[new] = tensor
-    return out
+    """Qwen-Image keys: without `transformer.`, lora.down/lora.up -> lora_A/lora_B."""
+    return {_rename_first(name.removeprefix("transformer."), _QWEN_IMAGE_RULES): t for name, t in state.items()}
 
 
 def _convert_down_up(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """`_convert_non_diffusers_sd_simple`: lora_down/lora_up -> lora_A/lora_B, first matching rule only."""
-    out: dict[str, Tensor] = {}
-    for name, tensor in state.items():
-        new = name
-        if "lora_down.weight" in new:
-            new = new.replace("lora_down.weight", "lora_A.weight")
-        elif "lora_up.weight" in new:
-            new = new.replace("lora_up.weight", "lora_B.weight")
-        elif new.endswith(".lora_down"):
-            new = new.replace(".lora_down", ".lora_A")
-        elif new.endswith(".lora_up"):
-            new = new.replace(".lora_up", ".lora_B")
-        out[new] = tensor
-    return out
+    return {_rename_first(name, _DOWN_UP_RULES): t for name, t in state.items()}
 
 
 def _convert_minimax_h3(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
