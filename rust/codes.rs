@@ -1,6 +1,6 @@
 //! The stable code lists the core reports: one enum per list, each with `code()` (the string
 //! Python, the index and docs/errors.md use), `ALL` in documentation order (exported to Python as
-//! `ADAPTER_ERROR_CODES`, `TORCH_ERROR_CODES`, ...) and `from_code` for codes read back from Python
+//! `ADAPTER_ERROR_CODES`, `TORCH_ERROR_CODES`, `FORMATS`, ...) and `from_code` for codes read back from Python
 //! or an index. The compiler, not a hand-kept list, keeps every code a call site writes listed.
 
 /// A fieldless enum whose variants each stand for one stable string code.
@@ -44,6 +44,8 @@ macro_rules! code_enum {
         }
     };
 }
+
+pub(crate) use code_enum;
 
 code_enum! {
     /// The safetensors header rule a file breaks (the code of a [`crate::HeaderError`]).

@@ -9,7 +9,7 @@ use crate::names::Variant;
 
 use super::{Format, Modules};
 
-named_enum! {
+crate::codes::code_enum! {
     /// How an adapter stores mixture-of-experts LoRA weights.
     #[derive(PartialOrd, Ord)]
     pub enum MoeLayout {

@@ -6,7 +6,7 @@ use crate::names::Spelling;
 
 use super::grouping::Group;
 
-named_enum! {
+crate::codes::code_enum! {
     /// The tensor naming scheme an adapter is written in (docs/scan.md describes each).
     pub enum Format {
         /// PEFT: `base_model.model.<module>.lora_A.weight`.

@@ -6,36 +6,6 @@ use std::path::Path;
 use crate::config::LoraConfig;
 use crate::header::Header;
 
-/// A fieldless enum stored as its position: `ALL` and `NAMES` list the variants and their names in
-/// discriminant order (a report column's dictionary, the index's byte).
-macro_rules! named_enum {
-    (
-        $(#[$meta:meta])*
-        pub enum $name:ident {
-            $( $(#[$vmeta:meta])* $variant:ident = $text:literal, )*
-        }
-    ) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        #[repr(u8)]
-        pub enum $name {
-            $( $(#[$vmeta])* $variant, )*
-        }
-
-        impl $name {
-            /// Every variant, in discriminant order.
-            pub const ALL: [$name; [$($text),*].len()] = [$($name::$variant),*];
-            /// Every variant's name, in discriminant order.
-            pub const NAMES: [&'static str; [$($text),*].len()] = [$($text),*];
-
-            /// The variant's name.
-            pub fn name(self) -> &'static str {
-                Self::NAMES[self as usize]
-            }
-        }
-    };
-}
-
 mod alpha;
 mod classification;
 mod format;

@@ -122,8 +122,14 @@ mod _core {
             "TORCH_ERROR_CODES",
             super::codes(m.py(), super::TorchErrorCode::ALL, super::TorchErrorCode::code)?,
         )?;
-        m.add("FORMATS", PyTuple::new(m.py(), super::Format::NAMES)?)?;
-        m.add("MOE_LAYOUTS", PyTuple::new(m.py(), super::MoeLayout::NAMES)?)?;
+        m.add(
+            "FORMATS",
+            super::codes(m.py(), super::Format::ALL, super::Format::code)?,
+        )?;
+        m.add(
+            "MOE_LAYOUTS",
+            super::codes(m.py(), super::MoeLayout::ALL, super::MoeLayout::code)?,
+        )?;
         m.add("FLAGS", super::codes(m.py(), super::Flag::ALL, super::Flag::code)?)?;
         m.add(
             "MODULE_KINDS",

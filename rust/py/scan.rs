@@ -41,7 +41,7 @@ pub(super) fn adapter_dict<'py>(
         r.target.config.as_ref().map(|p| p.as_os_str()),
     )?;
     d.set_item(intern!(py, "config_json"), &r.config_json)?;
-    d.set_item(intern!(py, "format"), c.format.name())?;
+    d.set_item(intern!(py, "format"), c.format.code())?;
     d.set_item(intern!(py, "peft_type"), &c.peft_type)?;
     d.set_item(intern!(py, "num_tensors"), c.num_tensors)?;
     d.set_item(
@@ -52,7 +52,7 @@ pub(super) fn adapter_dict<'py>(
     d.set_item(intern!(py, "base_model_name_or_path"), &c.base_model)?;
     d.set_item(intern!(py, "target_modules"), &c.target_modules)?;
     d.set_item(intern!(py, "rank"), c.rank)?;
-    d.set_item(intern!(py, "moe_layout"), c.moe_layout.name())?;
+    d.set_item(intern!(py, "moe_layout"), c.moe_layout.code())?;
     d.set_item(intern!(py, "num_experts"), c.num_experts)?;
     let names: Vec<&str> = Flag::set_in(c.flags).map(Flag::code).collect();
     d.set_item(intern!(py, "flags"), names)?;

@@ -204,7 +204,7 @@ fn encode_class(c: &Classification, kinds: &[ModuleKind], out: &mut Vec<u8>) {
 /// A classification's encoding but its modules.
 fn encode_head(c: &Classification, out: &mut Vec<u8>) {
     out.extend_from_slice(&CLASS_TAG);
-    put_u8(out, position(&Format::ALL, &c.format));
+    put_u8(out, position(Format::ALL, &c.format));
     put_opt(out, c.peft_type.as_deref(), put_str);
     put_u32(out, c.num_tensors);
     put_list(out, &c.dtypes, |o, d| put_u8(o, *d as u8));
@@ -212,7 +212,7 @@ fn encode_head(c: &Classification, out: &mut Vec<u8>) {
     put_opt(out, c.base_model.as_deref(), put_str);
     put_list(out, &c.target_modules, |o, t| put_str(o, t));
     put_u64(out, c.rank);
-    put_u8(out, position(&MoeLayout::ALL, &c.moe_layout));
+    put_u8(out, position(MoeLayout::ALL, &c.moe_layout));
     put_u64(out, c.num_experts);
     put_u32(out, c.flags);
     put_list(out, &c.variants, |o, v| put_u8(o, position(&Variant::ALL, v)));
@@ -236,7 +236,7 @@ fn decode_class(mut raw: Vec<u8>, kinds: &[ModuleKind]) -> Result<Classification
     let mut r = Reader::new(&rest);
     r.tag(CLASS_TAG, "classification")?;
     let c = Classification {
-        format: r.index(&Format::ALL, "format")?,
+        format: r.index(Format::ALL, "format")?,
         peft_type: r.opt(Reader::string)?,
         num_tensors: r.u32()?,
         dtypes: r.list(|r| r.index(&Dtype::ALL, "dtype"))?,
@@ -244,7 +244,7 @@ fn decode_class(mut raw: Vec<u8>, kinds: &[ModuleKind]) -> Result<Classification
         base_model: r.opt(Reader::string)?,
         target_modules: r.list(Reader::string)?,
         rank: r.u64()?,
-        moe_layout: r.index(&MoeLayout::ALL, "layout")?,
+        moe_layout: r.index(MoeLayout::ALL, "layout")?,
         num_experts: r.u64()?,
         flags: r.u32()?,
         variants: r.list(|r| r.index(&Variant::ALL, "variant"))?,

@@ -80,7 +80,7 @@ pub fn record_json(out: &mut String, r: &AdapterResult) {
         None => out.push_str("null"),
     }
     out.push_str(", \"format\": ");
-    json_str(out, c.format.name());
+    json_str(out, c.format.code());
     out.push_str(", \"peft_type\": ");
     json_opt_str(out, c.peft_type.as_deref());
     let _ = write!(out, ", \"num_tensors\": {}, \"dtypes\": ", c.num_tensors);
@@ -94,7 +94,7 @@ pub fn record_json(out: &mut String, r: &AdapterResult) {
     out.push_str(", \"target_modules\": ");
     json_list(out, &c.target_modules, |o, t| json_str(o, t));
     let _ = write!(out, ", \"rank\": {}, \"moe_layout\": ", c.rank);
-    json_str(out, c.moe_layout.name());
+    json_str(out, c.moe_layout.code());
     let _ = write!(out, ", \"num_experts\": {}, \"flags\": ", c.num_experts);
     json_list(out, Flag::set_in(c.flags), |o, f| json_str(o, f.code()));
     out.push_str(", \"variants\": ");

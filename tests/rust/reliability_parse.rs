@@ -73,7 +73,7 @@ fn zero_d_b_on_stacked_experts_module_is_classified() {
     ]);
     let c = classify_file(&file, None);
     assert_eq!(c.modules.get(0).unwrap().kind.name(), "stacked_3d");
-    assert_eq!(c.moe_layout.name(), "stacked_3d");
+    assert_eq!(c.moe_layout.code(), "stacked_3d");
     assert_eq!(c.num_experts, 8);
 }
 
