@@ -53,6 +53,32 @@ build-release: $(BIN)/python ## optimised build of the extension into the venv (
 	$(BIN)/pip install -q maturin
 	$(BIN)/maturin develop --release -q
 
+# The fixed reference of every speed claim (issue 32): a release build of BASELINE, installed apart, for the
+# benchmarks' --before DIR. Built from `git archive` in /tmp (its own cargo target dir), never from this tree.
+BASELINE ?= 255a378
+BASELINE_DIR := .cache/baseline-$(BASELINE)
+.PHONY: baseline
+baseline: $(BIN)/python ## release build of the reference commit (BASELINE=255a378) into .cache/baseline-255a378, for the benchmarks' --before
+	@if [ -d $(BASELINE_DIR)/lorafast ]; then echo "$(BASELINE_DIR) holds lorafast $(BASELINE) (rm -rf it to rebuild)"; else \
+	  set -e; src=$$(mktemp -d /tmp/lorafast-src-$(BASELINE)-XXXXXX); \
+	  git archive $(BASELINE) | tar -x -C $$src; \
+	  echo "building lorafast $(BASELINE), release (fat LTO: minutes) ..."; \
+	  flock /tmp/lorafast-build.lock env CARGO_TARGET_DIR=/tmp/target-$(BASELINE) \
+	    $(BIN)/maturin build --release -q -i $(BIN)/python -m $$src/Cargo.toml --out $$src/dist; \
+	  rm -rf $(BASELINE_DIR).part; \
+	  $(BIN)/pip install -q --no-deps --target $(BASELINE_DIR).part $$src/dist/*.whl; \
+	  mv $(BASELINE_DIR).part $(BASELINE_DIR); rm -rf $$src; echo "$(BASELINE_DIR) ready"; fi
+
+# This tree's release build, installed apart (the venv keeps its debug build): the other side of --before.
+BENCH_DIR := .cache/bench-head
+.PHONY: bench-build
+bench-build: $(BIN)/python ## release build of this tree into .cache/bench-head (PYTHONPATH=.cache/bench-head python benches/...)
+	@set -e; rm -rf /tmp/lorafast-wheel-head; \
+	flock /tmp/lorafast-build.lock env CARGO_TARGET_DIR=/tmp/target-rel \
+	  $(BIN)/maturin build --release -q -i $(BIN)/python --out /tmp/lorafast-wheel-head; \
+	rm -rf $(BENCH_DIR); $(BIN)/pip install -q --no-deps --target $(BENCH_DIR) /tmp/lorafast-wheel-head/*.whl; \
+	echo "$(BENCH_DIR) holds this tree's release build"
+
 .PHONY: demo
 demo: $(BIN)/python ## the main job: a release build, then preflight of real launch commands on a fleet it writes (python -m lorafast.demo)
 	@echo "building lorafast, release build (fat LTO: a few minutes the first time; cargo's progress below) ..."

@@ -19,6 +19,13 @@ command prints.
     python benches/bench_convert.py                 # 24 layers (~0.6 GB written per conversion)
     python benches/bench_convert.py --layers 8 --repeat 5 --json
     python benches/bench_convert.py --layers 3 --experts 32    # a 7.5 MB shared-outer adapter (19.7 MB written)
+    python benches/bench_convert.py --before .cache/baseline-255a378 --passes 5
+
+`--before DIR` also runs both conversions with the build installed in DIR (`make baseline`: 255a378, the fixed
+reference of issue 32) and with this one, alternated, each in a fresh process per pass, for --passes passes
+(default 5; benches/_compare.py; each pass the best of --repeat runs, the Python way and the floor in this build's
+process): the median and spread in GB/s out, the ratio to the reference and to the Python way and the floor, and
+the load average at the start and end. 255a378 has no `lorafast.convert`: no reference ratio against it.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from _compare import CHILD_PRELUDE, compare, report, this_build
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
 
 H, IM, E, R = 2048, 768, 128, 16
 PEFT = "base_model.model.model.layers"
@@ -103,7 +111,7 @@ def fresh_process(src: str, out: Path) -> dict[str, Any]:
     """`lorafast convert` as a user runs it: a new interpreter, so every import it needs is paid for."""
     cmd = [sys.executable, "-m", "lorafast", "convert", src, "--to", "stacked_3d", "--out", str(out), "--json"]
     done = subprocess.run(
-        cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "python")}
+        cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": this_build()}
     )
     return dict(json.loads(done.stdout))
 
@@ -150,19 +158,79 @@ def timed(fn: Any, repeat: int, out: Path) -> tuple[float, float, Any]:
     return best
 
 
+LAYOUTS = ("shared_outer", "peft_target_parameters")
+
+# --before: one build's conversions of both sources in a fresh process (benches/_compare.py), each the best of
+# `repeat` runs; the Python way and the floor in this build's process only (they need no lorafast).
+COMPARE_CODE = (
+    CHILD_PRELUDE
+    + r"""
+import shutil, tempfile
+from functools import partial
+from pathlib import Path
+import bench_convert as bc
+src_root, repeat, experts = ARGS[0], int(ARGS[1]), int(ARGS[2])
+if ROLE == "this":
+    import torch, safetensors.torch  # imported before anything is timed, as in the parent's table
+claims, missing = {}, {}
+gone = bc.lorafast_convert_missing()
+for layout in bc.LAYOUTS:
+    src = os.path.join(src_root, layout)
+    work = Path(tempfile.mkdtemp(prefix=f"{ROLE}-", dir=src_root))
+    lf, cli = f"{layout}: lorafast.convert", f"{layout}: lorafast convert (fresh process)"
+    nbytes = None
+    if gone:
+        missing.update({lf: gone, cli: gone})
+    else:
+        out = work / "lorafast"
+        claims[lf], _, res = bc.timed(partial(lorafast.convert, src, "stacked_3d", out, overwrite=True), repeat, out)
+        claims[cli] = bc.timed(partial(bc.fresh_process, src, work / "cli"), repeat, work / "cli")[0]
+        nbytes = res.bytes
+    if ROLE == "this":
+        out = work / "python"
+        claims[f"{layout}: load_file+torch+save_file"], _, nbytes = bc.timed(
+            partial(bc.python_way, src, layout, out, experts), repeat, out)
+        claims[f"{layout}: floor (write + fsync)"] = bc.timed(partial(bc.floor, nbytes, work / "f"), repeat, work / "f")[0]
+        claims[f"{layout}: bytes"] = nbytes
+    shutil.rmtree(work, True)
+child_result(claims, missing)
+"""
+)
+
+
+def lorafast_convert_missing() -> str | None:
+    """Why this lorafast cannot convert (255a378 has no `lorafast.convert`), or None."""
+    from _compare import missing_api
+
+    return missing_api("convert")
+
+
+def compare_builds(tmp: str, args: argparse.Namespace) -> None:
+    """Both conversions, this build against the one in --before, alternated in fresh processes."""
+    comp = compare(COMPARE_CODE, [tmp, args.repeat, args.experts], args.before, args.passes, label="\nconvert: ")
+    for layout in LAYOUTS:
+        gb = comp.times("this", f"{layout}: bytes")[0] / 1e9
+        print(f"{layout} -> stacked_3d, {gb:.2f} GB out:")
+        claims = [f"{layout}: lorafast.convert", f"{layout}: lorafast convert (fresh process)"]
+        bases = [f"{layout}: load_file+torch+save_file", f"{layout}: floor (write + fsync)"]
+        report(comp, claims, baselines={c: bases for c in claims}, per=gb, unit="GB", rate_fmt=".2f")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--experts", type=int, default=E, help="experts per layer")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
+    parser.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
     args = parser.parse_args()
 
     import lorafast
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
-        for layout in ("shared_outer", "peft_target_parameters"):
+        for layout in LAYOUTS:
             src = write_adapter(Path(tmp) / layout, args.layers, layout, args.experts)
             with open(os.path.join(src, "adapter_model.safetensors"), "rb") as f:  # warm the page cache
                 while f.read(64 << 20):
@@ -189,6 +257,8 @@ def main() -> int:
                          "cli_reported_gbps": res.bytes / cli["seconds"] / 1e9,
                          "sha256_s": t_sha, "sha256_cpu_s": cpu_sha,
                          "of_floor": t_fl / t_lf, "load_average": os.getloadavg()[0]})  # fmt: skip
+        if args.before:
+            compare_builds(tmp, args)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

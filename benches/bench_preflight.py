@@ -20,7 +20,14 @@ each), half stacked 3D (`experts.gate_up_proj` [E, r, H], 32 tensors each). Then
 All must reach the same decision (target modules, max rank, shared-outer mode; with the engine also the memory
 pool's buffer shapes). Prints the times and the ratios (issue 11 asks for preflight at least 20x faster than the
 engine's own load path). `--no-engine` skips the engine run.
+
+`--before DIR` also times preflight(paths) and scan + preflight(report) with the build installed in DIR (`make
+baseline`: 255a378, the fixed reference of issue 32) and with this one, alternated, each in a fresh process per
+pass (caches empty, after a warm-up preflight of two other adapters), for --passes passes (default 5;
+benches/_compare.py): the median and spread, the ratio to the reference and to the reference load and the engine
+above (each measured once), and the load average at the start and end.
 Usage: python benches/bench_preflight.py [--n 1000] [--hidden 64] [--engine-version 0.5.23] [--keep DIR]
+[--before DIR] [--passes N]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any
 
 import lorafast
 import lorafast._core
+from _compare import CHILD_PRELUDE, compare, report
 from lorafast.compat import sglang as sg
 from lorafast.testing import write_safetensors
 
@@ -174,6 +182,45 @@ def engine_load(paths: list[str], hidden: int, version: str) -> tuple[float, dic
     return min(out["seconds"]), out["startup"]
 
 
+# --before: one claim of one build in a fresh process (benches/_compare.py). Its in-process caches start empty, as a
+# server's do: after a warm-up preflight of two other adapters (imports, allocator), the fleet is timed once.
+# Only public names; `engine_version` where the build's preflight takes it (255a378's does not).
+COMPARE_CODE = (
+    CHILD_PRELUDE
+    + r"""
+import inspect
+from lorafast.compat import sglang as sg
+root, warm, what, cfg, version = ARGS[0], ARGS[1], ARGS[2], json.loads(ARGS[3]), ARGS[4]
+kw = {"engine_version": version} if "engine_version" in inspect.signature(sg.preflight).parameters else {}
+
+def run(folder):
+    paths = sorted(os.path.join(folder, d) for d in os.listdir(folder))
+    adapters = paths if what == "preflight(paths)" else list(lorafast.scan(paths, progress=False))
+    return sg.preflight(adapters, base_config=cfg, collect=True, **kw)
+
+def timed():  # the scan of "scan + preflight(report)" is inside the clock
+    t = time.perf_counter()
+    plan = run(root)
+    return time.perf_counter() - t, plan
+
+run(warm)
+secs, plan = timed()
+assert not plan.errors, plan.errors[:3]
+child_result({what: secs})
+"""
+)
+
+
+def compare_builds(root: str, cfg: dict[str, Any], args: argparse.Namespace, fixed: dict[str, float]) -> None:
+    """preflight(paths) and scan + preflight(report), this build against the one in --before, alternated."""
+    fleet, warm = os.path.join(root, "fleet"), os.path.join(root, "warm")
+    claims = ["preflight(paths)"] + ([] if args.no_scan else ["scan + preflight(report)"])
+    for claim in claims:
+        child_args = [fleet, warm, claim, json.dumps(cfg), args.engine_version]
+        comp = compare(COMPARE_CODE, child_args, args.before, args.passes, label=f"\n{claim}, against {args.before}: ")
+        report(comp, [claim], baselines={claim: list(fixed)}, fixed=fixed, per=args.n)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1000)
@@ -182,6 +229,8 @@ def main() -> int:
     parser.add_argument("--no-engine", action="store_true", help="skip SGLang's own load path")
     parser.add_argument("--keep", help="write the adapters here and keep them")
     parser.add_argument("--no-scan", action="store_true", help="skip the lorafast.scan + preflight(report) timing")
+    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
+    parser.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
     args = parser.parse_args()
     build = getattr(lorafast._core, "build_profile", "?")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; lorafast._core build: {build}")
@@ -189,7 +238,8 @@ def main() -> int:
     root = args.keep or tempfile.mkdtemp(prefix="lorafast-bench-preflight-")
     try:
         t0 = time.perf_counter()
-        paths = make_adapters(root, args.n, args.hidden)
+        paths = make_adapters(os.path.join(root, "fleet"), args.n, args.hidden)
+        make_adapters(os.path.join(root, "warm"), 2, args.hidden)  # the --before children's warm-up
         size = sum(os.path.getsize(os.path.join(p, "adapter_model.safetensors")) for p in paths)
         print(f"wrote {len(paths)} MoE adapters ({size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s")
         cfg = base_config(args.hidden)
@@ -217,6 +267,11 @@ def main() -> int:
         slow = time.perf_counter() - t0
         if not args.no_engine:
             engine, engine_startup = engine_load(paths, args.hidden, args.engine_version)
+        if args.before:
+            fixed = {"load-everything reference": slow}
+            if not args.no_engine:
+                fixed[f"SGLang {args.engine_version} load"] = engine
+            compare_builds(root, cfg, args, fixed)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -23,8 +23,13 @@ The ratios are only meaningful against the build that is installed: `lorafast._c
 Fleets: "small", 20,000 single-file two-tensor adapters (rank and module name cycle, so headers repeat as in a
 fleet of few recipes); "dense", 1,000 PEFT adapters of 448 tensors with four distinct headers; "unique", 1,000
 of them whose headers all differ (bench_scan.make_dense).
+`--before DIR` also times the scan and every step with the build installed in DIR (`make baseline`: 255a378, the
+fixed reference of issue 32) and with this one, alternated, each in a fresh process per pass, for --passes passes
+(default 5; benches/_compare.py; each pass the best of --compare-repeat calls): the median and spread of each,
+its ratio to the reference and to the baselines above, and the load average at the start and end. 255a378 has no
+to_arrow, to_pandas, to_polars, to_parquet nor a streaming to_json: those steps print no reference ratio.
 Usage: python benches/bench_report.py [--small N] [--dense N] [--repeat N] [--memory-runs N]
-[--fleets small,dense,unique]
+[--fleets small,dense,unique] [--before DIR] [--passes N] [--compare-repeat N] [--no-targets]
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _compare import CHILD_PRELUDE, compare, report
 
 FLEET_CODE = r"""
 import atexit, io, json, os, shutil, sys, time, tempfile
@@ -151,6 +159,94 @@ print(json.dumps(out))
 """
 
 
+# --before: one build's scan and steps on one fleet in a fresh process (benches/_compare.py), each the best of
+# `repeat` calls after a warm-up; only public names. A step the build lacks is named in `missing`; the baselines
+# are timed in this build's process only.
+COMPARE_CODE = (
+    CHILD_PRELUDE
+    + r"""
+import inspect, shutil, tempfile
+root, repeat = ARGS[0], int(ARGS[1])
+report = lorafast.scan([root], progress=False)
+tmp = tempfile.mkdtemp()
+
+def old_json():
+    rows = []
+    for i in range(len(report)):
+        rec = report.record(i)
+        if rec is not None:
+            rec.pop("config_json", None)
+            rows.append(rec)
+    return json.dumps({"summary": report.summary(), "adapters": rows})
+
+def old_iter():
+    paths = report.ok_paths
+    for s in range(0, len(paths), 512):
+        for _ in lorafast.inspect_many(paths[s : s + 512]):
+            pass
+
+def stream():
+    with open(os.path.join(tmp, "r.json"), "w") as f:
+        report.to_json(f)
+
+def pyarrow_parquet():
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(report.to_arrow(), os.path.join(tmp, "pa.pq"))
+    pyarrow.parquet.write_table(report.to_arrow("modules"), os.path.join(tmp, "pm.pq"))
+
+steps = {
+    "scan": (lambda: lorafast.scan([root], progress=False), None),
+    "to_json (str)": (report.to_json, None),
+    "to_json (stream to file)": (stream, "ScanReport.to_json(fp)"),
+    "to_arrow (both tables)": (lambda: (report.to_arrow(), report.to_arrow("modules")), "ScanReport.to_arrow"),
+    "to_pandas (both tables)": (lambda: (report.to_pandas(), report.to_pandas("modules")), "ScanReport.to_pandas"),
+    "to_polars (both tables)": (lambda: (report.to_polars(), report.to_polars("modules")), "ScanReport.to_polars"),
+    "to_parquet (both tables)": (lambda: report.to_parquet(os.path.join(tmp, "a.pq"), os.path.join(tmp, "m.pq")),
+                                 "ScanReport.to_parquet"),
+    "iterate (Adapters)": (lambda: sum(1 for _ in report), None),
+    "iterate, reading every module": (lambda: sum(len(a.modules) for a in report), None),
+}
+if ROLE == "this":
+    steps.update({"baseline: json.dumps of record()s": (old_json, None),
+                  "baseline: iterate by re-reading": (old_iter, None),
+                  "baseline: pyarrow write_table of to_arrow()": (pyarrow_parquet, None)})
+def lacks(needs):
+    if needs == "ScanReport.to_json(fp)":  # 255a378's to_json returns a str only
+        return None if "fp" in inspect.signature(report.to_json).parameters else "lorafast." + needs
+    return missing_api(needs) if needs else None
+
+claims, missing = {}, {}
+for name, (fn, needs) in steps.items():
+    gone = lacks(needs)
+    if gone:
+        missing[name] = gone
+    else:
+        claims[name] = best_of(fn, repeat)
+shutil.rmtree(tmp, True)
+child_result(claims, missing)
+"""
+)
+
+#: Each step of --before, and the baselines it is a ratio to.
+COMPARE_BASELINES = {
+    "scan": [],
+    "to_json (str)": ["baseline: json.dumps of record()s"],
+    "to_json (stream to file)": ["baseline: json.dumps of record()s"],
+    "to_arrow (both tables)": [],
+    "to_pandas (both tables)": [],
+    "to_polars (both tables)": [],
+    "to_parquet (both tables)": ["baseline: pyarrow write_table of to_arrow()"],
+    "iterate (Adapters)": ["baseline: iterate by re-reading"],
+    "iterate, reading every module": ["baseline: iterate by re-reading"],
+}
+
+
+def compare_fleet(label: str, root: str, before: str, passes: int, repeat: int) -> None:
+    """The scan and every step, this build against the one in `before`, alternated in fresh processes."""
+    comp = compare(COMPARE_CODE, [root, repeat], before, passes, label=f"\n{label}, against {before}: ")
+    report(comp, COMPARE_BASELINES, baselines=COMPARE_BASELINES)
+
+
 def make_small(root: str, n: int) -> None:
     from lorafast.testing import write_safetensors
 
@@ -254,11 +350,14 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--memory-runs", type=int, default=3, help="fresh processes per warm peak (the median is shown)")
     ap.add_argument("--fleets", default="small,dense,unique", help="comma-separated: small, dense, unique")
+    ap.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
+    ap.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
+    ap.add_argument("--compare-repeat", type=int, default=3, help="calls per step in each --before pass (the best)")
+    ap.add_argument("--no-targets", action="store_true", help="only the --before comparison, not the targets' table")
     args = ap.parse_args()
     fleets = args.fleets.split(",")
     if not set(fleets) <= {"small", "dense", "unique"}:
         ap.error(f"unknown fleet in --fleets {args.fleets!r}")
-    sys.path.insert(0, os.path.dirname(__file__))
     import lorafast._core
     from bench_scan import make_dense
 
@@ -274,7 +373,14 @@ def main() -> int:
             os.makedirs(os.path.join(tmp, name))
             makers[name](os.path.join(tmp, name))
         print(f"fleets written in {time.perf_counter() - t:.1f} s")
-        missed = [m for name in fleets for m in run_fleet(name, os.path.join(tmp, name), args.repeat, args.memory_runs)]
+        missed = []
+        for name in fleets:
+            if not args.no_targets:
+                missed += run_fleet(name, os.path.join(tmp, name), args.repeat, args.memory_runs)
+            if args.before:
+                compare_fleet(name, os.path.join(tmp, name), args.before, args.passes, args.compare_repeat)
+    if args.no_targets:
+        return 0
     print("\nall targets met" if not missed else f"\ntargets missed: {len(missed)}\n  " + "\n  ".join(missed))
     return 0
 

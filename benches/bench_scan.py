@@ -16,9 +16,12 @@ Prints adapters/s and the ratio to lorafast. Usage: python benches/bench_scan.py
 [--sets dense,unique,MoE] [--dir DIR] [--before DIR] [--passes N] (DIR keeps the generated sets for later runs).
 
 `--before DIR` times another build of lorafast in the same run: DIR is a folder that build was installed into
-(`pip install --no-deps --target DIR old.whl`). Each set is scanned by both builds in turn, each in a fresh
-process, for --passes passes: with the report freed inside the timed call, as the table above times it, and
-with the report kept until after the clock stops (the scan alone).
+(`make baseline` builds the fixed reference, 255a378, into .cache/baseline-255a378). Each set is scanned by both
+builds in turn, each in a fresh process, for --passes passes (default 5; benches/_compare.py): with the report
+freed inside the timed call, as the table above times it, and with the report kept until after the clock stops
+(the scan alone). Each way prints the median of the passes and the spread (min-max), the ratio to the reference
+and to the Python baselines B3, B4 and the floor (timed in this build's process of the same pass), and the load
+average at the start and the end.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import lorafast
+from _compare import CHILD_PRELUDE, best_of, compare, report
 from lorafast.testing import write_safetensors
 
 LLAMA = {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (64, 64),
@@ -156,55 +159,38 @@ def floor_read(dirs: list[str]) -> None:
         _read_header(os.path.join(d, "adapter_model.safetensors"))
 
 
-def best_of(fn: Callable[[], object], repeat: int, keep: bool = False) -> float:
-    """The best of `repeat` timed calls after a warm-up. What `fn` returns is freed inside the timed window (as
-    a caller that drops it pays), or with `keep` only after the clock stops (the call alone)."""
-    fn()  # warm-up pass (page cache, imports)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        if keep:
-            result = fn()
-            times.append(time.perf_counter() - t)
-            del result  # after the clock stops, not when the next call's result replaces it
-        else:
-            fn()  # its result is freed before the clock stops
-            times.append(time.perf_counter() - t)
-    return min(times)
-
-
-# One build's lorafast.scan of one set in a fresh process, timed both ways (see the docstring's `--before`).
-BUILD_CODE = r"""
-import json, os, sys
-sys.path.insert(0, sys.argv[2])
-import lorafast
-from bench_scan import best_of
-root, n = sys.argv[1], len(os.listdir(sys.argv[1]))
-out = {"file": lorafast.__file__}
+# One build's lorafast.scan of one set in a fresh process, timed both ways (see the docstring's `--before`); the
+# `this` child also times the Python baselines on the same set.
+BUILD_CODE = (
+    CHILD_PRELUDE
+    + r"""
+root, repeat = ARGS[0], int(ARGS[1])
+n = len(os.listdir(root))
+claims = {}
 for threads in (1, None):
     key = "1 thread" if threads == 1 else "all cores"
     scan = lambda: lorafast.scan([root], threads=threads, progress=False)
-    out[key] = n / best_of(scan, 5)
-    out[key + ", report kept"] = n / best_of(scan, 5, keep=True)
-print(json.dumps(out))
+    claims[key] = best_of(scan, repeat)
+    claims[key + ", report kept"] = best_of(scan, repeat, keep=True)
+if ROLE == "this":
+    import bench_scan
+    dirs = sorted(os.path.join(root, d) for d in os.listdir(root))
+    for name, fn in bench_scan.BASELINES.items():
+        claims[name] = best_of(lambda: getattr(bench_scan, fn)(dirs), repeat)
+child_result(claims)
 """
+)
+
+#: The Python baselines each claim of --before is also a ratio to (name -> function of this module).
+BASELINES = {"B3 struct + json.loads": "b3_json", "B4 orjson": "b4_orjson", "floor: open/read/close": "floor_read"}
+WAYS = ("1 thread", "1 thread, report kept", "all cores", "all cores, report kept")
 
 
-def time_builds(sroot: str, before: str, passes: int) -> None:
-    """Prints, per pass, each way of timing for the build in `before` and this one, and their ratio."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    builds = {"before": before, "this build": os.path.dirname(os.path.dirname(lorafast.__file__))}
-    for p in range(passes):
-        r = {}
-        for name, path in builds.items():
-            env = {**os.environ, "PYTHONPATH": path}
-            cmd = [sys.executable, "-c", BUILD_CODE, sroot, here]
-            r[name] = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
-        if p == 0:
-            print("  builds: " + ", ".join(f"{k} {v['file']}" for k, v in r.items()))
-        for way in ("1 thread", "1 thread, report kept", "all cores", "all cores, report kept"):
-            b, a = r["before"][way], r["this build"][way]
-            print(f"  pass {p + 1} {way:<24} {b:>10,.0f}/s -> {a:>10,.0f}/s = {a / b:.2f}x", flush=True)
+def time_builds(sroot: str, before: str, passes: int, repeat: int) -> None:
+    """Each way of timing for the build in `before` and this one, alternated in fresh processes: the median of
+    `passes` passes, the spread, and the ratios to the reference and to the Python baselines."""
+    comp = compare(BUILD_CODE, [sroot, repeat], before, passes, label="  ")
+    report(comp, WAYS, baselines={w: list(BASELINES) for w in WAYS}, per=len(os.listdir(sroot)))
 
 
 def make_set(root: str, label: str, args: argparse.Namespace) -> list[str]:
@@ -248,7 +234,7 @@ def main() -> int:
     ap.add_argument("--sets", default="dense,unique,MoE", help="the sets to time, comma-separated")
     ap.add_argument("--dir", help="write the sets here and reuse them in later runs (default: a temporary folder)")
     ap.add_argument("--before", help="a folder another lorafast build is installed in, to time in the same run")
-    ap.add_argument("--passes", type=int, default=4, help="passes of the --before comparison")
+    ap.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
     args = ap.parse_args()
     labels = [s for s in ("dense", "unique", "MoE") if s in args.sets.split(",")]
     with tempfile.TemporaryDirectory(prefix="lorafast-bench-") as tmp:
@@ -275,7 +261,7 @@ def main() -> int:
         if args.before:
             for label in sets:
                 print(f"\n{label}: lorafast.scan, the build in {args.before} (before) and this one, alternated")
-                time_builds(os.path.join(root, label), args.before, args.passes)
+                time_builds(os.path.join(root, label), args.before, args.passes, args.repeat)
         if "dense" not in sets:
             print(f"\ncores: {os.cpu_count()}")
             return 0
