@@ -34,6 +34,7 @@ import numpy as np
 from lorafast.sample import write_samples
 from lorafast.testing import write_safetensors
 
+from helpers.fleets import write_failed
 from helpers.malformed import write_corpus
 
 #: The most the core asks for in a first read (rust/remote/mod.rs SPECULATIVE_BYTES); later first reads fit the
@@ -79,19 +80,7 @@ def build_fleet(root: str, samples: int = 120) -> str:
     open(os.path.join(root, "broken", "headers", "empty.safetensors"), "wb").close()
     long_peft(os.path.join(root, "long", "peft"))
     long_kohya(os.path.join(root, "long", "kohya.safetensors"))
-    for name, files in {
-        "no-weights": {"adapter_config.json": "{}"},
-        "bad-config": {"adapter_config.json": "{not json", "adapter_model.safetensors": None},
-        "list-config": {"adapter_config.json": "[1, 2]", "adapter_model.safetensors": None},
-    }.items():
-        folder = os.path.join(root, "broken", name)
-        os.makedirs(folder, exist_ok=True)
-        for fname, text in files.items():
-            if text is None:
-                write_safetensors(os.path.join(folder, fname), {"x.lora_A.weight": ("F32", (2, 4))})
-            else:
-                with open(os.path.join(folder, fname), "w") as f:
-                    f.write(text)
+    write_failed(os.path.join(root, "broken"), "no_weights", "bad_config", "list_config")
     hidden = os.path.join(root, ".cache")
     os.makedirs(hidden, exist_ok=True)
     shutil.copy(os.path.join(root, "long", "kohya.safetensors"), os.path.join(hidden, "skipped.safetensors"))

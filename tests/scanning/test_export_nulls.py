@@ -6,15 +6,14 @@ status, error code and error message are kept. The module table has no rows for 
 from __future__ import annotations
 
 import json
-import os
 
 import lorafast
 import numpy as np
 import pytest
+from helpers.fleets import write_failed
 from lorafast.sample import KINDS, write_samples
 from lorafast.scanning import FLAGS, FORMATS, MOE_LAYOUTS, STATUS_ERROR
 from lorafast.testing import write_attention_adapter as peft
-from lorafast.testing import write_safetensors
 
 #: Columns a failed row keeps; every other column of the adapter table describes content and is null there.
 KEPT = {"row", "path", "status", "error_code", "error_message"}
@@ -27,21 +26,8 @@ def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("nulls")
     write_samples(str(root / "samples"), len(KINDS))
     peft(root / "peft_a", r=4)
-    bad = root / "bad"
-    os.makedirs(bad)
-    (bad / "junk.safetensors").write_bytes(b"this is not a safetensors file at all")  # not safetensors
-    write_safetensors(str(bad / "cut.safetensors"), TENSORS)
-    os.truncate(bad / "cut.safetensors", os.path.getsize(bad / "cut.safetensors") - 10)  # truncated data
-    peft(bad / "badcfg", r=4)
-    (bad / "badcfg" / "adapter_config.json").write_text('{"r": 4,')  # bad JSON config
-    os.makedirs(bad / "noweights")
-    (bad / "noweights" / "adapter_config.json").write_text('{"r": 4}')  # no weights file
-    os.symlink("nowhere.safetensors", bad / "dangling.safetensors")  # unreadable: dangling link
-    os.symlink("loop.safetensors", bad / "loop.safetensors")  # unreadable: link loop
-    os.mkfifo(bad / "pipe.safetensors")  # unreadable: not a regular file
-    if os.geteuid() != 0:  # root reads a file of mode 000
-        write_safetensors(str(bad / "locked.safetensors"), TENSORS)
-        os.chmod(bad / "locked.safetensors", 0)
+    write_failed(root / "bad", "not_safetensors", "truncated", "bad_config", "no_weights", "dangling", "loop", "fifo",
+                 "locked")  # fmt: skip
     return root
 
 

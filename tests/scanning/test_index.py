@@ -16,6 +16,7 @@ import time
 
 import lorafast
 import pytest
+from helpers.fleets import write_failed
 from helpers.reports import rewrite_in_place, same_report
 from lorafast import _core
 from lorafast.sample import write_samples
@@ -27,9 +28,7 @@ from lorafast.testing import write_attention_adapter as peft
 def fleet(tmp_path):
     root = tmp_path / "fleet"
     write_samples(str(root), 60)
-    (root / "broken.safetensors").write_bytes(b"\x01\x00")  # a failed row is indexed too
-    os.makedirs(root / "no-weights")
-    (root / "no-weights" / "adapter_config.json").write_text("{}")  # a failed discovery
+    write_failed(root, "tiny", "no_weights")  # a failed row is indexed too; a failed discovery
     return root
 
 

@@ -18,6 +18,7 @@ import sys
 import lorafast
 import numpy as np
 import pytest
+from helpers.fleets import write_failed
 from lorafast.sample import write_samples
 from lorafast.testing import write_attention_adapter as peft
 from lorafast.testing import write_safetensors
@@ -44,9 +45,7 @@ def fleet(tmp_path_factory):
     for i in range(6):
         write_safetensors(str(root / "kohya" / f"k{i}.safetensors"), tensors, metadata={"ss_seed": str(i)})
     peft(root / "peft_a", r=4)
-    os.makedirs(root / "broken")
-    (root / "broken" / "x.safetensors").write_bytes(b"\x01\x00")
-    (root / "broken" / "y.safetensors").write_bytes(b"\x00" * 20)
+    write_failed(root / "broken", "tiny", "zeros")
     return root
 
 
