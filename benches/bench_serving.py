@@ -15,7 +15,10 @@ modules). Then times, on a warm page cache:
             wheel), on the first `--engine-n` adapters (default 500: the load is far slower), per adapter.
 
 Prints each run's median and spread over `--passes` (default 5) and the per-adapter ratio, engine / lorafast.
-Usage: python benches/bench_serving.py [--n 10000] [--engine-n 500] [--passes 5] [--keep DIR]
+`--before DIR` also times both preflights with the build installed in DIR (`make baseline`: 255a378) and with this
+one, alternated, each in a fresh process per pass (benches/_compare.py), with the ratio to it and to the engine's
+load; 255a378 has no `lorafast.preflight`, so against it there is no reference ratio.
+Usage: python benches/bench_serving.py [--n 10000] [--engine-n 500] [--passes 5] [--keep DIR] [--before DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 
 import lorafast
 import lorafast._core
+from _compare import CHILD_PRELUDE, compare, report
 from lorafast.testing import write_peft_adapter, write_safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,6 +110,34 @@ def spread(times: list[float]) -> str:
     return f"median {statistics.median(times):.3f} s (min {min(times):.3f}, max {max(times):.3f}, {len(times)} passes)"
 
 
+# --before: one build's preflight of both commands in a fresh process (benches/_compare.py), each the best of
+# `repeat` calls after a warm-up (as the passes above, in-process caches kept). 255a378 has no lorafast.preflight.
+COMPARE_CODE = (
+    CHILD_PRELUDE
+    + r"""
+fleet, commands, repeat = ARGS[0], json.loads(ARGS[1]), int(ARGS[2])
+claims, missing = {}, {}
+gone = missing_api("preflight")
+for name, (command, version) in commands.items():
+    if gone:
+        missing[name] = gone
+    else:
+        claims[name] = best_of(lambda: lorafast.preflight(command, [fleet], engine_version=version), repeat)
+child_result(claims, missing)
+"""
+)
+
+
+def compare_builds(
+    fleet: str, commands: dict[str, tuple[str, str]], args: argparse.Namespace, fixed: dict[str, float]
+) -> None:
+    """Both preflights, this build against the one in --before, alternated in fresh processes."""
+    claims = {f"lorafast preflight, {e} {v}": (c, v) for e, (c, v) in commands.items()}
+    child_args = [fleet, json.dumps(claims), 1]
+    comp = compare(COMPARE_CODE, child_args, args.before, args.passes, label=f"\nagainst {args.before}: ")
+    report(comp, claims, baselines={c: list(fixed) for c in claims}, fixed=fixed, per=args.n)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=10000)
@@ -114,6 +146,7 @@ def main() -> int:
     parser.add_argument("--engine-version", default="0.5.23")
     parser.add_argument("--hidden", type=int, default=64, help="model width (tiny tensors favour the engine's load)")
     parser.add_argument("--keep", help="write the fleet here and keep it")
+    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
     args = parser.parse_args()
     set_hidden(args.hidden)
     build = getattr(lorafast._core, "build_profile", "?")
@@ -132,8 +165,10 @@ def main() -> int:
             "vllm": f"vllm serve {base} --enable-lora --max-lora-rank 32 --lora-target-modules {targets}",
         }
         results = {}
+        versions = {"sglang": args.engine_version, "vllm": "0.34.0"}
+        fixed: dict[str, float] = {}
         for engine, command in commands.items():
-            version = args.engine_version if engine == "sglang" else "0.34.0"
+            version = versions[engine]
             times, report = timed(
                 args.passes, lambda c=command, v=version: lorafast.preflight(c, [fleet], engine_version=v)
             )
@@ -152,6 +187,9 @@ def main() -> int:
                   f"{spread(out['seconds'])}; {engine_per * 1e6:.0f} us/adapter")  # fmt: skip
             ours = results["sglang"] / args.n
             print(f"ratio per adapter, SGLang's load / lorafast preflight (sglang): {engine_per / ours:.1f}x")
+            fixed[f"SGLang {args.engine_version} load (per adapter, x {args.n})"] = engine_per * args.n
+        if args.before:
+            compare_builds(fleet, {e: (c, versions[e]) for e, c in commands.items()}, args, fixed)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
