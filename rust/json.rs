@@ -201,18 +201,18 @@ impl<'a> Cursor<'a> {
 
     /// Opens an object; returns false if it is empty (`{}` consumed whole).
     pub fn object_start(&mut self) -> Result<bool> {
-        self.expect(b'{', "expected '{'")?;
-        if self.peek() == Some(b'}') {
-            self.pos += 1;
-            return Ok(false);
-        }
-        Ok(true)
+        self.open(b'{', "expected '{'", b'}')
     }
 
     /// Opens an array; returns false if it is empty (`[]` consumed whole).
     pub fn array_start(&mut self) -> Result<bool> {
-        self.expect(b'[', "expected '['")?;
-        if self.peek() == Some(b']') {
+        self.open(b'[', "expected '['", b']')
+    }
+
+    /// Opens a container that `open` starts and `close` ends; returns false if it is empty.
+    fn open(&mut self, open: u8, message: &'static str, close: u8) -> Result<bool> {
+        self.expect(open, message)?;
+        if self.peek() == Some(close) {
             self.pos += 1;
             return Ok(false);
         }

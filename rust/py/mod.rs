@@ -105,41 +105,36 @@ mod _core {
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
         use pyo3::types::{PyModuleMethods, PyTuple};
+
+        use super::{AdapterErrorCode, Dtype, Flag, Format, HeaderErrorCode, MoeLayout, ProblemCode, TorchErrorCode};
+        use crate::classify::ModuleKind;
+
         crate::scan::install_fork_guard();
-        m.add(
-            "HEADER_ERROR_CODES",
-            super::codes(m.py(), super::HeaderErrorCode::ALL, super::HeaderErrorCode::code)?,
-        )?;
-        m.add(
-            "ADAPTER_ERROR_CODES",
-            super::codes(m.py(), super::AdapterErrorCode::ALL, super::AdapterErrorCode::code)?,
-        )?;
-        m.add(
-            "PROBLEM_CODES",
-            super::codes(m.py(), super::ProblemCode::ALL, super::ProblemCode::code)?,
-        )?;
-        m.add(
-            "TORCH_ERROR_CODES",
-            super::codes(m.py(), super::TorchErrorCode::ALL, super::TorchErrorCode::code)?,
-        )?;
-        m.add(
-            "FORMATS",
-            super::codes(m.py(), super::Format::ALL, super::Format::code)?,
-        )?;
-        m.add(
-            "MOE_LAYOUTS",
-            super::codes(m.py(), super::MoeLayout::ALL, super::MoeLayout::code)?,
-        )?;
-        m.add("FLAGS", super::codes(m.py(), super::Flag::ALL, super::Flag::code)?)?;
-        m.add(
-            "MODULE_KINDS",
-            PyTuple::new(m.py(), crate::classify::ModuleKind::NAMES)?,
-        )?;
+        let py = m.py();
+        let lists = [
+            (
+                "HEADER_ERROR_CODES",
+                super::codes(py, HeaderErrorCode::ALL, HeaderErrorCode::code)?,
+            ),
+            (
+                "ADAPTER_ERROR_CODES",
+                super::codes(py, AdapterErrorCode::ALL, AdapterErrorCode::code)?,
+            ),
+            ("PROBLEM_CODES", super::codes(py, ProblemCode::ALL, ProblemCode::code)?),
+            (
+                "TORCH_ERROR_CODES",
+                super::codes(py, TorchErrorCode::ALL, TorchErrorCode::code)?,
+            ),
+            ("FORMATS", super::codes(py, Format::ALL, Format::code)?),
+            ("MOE_LAYOUTS", super::codes(py, MoeLayout::ALL, MoeLayout::code)?),
+            ("FLAGS", super::codes(py, Flag::ALL, Flag::code)?),
+            ("MODULE_KINDS", PyTuple::new(py, ModuleKind::NAMES)?),
+            ("DTYPES", PyTuple::new(py, Dtype::ALL.iter().map(|d| d.name()))?),
+        ];
+        for (name, list) in lists {
+            m.add(name, list)?;
+        }
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add(
-            "DTYPES",
-            PyTuple::new(m.py(), super::Dtype::ALL.iter().map(|d| d.name()))?,
-        )?;
         m.add(
             "build_profile",
             if cfg!(debug_assertions) { "debug" } else { "release" },
