@@ -127,7 +127,7 @@ def run_child(code: str, role: str, args: Iterable[str], path: str) -> dict[str,
     """`code` in a fresh interpreter with `path` first on `PYTHONPATH`; its last output line, as JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, HERE])}
     cmd = [sys.executable, "-c", code, role, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the {role} build's child failed ({path}):\n{done.stderr.strip()[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
