@@ -9,7 +9,7 @@ in this one run:
   and the floor: an open/read/close loop of the header bytes.
 Each method computes the max lora_A rank and whether any gate_up_proj lora_A is 3D with shape[0] == 1.
 A scan thread reuses the classification of a header whose tensor entries are byte-identical to
-one it has seen (same names, shapes, offsets, data size and config; see rust/memo.rs): the "dense"
+one it has seen (same names, shapes, offsets, data size and config; see rust/scan/memo.rs): the "dense"
 set has four distinct headers, as a fleet trained from a few recipes does; in "unique" every
 adapter is parsed and classified anew.
 Prints adapters/s and the ratio to lorafast. Usage: python benches/bench_scan.py [--dense N] [--moe N]
@@ -47,7 +47,7 @@ LLAMA = {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (
 def make_dense(root: str, n: int, unique: bool = False) -> list[str]:
     """`unique`: the tensors of adapter i are written starting from module i % 224, so neighbouring
     adapters never share their tensor entries and none reuses a remembered classification
-    (rust/memo.rs): every header is parsed and classified anew. (Run ids in `__metadata__` would not
+    (rust/scan/memo.rs): every header is parsed and classified anew. (Run ids in `__metadata__` would not
     do: the memo key leaves out run-specific metadata.)"""
     paths = []
     for i in range(n):

@@ -1,4 +1,4 @@
-"""Type stubs for the compiled core (rust/py.rs). Use the typed wrappers in `lorafast` instead."""
+"""Type stubs for the compiled core (rust/py/). Use the typed wrappers in `lorafast` instead."""
 
 from typing import Any, NotRequired, TypedDict, final, type_check_only
 
@@ -38,7 +38,7 @@ __all__ = [
     "write_parquet",
 ]
 
-# The code lists, each in documentation order, from the enums of rust/codes.rs (`ALL`) and rust/classify.rs.
+# The code lists, each in documentation order, from the enums of rust/codes.rs (`ALL`) and rust/classify/.
 HEADER_ERROR_CODES: tuple[str, ...]
 ADAPTER_ERROR_CODES: tuple[str, ...]
 TORCH_ERROR_CODES: tuple[str, ...]

@@ -1,7 +1,7 @@
 """One `Literal` alias and one tuple per code list lorafast reports.
 
 The lists that live in Rust (header, adapter and torch error codes, problem codes, flags: the enums of
-`rust/codes.rs`; module kinds: `ModuleKind` in `rust/classify.rs`) are exported by the extension, and the tuples
+`rust/codes.rs`; module kinds: `ModuleKind` in `rust/classify/classification.rs`) are exported by the extension, and the tuples
 here are those lists; the aliases spell the same values for type
 checkers. Merge forms live in Python (`lorafast.merging`), so their tuple is the alias's arguments.
 `tests/formats/test_codes.py` checks, list by list, that the Rust list, the alias and the documented list are the

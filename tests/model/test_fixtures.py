@@ -131,7 +131,7 @@ def test_kohya_alpha_tensors() -> None:
 
 
 def expected_flags(fx: dict[str, Any]) -> set[str]:
-    """The library-derived flags plus lorafast's own summary flags (rust/classify.rs `flags::NAMES`):
+    """The library-derived flags plus lorafast's own summary flags (rust/classify/ `flags::NAMES`):
     `has_config` when a config was read (adapter_config.json or diffusers' lora_adapter_metadata),
     `non_additive` for DoRA / LyCORIS variants, `unsupported_features` for PEFT options that are not plain LoRA
     (here: trainable_token_indices)."""

@@ -542,7 +542,7 @@ def test_parquet_from_lists_of_str_equals_parquet_from_buffers(fleet, tmp_path):
 
 
 def test_module_table_past_a_huge_page(tmp_path):
-    """A table of more than 2 MiB is laid out from a huge-page boundary (`rust/module_table.rs` `Arena`): every
+    """A table of more than 2 MiB is laid out from a huge-page boundary (`rust/report/module_table.rs` `Arena`): every
     column still holds each adapter's modules in order."""
     mods = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for i in range(110):

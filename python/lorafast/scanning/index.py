@@ -9,7 +9,7 @@ rows of adapters that are gone. A renamed or moved adapter (its files' inode, de
 path; a rename sets the ctime, so it is not compared there) keeps its row, unread. The report it returns equals
 a full `scan` of the same paths: unchanged rows come back as the scan stored them.
 
-What a report is made of is stored as the core encodes it (`rust/store.rs`), so a rescan loads it at memory
+What a report is made of is stored as the core encodes it (`rust/report/index.rs`), so a rescan loads it at memory
 speed: per row its own fields, and per distinct classification (adapters trained from one recipe share theirs)
 its fields and module records as they are, compressed. Everything per row (the stats, the comparison, the
 decoding) runs in the core (`_core.IndexScan`), in parallel; this module holds the SQLite file.
@@ -54,7 +54,7 @@ _TABLES = [
     """CREATE TABLE IF NOT EXISTS adapters (
         path BLOB PRIMARY KEY,      -- the adapter's path, as the file system's bytes
         class BLOB,                 -- id of its classification in `classes` (NULL for a failed row)
-        entry BLOB NOT NULL         -- its files' signature, the class id and the scan row (rust/store.rs)
+        entry BLOB NOT NULL         -- its files' signature, the class id and the scan row (rust/report/index.rs)
     )""",
     "CREATE INDEX IF NOT EXISTS adapters_class ON adapters (class)",
     "CREATE TABLE IF NOT EXISTS classes (id BLOB PRIMARY KEY, body BLOB NOT NULL)",

@@ -304,7 +304,7 @@ def _parquet_column(name: str, col: Column) -> tuple[tuple[Any, ...], Any]:
 
 
 def _write_parquet(report: ScanReport, table: Table, path: str) -> None:
-    """Written by the core (`rust/parquet.rs`) from the columns, with the Arrow schema `to_arrow` gives in the
+    """Written by the core (`rust/report/parquet.rs`) from the columns, with the Arrow schema `to_arrow` gives in the
     footer, as pyarrow stores it, so that Arrow readers get the same table back. pyarrow's own writer, one thread,
     took longer than the scan on module-heavy fleets (224,000 modules: 16-22 ms against a 12.5 ms scan)."""
     import pyarrow as pa
