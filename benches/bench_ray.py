@@ -18,8 +18,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # listen on 127
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import lorafast
-from lorafast.scanning import distributed
 from lorafast.sample import write_samples
+from lorafast.scanning import distributed
 
 
 def main() -> None:
