@@ -535,7 +535,7 @@ def merge(
 
     _warn_tied(targets, tensors)
     with claims.claimed(tensors[t.component][t.key] for t in targets):
-        _merge_all(handle, targets, tensors, device, chunk_bytes, safe, snapshot, tick)
+        _merge_all(handle, targets, tensors, device, safe, tick)
     handle.merged = True
     for r in handle._records:
         r.complete = True
@@ -554,13 +554,14 @@ def _merge_all(
     targets: list[Target],
     tensors: Mapping[str | None, Mapping[str, Any]],
     device: Any,
-    chunk_bytes: int,
     safe: bool,
-    snapshot: str,
     tick: Callable[[int], None],
 ) -> None:
-    """Merge every target in order; on any failure, roll back every block written and raise."""
+    """Merge every target in order, by the handle's `snapshot` and `chunk_bytes`; on any failure, roll back every
+    block written and raise."""
     import torch
+
+    snapshot = handle.snapshot
 
     current: Target | None = None
     try:
@@ -569,7 +570,7 @@ def _merge_all(
             for target in targets:
                 current = target
                 tensor = tensors[target.component][target.key]
-                _apply(handle, target, tensor, files, device, chunk_bytes, safe, snapshot, tick)
+                _apply(handle, target, tensor, files, device, safe, tick)
     except BaseException as exc:
         with torch.no_grad():
             handle._restore_all()
@@ -591,12 +592,12 @@ def _apply(
     tensor: Any,
     files: OpenFiles,
     device: Any,
-    chunk_bytes: int,
     safe: bool,
-    snapshot: str,
     tick: Callable[[int], None],
 ) -> None:
     import torch
+
+    snapshot, chunk_bytes = handle.snapshot, handle.chunk_bytes
 
     view = _as_stack(tensor)
     dev = torch.device(device) if device is not None else view.device
