@@ -175,13 +175,23 @@ def convert(
     torch is imported only to read fp8 values: an fp8 kohya `.alpha`, and the max difference that an fp8
     adapter's `lossy` refusal reports (`bits.as_float64`).
     """
+    options = _Options(overwrite, source_layout, gate_up)
     if isinstance(adapter, (list, tuple)):
-        return _convert_many(adapter, to, out, overwrite=overwrite, source_layout=source_layout, gate_up=gate_up)
-    return _convert_one(adapter, to, out, overwrite, source_layout, gate_up)
+        return _convert_many(adapter, to, out, options)
+    return _convert_one(adapter, to, out, options)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """`convert`'s keyword options, the same for each adapter of a list."""
+
+    overwrite: bool
+    source_layout: str | None
+    gate_up: str | None
 
 
 def _convert_many(
-    items: Sequence[AdapterLike], to: str, out_dir: str | os.PathLike[str], **options: Any
+    items: Sequence[AdapterLike], to: str, out_dir: str | os.PathLike[str], options: _Options
 ) -> list[ConvertResult | ConvertError]:
     results: list[ConvertResult | ConvertError] = []
     taken: dict[str, str] = {}  # output -> the source written there by this call
@@ -196,28 +206,21 @@ def _convert_many(
             continue
         taken[dest] = found.path
         try:
-            results.append(_convert_one(found, to, dest, **options))
+            results.append(_convert_one(found, to, dest, options))
         except ConvertError as exc:
             results.append(exc)
     return results
 
 
-def _convert_one(
-    adapter: AdapterLike,
-    to: str,
-    out: str | os.PathLike[str],
-    overwrite: bool = False,
-    source_layout: str | None = None,
-    gate_up: str | None = None,
-) -> ConvertResult:
+def _convert_one(adapter: AdapterLike, to: str, out: str | os.PathLike[str], options: _Options) -> ConvertResult:
     started = time.perf_counter()
     if to not in LAYOUTS:
         raise ConvertError(f"unknown layout {to!r}; expected one of {', '.join(LAYOUTS)}", "unsupported")
     ad = _inspect(adapter)
     path = ad.path
     found = detect_layout(ad)
-    if source_layout is not None and source_layout != found:
-        raise ConvertError(f"{path} is {found}, not {source_layout}", "layout_mismatch", path)
+    if options.source_layout is not None and options.source_layout != found:
+        raise ConvertError(f"{path} is {found}, not {options.source_layout}", "layout_mismatch", path)
     if found not in _FROM[to]:
         why = "already is" if found == to else "is"
         takes = f"takes {', '.join(_FROM[to])}"
@@ -231,11 +234,11 @@ def _convert_one(
     if len(ad.weight_files) != 1 or not weights:
         raise ConvertError(f"{path}: only single-file safetensors adapters are converted", "unsupported", path)
     src = weights[0]
-    folder = OutputFolder(os.fspath(out), overwrite)
+    folder = OutputFolder(os.fspath(out), options.overwrite)
     try:
         with TensorFile(src) as tf:
             sizes = sum(e.end - e.begin for e in tf.tensors.values())
-            tensors, config, notes, wants = _plan(ad, tf, found, to, moe.gate_up_order(ad, gate_up))
+            tensors, config, notes, wants = _plan(ad, tf, found, to, moe.gate_up_order(ad, options.gate_up))
             _check_names(tensors, path)
             box: list[str | BaseException] = []
             hash_fd = os.dup(tf.fileno())
