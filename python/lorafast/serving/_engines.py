@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from lorafast.serving._preflight import Fleet
 
 #: check()'s module statuses under which an engine applies the module nowhere.
+#: An engine's judgement of a fleet: a row per adapter, the problems that stop the server, whether it starts.
+_Judged = tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]
+
 _NOT_IN_BASE = {
     "missing": "matches no module of the base model",
     "prefix_only": "matches the base only under another prefix",
@@ -28,13 +31,12 @@ def judge(launch: LaunchCommand, fleet: Fleet, base: BaseModel | None, note: str
     # problems do not describe.
     diffusion = launch.engine == "sglang" and base is not None and bool(base.components)
     startup = [] if diffusion else [_problem_dict(p, fleet) for p in launch.problems if p.fatal]
-    base_fit = {} if diffusion else _base_fit(fleet, base)
     if launch.engine == "vllm":
-        rows, more, starts = _vllm(launch, fleet, base, note, base_fit)
+        rows, more, starts = _vllm(launch, fleet, base, note)
     elif diffusion:
         rows, more, starts = _diffusion(launch, fleet)
     else:
-        rows, more, starts = _sglang(launch, fleet, base, note, base_fit)
+        rows, more, starts = _sglang(launch, fleet, base, note)
     startup += more
     if startup:
         starts = False
@@ -166,6 +168,11 @@ def _failed(name: str, path: str, source: str, problem: Any, fix: list[str]) -> 
     )
 
 
+def _first_use_failure(name: str, path: str, source: str, why: str, fix: str, **raised: str) -> AdapterVerdict:
+    """An adapter that loads, and fails the first request that uses it; `raised`: `exc_type` and `message`."""
+    return AdapterVerdict(name, path, source, "fails", (why,), stage="first_use", fix=(fix,), **raised)
+
+
 def _base_drops(adapter: Adapter | None, fit: Mapping[str, ModuleCheck]) -> list[tuple[str, str]]:
     if adapter is None:
         return []
@@ -184,16 +191,11 @@ def _base_undecided(base: BaseModel | None, note: str | None) -> list[str]:
 # vLLM
 
 
-def _vllm(
-    launch: LaunchCommand,
-    fleet: Fleet,
-    base: BaseModel | None,
-    note: str | None,
-    base_fit: Mapping[str, Mapping[str, ModuleCheck]],
-) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
+def _vllm(launch: LaunchCommand, fleet: Fleet, base: BaseModel | None, note: str | None) -> _Judged:
     from lorafast.compat import vllm
     from lorafast.compat.sglang import parse_lora_paths
 
+    base_fit = _base_fit(fleet, base)
     opts = launch.options
     targets = opts.get("lora_target_modules")
     refs = parse_lora_paths([f"{name}={path}" for name, path, _ in fleet.entries]) if fleet.entries else []
@@ -225,45 +227,20 @@ def _vllm(
             continue
         misfit = [k for k, m in base_fit.get(path, {}).items() if m.status == "shape_mismatch"]
         if misfit:  # vLLM loads it, then copying the factors into the layer's LoRA buffers fails on their shapes
-            rows.append(
-                AdapterVerdict(
-                    name,
-                    path,
-                    source,
-                    "fails",
-                    (
-                        f"{len(misfit)} modules do not fit the base's weights (e.g. {misfit[0]}): the first request "
-                        "that uses it fails when vLLM copies the factors into the layer",
-                    ),  # fmt: skip
-                    stage="first_use",
-                    fix=("serve it on the base it was trained for (lorafast check names the likely base)",),
-                )
-            )
+            why = (f"{len(misfit)} modules do not fit the base's weights (e.g. {misfit[0]}): the first request "
+                   "that uses it fails when vLLM copies the factors into the layer")  # fmt: skip
+            fix = "serve it on the base it was trained for (lorafast check names the likely base)"
+            rows.append(_first_use_failure(name, path, source, why, fix))
             continue
         lora = plan.loras.get(ref.name)
         loras = dict(lora.loras) if lora is not None else {}
         fused = _vllm_fused_moe_at_2d(loras, moe_layers, targets, launch)
         if fused:  # 0.30: loaded and registered; the request that activates it fails in the MoE layer's set_lora
-            rows.append(
-                AdapterVerdict(
-                    name,
-                    path,
-                    source,
-                    "fails",
-                    (
-                        f"AssertionError in FusedMoEWithLoRA.set_lora: fused 3-D MoE LoRA weights for {fused!r} under "
-                        "vLLM's 2-D MoE LoRA wrapper (no load check before 0.33): the first request that uses it "
-                        "fails",
-                    ),  # fmt: skip
-                    stage="first_use",
-                    exc_type="AssertionError",
-                    message="",
-                    fix=(
-                        "convert the experts to numbered per-expert modules (lorafast convert --to per_expert_2d), "
-                        "or serve it on vLLM 0.33+ with --enable-mixed-moe-lora-format",
-                    ),  # fmt: skip
-                )
-            )
+            why = (f"AssertionError in FusedMoEWithLoRA.set_lora: fused 3-D MoE LoRA weights for {fused!r} under "
+                   "vLLM's 2-D MoE LoRA wrapper (no load check before 0.33): the first request that uses it fails")  # fmt: skip
+            fix = ("convert the experts to numbered per-expert modules (lorafast convert --to per_expert_2d), "
+                   "or serve it on vLLM 0.33+ with --enable-mixed-moe-lora-format")  # fmt: skip
+            rows.append(_first_use_failure(name, path, source, why, fix, exc_type="AssertionError", message=""))
             continue
         dropped: list[tuple[str, str]] = []
         fixes: list[str] = []
@@ -437,15 +414,10 @@ def _is_multimodal(base: BaseModel) -> bool:
 # SGLang
 
 
-def _sglang(
-    launch: LaunchCommand,
-    fleet: Fleet,
-    base: BaseModel | None,
-    note: str | None,
-    base_fit: Mapping[str, Mapping[str, ModuleCheck]],
-) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
+def _sglang(launch: LaunchCommand, fleet: Fleet, base: BaseModel | None, note: str | None) -> _Judged:
     from lorafast.compat import LoraRef, sglang
 
+    base_fit = _base_fit(fleet, base)
     opts = launch.options
     startup_refs = [LoraRef(name, path) for name, path, s in fleet.entries if s == "command"]
     if launch.enable_lora is False:
@@ -599,7 +571,7 @@ def _diffusion_flags(argv: tuple[str, ...]) -> Any:
     return p.parse_known_args(list(argv))[0]
 
 
-def _diffusion(launch: LaunchCommand, fleet: Fleet) -> tuple[list[AdapterVerdict], list[dict[str, Any]], bool | None]:
+def _diffusion(launch: LaunchCommand, fleet: Fleet) -> _Judged:
     """The start-up adapter (`--lora-path`) and every later one, applied together by one `set_lora` call on the
     pipeline, as SGLang's diffusion runtime plans it (`lorafast.plan`): its ValueErrors are the verdicts."""
     import os
