@@ -168,9 +168,9 @@ def _failed(name: str, path: str, source: str, problem: Any, fix: list[str]) -> 
     )
 
 
-def _first_use_failure(name: str, path: str, source: str, why: str, fix: str, **raised: str) -> AdapterVerdict:
-    """An adapter that loads, and fails the first request that uses it; `raised`: `exc_type` and `message`."""
-    return AdapterVerdict(name, path, source, "fails", (why,), stage="first_use", fix=(fix,), **raised)
+def _first_use_failure(name: str, path: str, source: str, why: str, fix: str, exc_type: str = "") -> AdapterVerdict:
+    """An adapter that loads, and fails the first request that uses it (raising `exc_type`, when lorafast knows it)."""
+    return AdapterVerdict(name, path, source, "fails", (why,), stage="first_use", exc_type=exc_type, fix=(fix,))
 
 
 def _base_drops(adapter: Adapter | None, fit: Mapping[str, ModuleCheck]) -> list[tuple[str, str]]:
@@ -229,8 +229,8 @@ def _vllm(launch: LaunchCommand, fleet: Fleet, base: BaseModel | None, note: str
         if misfit:  # vLLM loads it, then copying the factors into the layer's LoRA buffers fails on their shapes
             why = (f"{len(misfit)} modules do not fit the base's weights (e.g. {misfit[0]}): the first request "
                    "that uses it fails when vLLM copies the factors into the layer")  # fmt: skip
-            fix = "serve it on the base it was trained for (lorafast check names the likely base)"
-            rows.append(_first_use_failure(name, path, source, why, fix))
+            how = "serve it on the base it was trained for (lorafast check names the likely base)"
+            rows.append(_first_use_failure(name, path, source, why, how))
             continue
         lora = plan.loras.get(ref.name)
         loras = dict(lora.loras) if lora is not None else {}
@@ -238,9 +238,9 @@ def _vllm(launch: LaunchCommand, fleet: Fleet, base: BaseModel | None, note: str
         if fused:  # 0.30: loaded and registered; the request that activates it fails in the MoE layer's set_lora
             why = (f"AssertionError in FusedMoEWithLoRA.set_lora: fused 3-D MoE LoRA weights for {fused!r} under "
                    "vLLM's 2-D MoE LoRA wrapper (no load check before 0.33): the first request that uses it fails")  # fmt: skip
-            fix = ("convert the experts to numbered per-expert modules (lorafast convert --to per_expert_2d), "
+            how = ("convert the experts to numbered per-expert modules (lorafast convert --to per_expert_2d), "
                    "or serve it on vLLM 0.33+ with --enable-mixed-moe-lora-format")  # fmt: skip
-            rows.append(_first_use_failure(name, path, source, why, fix, exc_type="AssertionError", message=""))
+            rows.append(_first_use_failure(name, path, source, why, how, "AssertionError"))
             continue
         dropped: list[tuple[str, str]] = []
         fixes: list[str] = []
