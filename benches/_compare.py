@@ -21,6 +21,7 @@ the load average at the start and end of the passes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -155,6 +156,12 @@ def compare(code: str, args: Iterable[object], before: str | None, passes: int, 
         print(f"  pass {p + 1}/{passes} done, load {os.getloadavg()[0]:.2f}", flush=True)
     comp.load_end = load()
     return comp
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks' `--before DIR` and `--passes N`."""
+    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
+    parser.add_argument("--passes", type=int, default=5, help="passes, each build in a fresh process per pass")
 
 
 def reference_name(before: str | None) -> str:

@@ -42,7 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _compare import CHILD_PRELUDE, compare, report, this_build
+from _compare import CHILD_PRELUDE, add_options, compare, report, this_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,8 +222,7 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=E, help="experts per layer")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
-    parser.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
+    add_options(parser)
     args = parser.parse_args()
 
     import lorafast

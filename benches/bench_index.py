@@ -34,7 +34,7 @@ import tempfile
 import time
 
 import lorafast
-from _compare import CHILD_PRELUDE, compare, ratios, report
+from _compare import CHILD_PRELUDE, add_options, compare, ratios, report
 from bench_report import make_small
 from bench_scan import make_dense
 from lorafast import _core
@@ -155,10 +155,9 @@ def main() -> int:
     ap.add_argument("--dense", type=int, default=2000)
     ap.add_argument("--small", type=int, default=20000)
     ap.add_argument("--sample", type=int, default=20000)
-    ap.add_argument("--passes", type=int, default=5, help="passes, each build in a fresh process per pass")
+    add_options(ap)
     ap.add_argument("--fleets", default="dense,small", help="comma-separated: dense, small, sample")
     ap.add_argument("--dir", help="write the fleets here and reuse them in later runs")
-    ap.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
     args = ap.parse_args()
     print(f"lorafast {lorafast.__version__}, core build: {_core.build_profile}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="lorafast-bench-index-") as tmp:

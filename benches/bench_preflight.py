@@ -44,7 +44,7 @@ from typing import Any
 
 import lorafast
 import lorafast._core
-from _compare import CHILD_PRELUDE, compare, report
+from _compare import CHILD_PRELUDE, add_options, compare, report
 from lorafast.compat import sglang as sg
 from lorafast.testing import write_safetensors
 
@@ -229,8 +229,7 @@ def main() -> int:
     parser.add_argument("--no-engine", action="store_true", help="skip SGLang's own load path")
     parser.add_argument("--keep", help="write the adapters here and keep them")
     parser.add_argument("--no-scan", action="store_true", help="skip the lorafast.scan + preflight(report) timing")
-    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
-    parser.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
+    add_options(parser)
     args = parser.parse_args()
     build = getattr(lorafast._core, "build_profile", "?")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; lorafast._core build: {build}")

@@ -37,7 +37,7 @@ import tempfile
 import time
 
 import lorafast
-from _compare import CHILD_PRELUDE, best_of, compare, report
+from _compare import CHILD_PRELUDE, add_options, best_of, compare, report
 from lorafast.testing import write_safetensors
 
 LLAMA = {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (64, 64),
@@ -233,8 +233,7 @@ def main() -> int:
     ap.add_argument("--b1-subset", type=int, default=200, help="B1 reads all data; time it on this many")
     ap.add_argument("--sets", default="dense,unique,MoE", help="the sets to time, comma-separated")
     ap.add_argument("--dir", help="write the sets here and reuse them in later runs (default: a temporary folder)")
-    ap.add_argument("--before", help="a folder another lorafast build is installed in, to time in the same run")
-    ap.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
+    add_options(ap)
     args = ap.parse_args()
     labels = [s for s in ("dense", "unique", "MoE") if s in args.sets.split(",")]
     with tempfile.TemporaryDirectory(prefix="lorafast-bench-") as tmp:

@@ -34,7 +34,7 @@ import time
 
 import lorafast
 import lorafast._core
-from _compare import CHILD_PRELUDE, compare, report
+from _compare import CHILD_PRELUDE, add_options, compare, report
 from lorafast.testing import write_peft_adapter, write_safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,11 +143,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=10000)
     parser.add_argument("--engine-n", type=int, default=500, help="adapters in SGLang's own load (0: skip it)")
-    parser.add_argument("--passes", type=int, default=5)
+    add_options(parser)
     parser.add_argument("--engine-version", default="0.5.23")
     parser.add_argument("--hidden", type=int, default=64, help="model width (tiny tensors favour the engine's load)")
     parser.add_argument("--keep", help="write the fleet here and keep it")
-    parser.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
     args = parser.parse_args()
     set_hidden(args.hidden)
     build = getattr(lorafast._core, "build_profile", "?")
