@@ -43,13 +43,44 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _compare import CHILD_PRELUDE, compare, report
+from _compare import CHILD_PRELUDE, add_options, compare, report
 
-FLEET_CODE = r"""
+# The steps both children time that are not one call: the baselines, and to_json streamed to a file. Only public
+# names, so that the --before child runs them on another build too.
+STEPS_CODE = r"""
+def old_json(report):
+    rows = []
+    for i in range(len(report)):
+        rec = report.record(i)
+        if rec is not None:
+            rec.pop("config_json", None)
+            rows.append(rec)
+    return json.dumps({"summary": report.summary(), "adapters": rows})
+
+def old_iter(report):
+    paths = report.ok_paths
+    for s in range(0, len(paths), 512):
+        for _ in lorafast.inspect_many(paths[s : s + 512]):
+            pass
+
+def stream(report, tmp):
+    with open(os.path.join(tmp, "r.json"), "w") as f:
+        report.to_json(f)
+
+def pyarrow_parquet(report, tmp):
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(report.to_arrow(), os.path.join(tmp, "pa.pq"))
+    pyarrow.parquet.write_table(report.to_arrow("modules"), os.path.join(tmp, "pm.pq"))
+"""
+
+FLEET_CODE = (
+    r"""
 import atexit, io, json, os, shutil, sys, time, tempfile
 import lorafast
-from lorafast.scanning import inspect_many
 import pyarrow, pyarrow.parquet, pandas, polars  # imported before any measurement
+"""
+    + STEPS_CODE
+    + r"""
 
 root, repeat, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
@@ -82,41 +113,19 @@ tmp = tempfile.mkdtemp()
 atexit.register(shutil.rmtree, tmp, True)  # the files the steps write (and the index)
 
 def make_steps(report):
-    def old_json():
-        rows = []
-        for i in range(len(report)):
-            rec = report.record(i)
-            if rec is not None:
-                rec.pop("config_json", None)
-                rows.append(rec)
-        return json.dumps({"summary": report.summary(), "adapters": rows})
-
-    def old_iter():
-        paths = report.ok_paths
-        for s in range(0, len(paths), 512):
-            for _ in inspect_many(paths[s : s + 512]):
-                pass
-
-    def stream():
-        with open(os.path.join(tmp, "r.json"), "w") as f:
-            report.to_json(f)
-
     return {
         "to_json (str)": report.to_json,
-        "to_json (stream to file)": stream,
+        "to_json (stream to file)": lambda: stream(report, tmp),
         "to_arrow (both tables)": lambda: (report.to_arrow(), report.to_arrow("modules")),
         "to_pandas (both tables)": lambda: (report.to_pandas(), report.to_pandas("modules")),
         "to_polars (both tables)": lambda: (report.to_polars(), report.to_polars("modules")),
         "to_parquet (both tables)": lambda: report.to_parquet(os.path.join(tmp, "a.pq"), os.path.join(tmp, "m.pq")),
         "iterate (Adapters)": lambda: sum(1 for _ in report),
         "iterate, reading every module": lambda: sum(len(a.modules) for a in report),
-        "baseline: json.dumps of record()s": old_json,
-        "baseline: iterate by re-reading": old_iter,
+        "baseline: json.dumps of record()s": lambda: old_json(report),
+        "baseline: iterate by re-reading": lambda: old_iter(report),
         # What a user of pyarrow writes: the same tables through pyarrow's own writer (its defaults).
-        "baseline: pyarrow write_table of to_arrow()": lambda: (
-            pyarrow.parquet.write_table(report.to_arrow(), os.path.join(tmp, "pa.pq")),
-            pyarrow.parquet.write_table(report.to_arrow("modules"), os.path.join(tmp, "pm.pq")),
-        ),
+        "baseline: pyarrow write_table of to_arrow()": lambda: pyarrow_parquet(report, tmp),
     }
 
 steps = make_steps(report)
@@ -157,6 +166,7 @@ for _ in range(repeat):
 out.update({name: min(ts) for name, ts in times.items()})
 print(json.dumps(out))
 """
+)
 
 
 # --before: one build's scan and steps on one fleet in a fresh process (benches/_compare.py), each the best of
@@ -164,40 +174,17 @@ print(json.dumps(out))
 # are timed in this build's process only.
 COMPARE_CODE = (
     CHILD_PRELUDE
+    + STEPS_CODE
     + r"""
 import inspect, shutil, tempfile
 root, repeat = ARGS[0], int(ARGS[1])
 report = lorafast.scan([root], progress=False)
 tmp = tempfile.mkdtemp()
 
-def old_json():
-    rows = []
-    for i in range(len(report)):
-        rec = report.record(i)
-        if rec is not None:
-            rec.pop("config_json", None)
-            rows.append(rec)
-    return json.dumps({"summary": report.summary(), "adapters": rows})
-
-def old_iter():
-    paths = report.ok_paths
-    for s in range(0, len(paths), 512):
-        for _ in lorafast.inspect_many(paths[s : s + 512]):
-            pass
-
-def stream():
-    with open(os.path.join(tmp, "r.json"), "w") as f:
-        report.to_json(f)
-
-def pyarrow_parquet():
-    import pyarrow.parquet
-    pyarrow.parquet.write_table(report.to_arrow(), os.path.join(tmp, "pa.pq"))
-    pyarrow.parquet.write_table(report.to_arrow("modules"), os.path.join(tmp, "pm.pq"))
-
 steps = {
     "scan": (lambda: lorafast.scan([root], progress=False), None),
     "to_json (str)": (report.to_json, None),
-    "to_json (stream to file)": (stream, "ScanReport.to_json(fp)"),
+    "to_json (stream to file)": (lambda: stream(report, tmp), "ScanReport.to_json(fp)"),
     "to_arrow (both tables)": (lambda: (report.to_arrow(), report.to_arrow("modules")), "ScanReport.to_arrow"),
     "to_pandas (both tables)": (lambda: (report.to_pandas(), report.to_pandas("modules")), "ScanReport.to_pandas"),
     "to_polars (both tables)": (lambda: (report.to_polars(), report.to_polars("modules")), "ScanReport.to_polars"),
@@ -207,9 +194,9 @@ steps = {
     "iterate, reading every module": (lambda: sum(len(a.modules) for a in report), None),
 }
 if ROLE == "this":
-    steps.update({"baseline: json.dumps of record()s": (old_json, None),
-                  "baseline: iterate by re-reading": (old_iter, None),
-                  "baseline: pyarrow write_table of to_arrow()": (pyarrow_parquet, None)})
+    steps.update({"baseline: json.dumps of record()s": (lambda: old_json(report), None),
+                  "baseline: iterate by re-reading": (lambda: old_iter(report), None),
+                  "baseline: pyarrow write_table of to_arrow()": (lambda: pyarrow_parquet(report, tmp), None)})
 def lacks(needs):
     if needs == "ScanReport.to_json(fp)":  # 255a378's to_json returns a str only
         return None if "fp" in inspect.signature(report.to_json).parameters else "lorafast." + needs
@@ -350,8 +337,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--memory-runs", type=int, default=3, help="fresh processes per warm peak (the median is shown)")
     ap.add_argument("--fleets", default="small,dense,unique", help="comma-separated: small, dense, unique")
-    ap.add_argument("--before", help="a folder another lorafast build is installed in (make baseline), timed alike")
-    ap.add_argument("--passes", type=int, default=5, help="passes of the --before comparison (fresh processes)")
+    add_options(ap)
     ap.add_argument("--compare-repeat", type=int, default=3, help="calls per step in each --before pass (the best)")
     ap.add_argument("--no-targets", action="store_true", help="only the --before comparison, not the targets' table")
     args = ap.parse_args()
