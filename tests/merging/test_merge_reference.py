@@ -69,21 +69,16 @@ def moved(before: torch.nn.Module, after: torch.nn.Module) -> int:
 # tiny Llama
 
 
+#: The size of the reference tests' models: two layers, grouped-query attention, a 64-token vocabulary.
+TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
 @pytest.fixture(scope="module")
 def llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-        tie_word_embeddings=False,
-    )
+    cfg = LlamaConfig(**TINY, intermediate_size=48, attention_bias=True, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).float().eval()
 
 
@@ -162,16 +157,7 @@ def test_mixtral_target_parameters_matches_peft(tmp_path: Path) -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    cfg = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
+    cfg = MixtralConfig(**TINY, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
     base = MixtralForCausalLM(cfg).float().eval()
     tp = ["experts.gate_up_proj", "experts.down_proj"]
     one = save_peft(
