@@ -118,11 +118,7 @@ impl Remote {
         on_page: &mut (dyn FnMut(Vec<Vec<String>>) + Send),
     ) -> Result<(), Error> {
         // One permit for the whole listing: its pages do not queue behind the header reads.
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
+        let _permit = self.permit(loc).await?;
         self.check_stalled(loc)?;
         let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
         let Some(pages) = &loc.store.pages else {
@@ -234,11 +230,7 @@ impl Remote {
 
     /// A URL with nothing under it as a prefix: the object itself, or not found.
     async fn lone_object(&self, loc: &Loc) -> Result<Target, Error> {
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
+        let _permit = self.permit(loc).await?;
         match loc.store.inner.head(&loc.key).await {
             Ok(_) => Ok(guess_target(&loc.url, loc)),
             Err(object_store::Error::NotFound { .. }) => Err(io_err(
@@ -257,11 +249,7 @@ impl Remote {
             return Ok(guess_target(url, &loc));
         }
         let listing = {
-            let _permit = self
-                .permits
-                .acquire()
-                .await
-                .map_err(|e| Error::adapter(url, AdapterErrorCode::Internal, e.to_string()))?;
+            let _permit = self.permit(&loc).await?;
             self.check_stalled(&loc)?;
             let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
             loc.store

@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
+use tokio::sync::SemaphorePermit;
 
 use super::stores::{Loc, Remote};
 use super::{SPECULATIVE_BYTES, STALL_LIMIT};
@@ -60,6 +61,14 @@ impl Remote {
         }
     }
 
+    /// One of the call's request permits, for a request to `loc` (an error only once the semaphore is closed).
+    pub(super) async fn permit(&self, loc: &Loc) -> Result<SemaphorePermit<'_>, Error> {
+        self.permits
+            .acquire()
+            .await
+            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))
+    }
+
     pub(super) fn check_stalled(&self, loc: &Loc) -> Result<(), Error> {
         let n = loc.store.stalls.load(Ordering::Relaxed);
         if n >= STALL_LIMIT {
@@ -87,11 +96,7 @@ impl Remote {
         loc: &Loc,
         range: impl FnOnce() -> Range<u64>,
     ) -> Result<(Bytes, u64), Error> {
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .map_err(|e| Error::adapter(&loc.url, AdapterErrorCode::Internal, e.to_string()))?;
+        let _permit = self.permit(loc).await?;
         self.check_stalled(loc)?;
         let range = range();
         if loc.store.ignores_range.load(Ordering::Relaxed) {
