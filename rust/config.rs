@@ -981,66 +981,6 @@ mod tests {
         }
     }
 
-    /// What the cursor route keeps, next to what serde_json's `Value` gives.
-    fn summary(c: &LoraConfig) -> String {
-        let pats = |p: &[Pattern]| {
-            p.iter()
-                .map(|p| format!("{}={}", p.key, p.value))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        format!(
-            "{:?} {:?} {:?} {} {} [{}] [{}] {:?} {:?} {:?} {:?} {} {:?} {:?}",
-            c.peft_type,
-            c.r,
-            c.lora_alpha.map(f64::to_bits),
-            c.use_rslora,
-            c.use_dora,
-            pats(&c.rank_pattern),
-            pats(&c.alpha_pattern),
-            c.target_modules,
-            c.target_parameters,
-            c.base_model_name_or_path,
-            c.modules_to_save,
-            c.lora_bias,
-            c.unsupported_features,
-            c.bad_patterns
-        )
-    }
-
-    #[test]
-    fn cursor_and_serde_agree() {
-        let texts = [
-            r#"{"r": 8, "r": 16, "lora_alpha": 8.5, "use_rslora": true, "target_modules": "all-linear"}"#,
-            r#"{"r": -1, "alpha": 4, "rank_pattern": {"b": 2, "a": 3, "b": 5, "c": "x"}, "peft_type": "LOHA"}"#,
-            r#"{"r": 8.0, "lora_alpha": 1e3, "target_modules": ["q_proj", 3, "to_out.0"], "modules_to_save": "score"}"#,
-            r#"{"init_lora_weights": "PiSSA_niter_4", "layer_replication": [[0, 4]], "use_qalora": false}"#,
-            r#"{"alora_invocation_tokens": null, "use_bdlora": {}, "trainable_token_indices": 0, "x": {"y": [1]}}"#,
-            r#"{"r": 18446744073709551616, "lora_alpha": -0, "use_dora": 1, "lora_bias": true}"#,
-            r#"{"rank_pattern": {"(": 4}, "alpha_pattern": [], "target_parameters": ["experts.down_proj"]}"#,
-            r#"  {"base_model_name_or_path": "a\u00e9\n", "r": 4} "#,
-        ];
-        for text in texts {
-            let value: Value = serde_json::from_str(text).unwrap();
-            let want = LoraConfig::from_map(value.as_object().unwrap(), "");
-            assert_eq!(summary(&LoraConfig::from_json(text).unwrap()), summary(&want), "{text}");
-        }
-        for bad in [
-            r#"{"r": 1e999}"#,
-            "[]",
-            r#"{"r": 1,}"#,
-            r#"{"a": "\ud800"}"#,
-            r#"{"r": 1} x"#,
-        ] {
-            let serde = serde_json::from_str::<Value>(bad);
-            let ours = LoraConfig::from_json(bad);
-            assert!(ours.is_err(), "{bad}");
-            if let Err(e) = serde {
-                assert_eq!(ours.unwrap_err(), format!("adapter_config.json is not valid JSON: {e}"));
-            }
-        }
-    }
-
     /// Plain keys (only `.` as regex syntax) are matched without a regex, with the regex's answer.
     #[test]
     fn plain_keys_match_as_their_regex() {

@@ -300,6 +300,29 @@ fn check(input: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Hand-picked texts: repeated keys, wrong types, unknown PEFT features, numbers out of range, and texts
+/// serde_json rejects (the cursor must too, with its message).
+#[test]
+fn hand_picked_texts() {
+    for text in [
+        r#"{"r": 8, "r": 16, "lora_alpha": 8.5, "use_rslora": true, "target_modules": "all-linear"}"#,
+        r#"{"r": -1, "alpha": 4, "rank_pattern": {"b": 2, "a": 3, "b": 5, "c": "x"}, "peft_type": "LOHA"}"#,
+        r#"{"r": 8.0, "lora_alpha": 1e3, "target_modules": ["q_proj", 3, "to_out.0"], "modules_to_save": "score"}"#,
+        r#"{"init_lora_weights": "PiSSA_niter_4", "layer_replication": [[0, 4]], "use_qalora": false}"#,
+        r#"{"alora_invocation_tokens": null, "use_bdlora": {}, "trainable_token_indices": 0, "x": {"y": [1]}}"#,
+        r#"{"r": 18446744073709551616, "lora_alpha": -0, "use_dora": 1, "lora_bias": true}"#,
+        r#"{"rank_pattern": {"(": 4}, "alpha_pattern": [], "target_parameters": ["experts.down_proj"]}"#,
+        r#"  {"base_model_name_or_path": "a\u00e9\n", "r": 4} "#,
+        r#"{"r": 1e999}"#,
+        "[]",
+        r#"{"r": 1,}"#,
+        r#"{"a": "\ud800"}"#,
+        r#"{"r": 1} x"#,
+    ] {
+        check(text.as_bytes()).unwrap_or_else(|e| panic!("{text}: {e}"));
+    }
+}
+
 #[test]
 fn fuzz_config() {
     let texts = prop_oneof![
