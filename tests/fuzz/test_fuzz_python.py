@@ -7,35 +7,25 @@ The harness runs in a child process (libFuzzer ends the process when it is done)
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers.fuzzing import seeded_pass
+from helpers.fuzzing import probe, seeded_pass
 
 pytest.importorskip("atheris")
 
-HERE = Path(__file__).parent
-HARNESS = HERE / "fuzz_python.py"
-KEPT = HERE.parent / "fuzz-corpus" / "python"
-SECONDS = 30
-
 
 def test_seeded_fuzz_pass_finds_nothing(tmp_path: Path) -> None:
-    n_seeds, runs = seeded_pass(HARNESS, KEPT, tmp_path, SECONDS)
+    n_seeds, _, runs = seeded_pass("python", tmp_path, 30)
     assert n_seeds >= 30
     assert runs > n_seeds  # every seed ran, then mutations
 
 
+#: After `f = fuzz_python` and `h = f.Harness(tmp_path)` (helpers.fuzzing.probe).
 PROBE = """
-import sys, time
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-import fuzz_python as f
+import time
 import lorafast
 
-h = f.Harness(Path({out!r}))
 seed = f.regression_inputs()[2]
 h.one(seed)
 print("CLEAN")
@@ -60,8 +50,7 @@ print("NOT REACHED")
 def test_harness_reports_undocumented_exceptions_and_hangs(tmp_path: Path) -> None:
     # The checks can fail: an inspect that raises RuntimeError is a finding, so is a case that takes 300 MiB,
     # and one that blocks is a hang whose input is saved, ending the process.
-    code = PROBE.format(tests=str(HERE), out=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = probe("python", PROBE, tmp_path, timeout=120)
     assert proc.returncode == 70, proc.stderr[-2000:]
     assert "CLEAN" in proc.stdout and "FINDING inspect: undocumented RuntimeError: boom" in proc.stdout
     assert re.search(r"FINDING peak memory rose (29\d|30\d) MiB", proc.stdout)  # over 10x the file + 64 MiB

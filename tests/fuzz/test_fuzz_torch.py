@@ -8,36 +8,25 @@ the kept corpus in tests/fuzz-corpus/torch/.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers.fuzzing import seeded_pass
+from helpers.fuzzing import probe, seeded_pass
 
 pytest.importorskip("atheris")
 pytest.importorskip("torch")
 
-HERE = Path(__file__).parent
-HARNESS = HERE / "fuzz_torch.py"
-KEPT = HERE.parent / "fuzz-corpus" / "torch"
-SECONDS = 20
-
 
 def test_seeded_torch_fuzz_pass_finds_nothing(tmp_path: Path) -> None:
-    n_seeds, runs = seeded_pass(HARNESS, KEPT, tmp_path, SECONDS)
+    n_seeds, kept, runs = seeded_pass("torch", tmp_path, 20)
     assert n_seeds >= 10
-    assert runs > n_seeds + len(list(KEPT.iterdir()))  # every input ran, then mutations
+    assert runs > n_seeds + kept  # every input ran, then mutations
 
 
+#: After `f = fuzz_torch` and `h = f.Harness(tmp_path)` (helpers.fuzzing.probe).
 PROBE = """
-import sys
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-import fuzz_torch as f
 from lorafast import _core
 
-h = f.Harness(Path({out!r}))
 seed = f.seed_inputs()[0]
 h.one(seed)
 print("CLEAN")
@@ -63,8 +52,7 @@ except f.Finding as e:
 def test_harness_reports_disagreements_with_torch(tmp_path: Path) -> None:
     # The checks can fail: lorafast naming a tensor otherwise than torch is a finding, and so is lorafast
     # accepting a file torch cannot load; each finding's input is saved.
-    code = PROBE.format(tests=str(HERE), out=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = probe("torch", PROBE, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CLEAN" in proc.stdout
     assert "FINDING tensors differ: lorafast [('renamed'" in proc.stdout
