@@ -1,7 +1,7 @@
 """Launch-command oracle cases, and the parser-definition helpers both sides of tests/oracle/test_oracle_launch.py use.
 
 `describe` writes an argparse parser down as rows (the engine's own, in tests/oracle/launch_runner.py, and
-lorafast's replica); `encode` turns the engine's rows into the text of `lorafast/compat/_launch_flags.py`.
+lorafast's replica); `encode` turns the engine's rows into the text of `lorafast/compat/_launch_flags.txt`.
 `CASES` are (engine, entry, argv) command lines: the engine runs `argv` through the entry's own code and
 lorafast parses the whole command, `ENTRIES[engine][entry] + argv`, shell-quoted.
 """
@@ -56,7 +56,7 @@ def describe(parser: argparse.ArgumentParser, dests: set[str]) -> list[dict[str,
     return rows
 
 
-# The kind letter of each action class in _launch_flags.py (see its docstring).
+# The kind letter of each action class in _launch_flags.txt (see its header).
 _KINDS = {
     ("_StoreAction", None): "",
     ("_StoreAction", "?"): "?",
@@ -340,30 +340,27 @@ def _changes(old: list[str], new: list[str]) -> str:
 
 
 def render_flag_tables(tables: dict[tuple[str, str], str]) -> str:
-    """The text of python/lorafast/compat/_launch_flags.py for the engines' flag tables (`encode`'s text): each
-    engine's oldest release whole, each later one as its changes from the release before. The file's docstring
-    is kept as it is."""
-    from lorafast.compat import _launch_flags, parse_engine_version
+    """The text of python/lorafast/compat/_launch_flags.txt for the engines' flag tables (`encode`'s text): each
+    engine's oldest release whole, each later one as its edits of the release before. The file's header
+    comment is kept as it is."""
+    from lorafast.compat import parse_engine_version
+    from lorafast.compat.launch import FLAGS_FILE
 
-    whole, changes = [], []
+    with open(FLAGS_FILE, encoding="utf-8") as f:
+        header = [line for line in f.read().splitlines() if line.startswith("#")]
+    out = list(header)
     previous: dict[str, tuple[str, list[str]]] = {}
     for (engine, version), text in sorted(tables.items(), key=lambda kv: (kv[0][0], parse_engine_version(kv[0][1]))):
         lines = text.splitlines()
         if engine in previous:
             base, old = previous[engine]
-            edits = _changes(old, lines)
-            changes.append(
-                f'    ("{engine}", "{version}"): (\n        "{base}",\n        """\\\n{edits}\n""",\n    ),\n'
-            )
+            out += [f"[{engine} {version} < {base}]", *_changes(old, lines).splitlines()]
         else:
-            whole.append(f'    ("{engine}", "{version}"): """\\\n{text}\n""",\n')
+            out += [f"[{engine} {version}]", *lines]
         previous[engine] = (version, lines)
-    return (
-        f'"""{_launch_flags.__doc__}"""\n\nFLAGS: dict[tuple[str, str], str] = {{\n{"".join(whole)}}}\n\n'
-        f"CHANGES: dict[tuple[str, str], tuple[str, str]] = {{\n{''.join(changes)}}}\n"
-    )
+    return "\n".join(out) + "\n"
 
 
 def render_flags(tables: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
-    """The text of python/lorafast/compat/_launch_flags.py for the engines' parser rows."""
+    """The text of python/lorafast/compat/_launch_flags.txt for the engines' parser rows."""
     return render_flag_tables({release: encode(rows) for release, rows in tables.items()})

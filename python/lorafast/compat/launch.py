@@ -3,7 +3,7 @@
 `parse_launch("vllm serve M --enable-lora --max-lora-rank 32 --lora-modules a=/p")` (a string, shell-split, or
 an argv list) finds the engine and entry point from the program, then parses the rest with a replica of that
 engine release's own argument parser: every option string of every flag, in the engine's order, with the
-engine's nargs (`_launch_flags.py`, generated from the released parsers), so `--port 8000`, abbreviations
+engine's nargs (`_launch_flags.txt`, generated from the released parsers), so `--port 8000`, abbreviations
 (`--max-lora-r`), `--flag=value`, vLLM's underscore spellings and dotted JSON keys are read as the engine
 reads them. The LoRA flags carry the engine's types, choices, defaults and actions; the other flags' values
 are taken as strings and not checked. Then the LoRA settings are validated as the engine validates them at
@@ -33,7 +33,6 @@ from typing import Any
 
 from lorafast.compat import _versions
 from lorafast.compat._common import Collector, CompatProblem, LoraRef
-from lorafast.compat._launch_flags import CHANGES, FLAGS
 from lorafast.compat.sglang._names import (
     MSG_ALL_ALONE,
     MSG_MAX_LORAS_POSITIVE,
@@ -226,7 +225,7 @@ class EnableDisableAction(argparse.BooleanOptionalAction):
         setattr(namespace, self.dest, option_string not in self.negative_option_strings)
 
 
-_GENERIC: dict[str, dict[str, Any]] = {  # the kinds of _launch_flags.py, for flags whose values are not checked
+_GENERIC: dict[str, dict[str, Any]] = {  # the kinds of _launch_flags.txt, for flags whose values are not checked
     "": {},
     "?": {"nargs": "?"},
     "*": {"nargs": "*"},
@@ -240,7 +239,7 @@ _GENERIC: dict[str, dict[str, Any]] = {  # the kinds of _launch_flags.py, for fl
 
 
 class _Store(argparse.Action):
-    """An engine's own action class taking values (`x`, `x*`, ... in _launch_flags.py): the values are stored,
+    """An engine's own action class taking values (`x`, `x*`, ... in _launch_flags.txt): the values are stored,
     and the class keeps the engine's name (SGLang's config-file merger names it in its errors)."""
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
@@ -259,13 +258,36 @@ def _auto_dest(strings: list[str]) -> str:
     return (longs or strings)[0].lstrip("-").replace("-", "_")
 
 
+#: the generated tables of the verified releases' parsers (its header says how to read it)
+FLAGS_FILE = os.path.join(os.path.dirname(__file__), "_launch_flags.txt")
+
+
+@functools.cache
+def flag_sections() -> dict[tuple[str, str], tuple[str | None, str]]:
+    """`_launch_flags.txt` by release: (engine, version) -> (the release its lines edit, or None for a whole
+    table; the lines)."""
+    sections: dict[tuple[str, str], tuple[str | None, list[str]]] = {}
+    lines: list[str] = []
+    with open(FLAGS_FILE, encoding="utf-8") as f:
+        for line in f.read().splitlines():
+            if line.startswith("#"):
+                continue
+            if line.startswith("["):
+                engine, version, *base = line.strip("[]").replace(" < ", " ").split(" ")
+                lines = []
+                sections[(engine, version)] = (base[0] if base else None, lines)
+            else:
+                lines.append(line)
+    return {release: (base, "\n".join(body) + "\n") for release, (base, body) in sections.items()}
+
+
 @functools.cache
 def _flag_table(engine: str, version: str) -> str:
-    """The flag lines of an engine release (`_launch_flags`): its table, or the table of the release before it with
-    its changes applied."""
-    if (engine, version) in FLAGS:
-        return FLAGS[(engine, version)]
-    base, changes = CHANGES[(engine, version)]
+    """The flag lines of an engine release: its table, or the table of the release before it with its edits
+    applied."""
+    base, changes = flag_sections()[(engine, version)]
+    if base is None:
+        return changes
     old = _flag_table(engine, base).splitlines()
     lines: list[str] = []
     at = 0
