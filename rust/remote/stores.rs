@@ -158,6 +158,19 @@ impl Remote {
 
     fn build(&self, p: &Parsed) -> Result<Built, StoreError> {
         let user = &self.opts.storage_options;
+        // GCS and Azure take the same steps, each with its own builder and key types.
+        macro_rules! configured {
+            ($builder:ident, $key:ident) => {{
+                let mut b = $builder::from_env().with_url(&p.base).with_retry(self.retry());
+                for (k, v) in self.client_defaults() {
+                    b = b.with_config($key::Client(k), v);
+                }
+                for (k, v) in user {
+                    b = b.with_config($key::from_str(k).map_err(store_error)?, v);
+                }
+                Ok(listing(b.build().map_err(store_error)?))
+            }};
+        }
         let user_sets = |names: &[&str]| user.iter().any(|(k, _)| names.contains(&k.as_str()));
         match p.kind {
             Kind::S3 => {
@@ -184,30 +197,8 @@ impl Remote {
                 }
                 Ok(listing(b.build().map_err(store_error)?))
             }
-            Kind::Gcs => {
-                let mut b = GoogleCloudStorageBuilder::from_env()
-                    .with_url(&p.base)
-                    .with_retry(self.retry());
-                for (k, v) in self.client_defaults() {
-                    b = b.with_config(GoogleConfigKey::Client(k), v);
-                }
-                for (k, v) in user {
-                    b = b.with_config(GoogleConfigKey::from_str(k).map_err(store_error)?, v);
-                }
-                Ok(listing(b.build().map_err(store_error)?))
-            }
-            Kind::Azure => {
-                let mut b = MicrosoftAzureBuilder::from_env()
-                    .with_url(&p.base)
-                    .with_retry(self.retry());
-                for (k, v) in self.client_defaults() {
-                    b = b.with_config(AzureConfigKey::Client(k), v);
-                }
-                for (k, v) in user {
-                    b = b.with_config(AzureConfigKey::from_str(k).map_err(store_error)?, v);
-                }
-                Ok(listing(b.build().map_err(store_error)?))
-            }
+            Kind::Gcs => configured!(GoogleCloudStorageBuilder, GoogleConfigKey),
+            Kind::Azure => configured!(MicrosoftAzureBuilder, AzureConfigKey),
             Kind::Http | Kind::HuggingFace => {
                 let allow_http = p.base.starts_with("http://");
                 let mut options = ClientOptions::new().with_allow_http(allow_http);
