@@ -19,7 +19,6 @@ from lorafast.compat import _versions
 
 #: The kinds of change, in the order they are reported.
 CHANGE_KINDS = ("outcome", "exception", "text", "stage", "modules", "scale")
-#: For a base saved by two transformers versions (`diff_bases`): `check`'s verdict and the modules it matches.
 
 
 @dataclass(frozen=True)
