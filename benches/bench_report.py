@@ -129,7 +129,7 @@ def make_steps(report):
     }
 
 steps = make_steps(report)
-if what == "index":  # its own process: the Index is issue 16 part 4, reported beside these targets
+if what == "index":  # its own process: the persistent Index, reported beside these targets
     db = os.path.join(tmp, "fleet.db")
     t = time.perf_counter(); first = lorafast.Index(db).scan([root], progress=False); t_first = time.perf_counter() - t
     t_again = best(lambda: lorafast.Index(db).scan([root], progress=False))

@@ -38,7 +38,7 @@ PIPELINE_MODULES = ("transformer", "transformer_2", "critic")
 #: update, by norm (`AUTO_MERGE_MAX_ROUNDING_LOSS`, 0.5.23).
 AUTO_MERGE_MAX_ROUNDING_LOSS = 0.5
 # The release whose `set_lora` gained the quantized-layer rule, the auto-merge rounding-loss rule and the merge
-# cache (issue 11). Earlier versions are answered without them; only 0.5.23 is proven by the oracle.
+# cache. Earlier versions are answered without them; only 0.5.23 is proven by the oracle.
 _MERGE_RULES_SINCE = (0, 5, 23)
 
 

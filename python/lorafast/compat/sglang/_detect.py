@@ -32,7 +32,7 @@ def _shared_flags(weights: LoadedWeights, legacy: bool) -> tuple[bool | None, fr
             first = is_shared
         seen.add(is_shared)
         if legacy:
-            break  # pre-#31681: the first 3D gate_up lora_A of each adapter decides
+            break  # before SGLang PR #31681: the first 3D gate_up lora_A of each adapter decides
     return first, frozenset(seen)
 
 
