@@ -1,4 +1,4 @@
-"""Same-run comparison of two lorafast builds, shared by the benchmarks' `--before DIR --passes N` (issue 32).
+"""Same-run comparison of two lorafast builds, shared by the benchmarks' `--before DIR --passes N` (the fixed reference build, docs/benchmarks.md).
 
 A benchmark hands `compare` the source of a child program. Each pass runs it once per build, each in a fresh
 interpreter: the reference build (the folder `--before` names, put first on `PYTHONPATH`) and this build (the

@@ -22,7 +22,7 @@ command prints.
     python benches/bench_convert.py --before .cache/baseline-255a378 --passes 5
 
 `--before DIR` also runs both conversions with the build installed in DIR (`make baseline`: 255a378, the fixed
-reference of issue 32) and with this one, alternated, each in a fresh process per pass, for --passes passes
+reference build) and with this one, alternated, each in a fresh process per pass, for --passes passes
 (default 5; benches/_compare.py; each pass the best of --repeat runs, the Python way and the floor in this build's
 process): the median and spread in GB/s out, the ratio to the reference and to the Python way and the floor, and
 the load average at the start and end. 255a378 has no `lorafast.convert`: no reference ratio against it.

@@ -1,4 +1,4 @@
-"""`lorafast.Index` against a full `lorafast.scan` of the same tree (issue 32, parts 3 and 4), in one run.
+"""`lorafast.Index` against a full `lorafast.scan` of the same tree, in one run.
 
 Fleets: "dense", 2,000 PEFT folders of 448 tensors with four distinct headers (bench_scan.make_dense); "small",
 20,000 single-file two-tensor adapters (bench_report.make_small); "sample" (not run by default), 20,000 adapters
@@ -9,13 +9,13 @@ right after a full scan of the same tree: the build of a new index (its first sc
 rescan, and a rescan after 1% of the adapters changed (their weights' mtime set anew: read again, encoded and
 written, as a rewrite would be). The index is open in the process (`Index.scan` on it), reports are freed outside
 the clock, as the scan's are. A step's ratio is its time over the scan's just before it; the median of --passes
-passes (default 5) is shown with the spread (min-max), against issue 32's targets: an unchanged rescan at most
+passes (default 5) is shown with the spread (min-max), against the targets: an unchanged rescan at most
 0.25x a full scan, a 1%-changed one at most 0.25x + 1%, the build at most 2x. The discovery alone
 (`_core.discover`, the walk a rescan cannot avoid) is shown as a floor. The load average is printed at the start
 and the end of each fleet's passes: the machine may be shared, and load moves the ratios.
 
 `--before DIR` runs the same passes with the build installed in DIR (`make baseline`: 255a378, the fixed
-reference of issue 32), alternated with this one, and prints each step's ratio to it; 255a378 has no
+reference build), alternated with this one, and prints each step's ratio to it; 255a378 has no
 `lorafast.Index`, so against it only the full scan has a reference ratio.
 
 The ratios mean something only for a release build: `lorafast._core.build_profile` is printed.
@@ -40,7 +40,7 @@ from bench_scan import make_dense
 from lorafast import _core
 from lorafast.sample import write_samples
 
-#: Issue 32's targets, as step time / full scan time.
+#: The targets, as step time / full scan time.
 TARGETS = {"build": 2.0, "rescan, unchanged": 0.25, "rescan, 1% changed": 0.26}
 
 

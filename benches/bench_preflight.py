@@ -18,11 +18,11 @@ each), half stacked 3D (`experts.gate_up_proj` [E, r, H], 32 tensors each). Then
              `repeat`), then run the shared-outer detection on the loaded tensors.
 
 All must reach the same decision (target modules, max rank, shared-outer mode; with the engine also the memory
-pool's buffer shapes). Prints the times and the ratios (issue 11 asks for preflight at least 20x faster than the
+pool's buffer shapes). Prints the times and the ratios (the target: preflight at least 20x faster than the
 engine's own load path). `--no-engine` skips the engine run.
 
 `--before DIR` also times preflight(paths) and scan + preflight(report) with the build installed in DIR (`make
-baseline`: 255a378, the fixed reference of issue 32) and with this one, alternated, each in a fresh process per
+baseline`: 255a378, the fixed reference build) and with this one, alternated, each in a fresh process per
 pass (caches empty, after a warm-up preflight of two other adapters), for --passes passes (default 5;
 benches/_compare.py): the median and spread, the ratio to the reference and to the reference load and the engine
 above (each measured once), and the load average at the start and end.

@@ -1,4 +1,4 @@
-"""Reports at column speed (issue 16, part 2) and incremental rescans (part 4), measured in one run.
+"""Reports at column speed and incremental rescans, measured in one run.
 
 For each fleet, in a fresh process, times against `lorafast.scan` of the same fleet, in --repeat interleaved rounds
 (the scan, every step, the scan again; each figure the best of its rounds):
@@ -14,7 +14,7 @@ such processes: one process's figure moves by about 2 MB with what the allocator
 keep, which on the small fleet's 5.4 MB of columns is 0.4x. Then an `Index` over the fleet: the first
 scan and a rescan of the unchanged fleet.
 
-Targets (issue 16), each printed as a same-run ratio with pass/fail: every export at most 1x the scan,
+Targets, each printed as a same-run ratio with pass/fail: every export at most 1x the scan,
 iteration at most 3x the scan, and the warm peak memory of every export and of iteration under 2x the columns.
 The 1-minute load average is printed with each fleet: the machine may be shared, and load moves the ratios.
 
@@ -24,7 +24,7 @@ Fleets: "small", 20,000 single-file two-tensor adapters (rank and module name cy
 fleet of few recipes); "dense", 1,000 PEFT adapters of 448 tensors with four distinct headers; "unique", 1,000
 of them whose headers all differ (bench_scan.make_dense).
 `--before DIR` also times the scan and every step with the build installed in DIR (`make baseline`: 255a378, the
-fixed reference of issue 32) and with this one, alternated, each in a fresh process per pass, for --passes passes
+fixed reference build) and with this one, alternated, each in a fresh process per pass, for --passes passes
 (default 5; benches/_compare.py; each pass the best of --compare-repeat calls): the median and spread of each,
 its ratio to the reference and to the baselines above, and the load average at the start and end. 255a378 has no
 to_arrow, to_pandas, to_polars, to_parquet nor a streaming to_json: those steps print no reference ratio.
@@ -249,7 +249,7 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-#: Issue 16's targets: step time / scan time at most this (exports 1x, iteration 3x); peak memory a step adds /
+#: The targets: step time / scan time at most this (exports 1x, iteration 3x); peak memory a step adds /
 #: the columns' bytes under MEMORY_TARGET.
 TIME_TARGETS = {
     "to_json (str)": 1.0,
