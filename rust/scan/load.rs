@@ -219,13 +219,9 @@ fn load_header(
     };
     let remember = !opts.fresh;
     let key = remember.then(|| memo::Key::of(bytes, file_size, text.as_deref()).with_modules(opts.keep_modules));
-    // A remembered classification shares its modules (an `Arc`); the metadata is the adapter's own.
-    let hit = key.as_ref().and_then(memo::get).and_then(|(class, config_json)| {
-        if !opts.keep_modules {
-            return Some((class, config_json, None));
-        }
-        leading_metadata(bytes).map(|metadata| (class, config_json, metadata))
-    });
+    // A remembered classification shares its modules (an `Arc`); the metadata is the adapter's own
+    // (parsed with the key when it leads the header; else the whole header is the key).
+    let hit = key.as_ref().and_then(memo::get);
     let result = match hit {
         Some((class, config_json, metadata)) => AdapterResult {
             config_json,
@@ -255,7 +251,12 @@ fn load_header(
                 content_hash,
             );
             if let Some(key) = &key {
-                memo::put(key, &result.class, result.config_json.as_deref());
+                memo::put(
+                    key,
+                    &result.class,
+                    result.config_json.as_deref(),
+                    result.metadata.as_deref(),
+                );
             }
             result
         }
@@ -266,21 +267,6 @@ fn load_header(
             kind: HeaderError::DuplicateTensor(name.clone()),
         }),
         None => Ok(result),
-    }
-}
-
-/// The `__metadata__` of a header that opens with it, as a full read keeps it (`Some(None)` when
-/// the header has none). None when it is elsewhere in the header: the caller then parses it whole.
-fn leading_metadata(bytes: &[u8]) -> Option<Option<Vec<(String, String)>>> {
-    match crate::header::split_leading_metadata(bytes) {
-        Some((metadata, _)) => Some(metadata.map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())),
-        // No key spells `__metadata__`, not even with escapes: the header has none.
-        None if memchr::memmem::find(bytes, b"__metadata__").is_none()
-            && memchr::memmem::find(bytes, b"\\u").is_none() =>
-        {
-            Some(None)
-        }
-        None => None,
     }
 }
 
@@ -407,6 +393,45 @@ mod tests {
         bytes.extend_from_slice(&header);
         bytes.extend_from_slice(&[0; 4]);
         fs::write(path, bytes).unwrap();
+    }
+
+    /// A remembered load gives the adapter's metadata as a full parse does: one that leads the header
+    /// (parsed with the memo's key), one after the tensors (kept with the remembered result), none.
+    #[test]
+    fn a_remembered_load_has_the_metadata_of_a_full_parse() {
+        let dir = temp_dir("memo-metadata");
+        let entry = r#""t.lora_A.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+        let headers = [
+            format!(r#"{{"__metadata__":{{"a":"1","b":"2"}},{entry}}}"#),
+            format!(r#"{{{entry},"__metadata__":{{"z":"9","a":"1"}}}}"#),
+            format!(r#"{{{entry}}}"#),
+        ];
+        for (i, header) in headers.iter().enumerate() {
+            let path = dir.join(format!("m{i}.safetensors"));
+            let mut bytes = header.clone().into_bytes();
+            bytes.resize(bytes.len().next_multiple_of(8), b' ');
+            let mut file = (bytes.len() as u64).to_le_bytes().to_vec();
+            file.extend_from_slice(&bytes);
+            file.extend_from_slice(&[0; 4]);
+            fs::write(&path, file).unwrap();
+            let target = Target {
+                path: path.clone(),
+                weights: path.clone(),
+                config: None,
+            };
+            let opts = |fresh| ScanOptions {
+                keep_modules: true,
+                fresh,
+                ..ScanOptions::default()
+            };
+            let full = load(target.clone(), opts(true)).unwrap().metadata;
+            // The first remembered load fills the memo, the second is answered from it.
+            for _ in 0..2 {
+                assert_eq!(load(target.clone(), opts(false)).unwrap().metadata, full, "{header}");
+            }
+            assert_eq!(full.is_some(), i < 2, "{header}");
+        }
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     fn buffer_capacity() -> usize {

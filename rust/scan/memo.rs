@@ -16,7 +16,7 @@ use std::cell::{Cell, RefCell};
 
 use crate::classify::Classification;
 use crate::codes::Flag;
-use crate::header::{split_leading_metadata, N_LEN};
+use crate::header::{split_leading_metadata, Metadata, N_LEN};
 
 /// Entries kept per thread: enough for the handful of recipes a fleet is made from, few enough
 /// that a miss costs little (most entries differ in length or in their first bytes).
@@ -37,6 +37,10 @@ struct Entry {
     class: Classification,
     /// The result's config text: the key's, or the one a diffusers header carries in its metadata.
     config_json: Option<String>,
+    /// The header's `__metadata__` pairs, kept for a header whose metadata does not lead it: its
+    /// `entries` are then the whole header, so its metadata is the same in every header that
+    /// matches. (A leading one is the key's own, parsed by `Key::of`.)
+    metadata: Option<Vec<(String, String)>>,
 }
 
 /// After this many misses in a row, a thread remembers only one new header in `SAMPLE`.
@@ -62,6 +66,8 @@ pub struct Key<'a> {
     entries: &'a [u8],
     /// The `lora_adapter_metadata` value of a leading `__metadata__`.
     lora_metadata: Option<Cow<'a, str>>,
+    /// The pairs of a leading `__metadata__` (None when it is not leading, or has no pairs).
+    metadata: Option<Metadata<'a>>,
     /// File size minus length prefix and header: the coverage check compares offsets with it.
     data_size: u64,
     /// The text of `adapter_config.json`.
@@ -75,21 +81,20 @@ impl<'a> Key<'a> {
     /// The key of a header (`bytes`, read from a `file_size`-byte file) and its config's text.
     pub fn of(bytes: &'a [u8], file_size: u64, config: Option<&'a str>) -> Self {
         let data_size = file_size.saturating_sub(N_LEN + bytes.len() as u64);
-        let (metadata_first, entries, lora_metadata) = match split_leading_metadata(bytes) {
-            Some((metadata, rest)) => {
-                let lora = metadata
-                    .into_iter()
-                    .flatten()
-                    .find(|(k, _)| k == "lora_adapter_metadata")
-                    .map(|(_, v)| v);
-                (true, rest, lora)
-            }
+        let (metadata_first, entries, metadata) = match split_leading_metadata(bytes) {
+            Some((metadata, rest)) => (true, rest, metadata),
             None => (false, bytes, None),
         };
+        let lora_metadata = metadata
+            .iter()
+            .flatten()
+            .find(|(k, _)| k == "lora_adapter_metadata")
+            .map(|(_, v)| v.clone());
         Key {
             metadata_first,
             entries,
             lora_metadata,
+            metadata,
             data_size,
             config,
             modules: false,
@@ -115,8 +120,12 @@ impl Entry {
     }
 }
 
-/// The classification (and config text) remembered for `key` on this thread, if any.
-pub fn get(key: &Key<'_>) -> Option<(Classification, Option<String>)> {
+/// What a remembered load gives: the classification, the config text and, for a key that keeps
+/// its modules, the header's `__metadata__` pairs.
+pub type Hit = (Classification, Option<String>, Option<Vec<(String, String)>>);
+
+/// The classification (and config text, and metadata) remembered for `key` on this thread, if any.
+pub fn get(key: &Key<'_>) -> Option<Hit> {
     ENTRIES_OF_THREAD.with(|entries| {
         let mut entries = entries.borrow_mut();
         let Some(i) = entries.iter().position(|e| e.matches(key)) else {
@@ -125,12 +134,22 @@ pub fn get(key: &Key<'_>) -> Option<(Classification, Option<String>)> {
         };
         MISSES.with(|m| m.set(0));
         entries[..=i].rotate_right(1);
-        Some((entries[0].class.clone(), entries[0].config_json.clone()))
+        let e = &entries[0];
+        let metadata = match (key.modules, key.metadata_first) {
+            (false, _) => None,
+            (true, true) => key
+                .metadata
+                .as_ref()
+                .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+            (true, false) => e.metadata.clone(),
+        };
+        Some((e.class.clone(), e.config_json.clone(), metadata))
     })
 }
 
-/// Remembers `class` for `key`, unless it depends on more than the key.
-pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
+/// Remembers `class` for `key`, unless it depends on more than the key. `metadata`: the load's
+/// `__metadata__` pairs (kept with modules).
+pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>, metadata: Option<&[(String, String)]>) {
     if class.flags & Flag::KohyaAlpha.bit() != 0 || key.entries.len() > MAX_HEADER {
         return;
     }
@@ -163,6 +182,11 @@ pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>) {
                 config: key.config.map(str::to_owned),
                 class: class.clone(),
                 config_json: config_json.map(str::to_owned),
+                metadata: if key.metadata_first {
+                    None
+                } else {
+                    metadata.map(<[_]>::to_vec)
+                },
             },
         );
     });
@@ -191,7 +215,7 @@ mod tests {
             let key = Key::of(text.as_bytes(), 100, None);
             let hit = get(&key).is_some();
             if !hit {
-                put(&key, &class, None);
+                put(&key, &class, None, None);
             }
             hit
         };
