@@ -26,6 +26,10 @@ def record(obj: Any, rename: Mapping[str, str] | None = None, **override: Any) -
     """A dataclass instance's public fields as a dict (`rename`: field -> key); `override` replaces a key's value
     in place (or adds it at the end)."""
     rename = rename or {}
-    out = {rename.get(f.name, f.name): plain(getattr(obj, f.name)) for f in fields(obj) if not f.name.startswith("_")}
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        if not f.name.startswith("_"):
+            key = rename.get(f.name, f.name)
+            out[key] = override.pop(key) if key in override else plain(getattr(obj, f.name))
     out.update(override)
     return out

@@ -76,7 +76,6 @@ def _unreadable(path: str, code: str | None, message: object) -> ConvertError:
 def _inspect(adapter: AdapterLike) -> Adapter:
     if isinstance(adapter, Adapter):
         return adapter
-    from lorafast.errors import HeaderError
     from lorafast.scanning import inspect
 
     path = os.fspath(adapter)

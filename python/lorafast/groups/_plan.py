@@ -116,8 +116,7 @@ def outer_layout(adapter: Adapter, *, view: AdapterView | None = None) -> OuterL
 
 def adapter_targets(adapter: Adapter) -> set[str]:
     """SGLang-normalized target modules: the config's list (what `can_support` checks) ∪ what the tensors hold."""
-    renamed = [SGLANG_W_RENAMES.get(t, t) for t in adapter.target_modules]  # `.w1/.w3/.w2` as SGLang loads them
-    targets = set(get_normalized_target_modules(renamed)) if renamed else set()
+    targets = _normalize_targets(SGLANG_W_RENAMES.get(t, t) for t in adapter.target_modules)  # `.w1/.w3/.w2` renamed
     config_tm = (adapter.config or {}).get("target_modules")
     if isinstance(config_tm, list):
         targets |= _normalize_targets(str(t) for t in config_tm)

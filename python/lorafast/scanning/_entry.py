@@ -8,8 +8,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from lorafast import _core
+from lorafast.adapter import Adapter
 from lorafast.scanning._common import PROGRESS_THRESHOLD, PathLike, check_threads, storage_items, want_progress
-from lorafast.scanning.results import Adapter, ScanReport, adapter_from_raw
+from lorafast.scanning.results import ScanReport, adapter_from_raw
 
 
 def inspect(
