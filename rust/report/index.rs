@@ -337,7 +337,7 @@ fn read_target(r: &mut Reader<'_>) -> Result<Target, String> {
 /// Decodes a row written by [`encode_row`]; `class` gives its classification (called for a successful row).
 pub fn decode_row(
     bytes: &[u8],
-    class: impl FnOnce() -> Result<Classification, String>,
+    class: impl FnOnce() -> Result<Arc<Classification>, String>,
 ) -> Result<Result<AdapterResult, Error>, String> {
     let mut r = Reader::new(bytes);
     if r.take(4)? == ERROR_TAG {
@@ -789,11 +789,11 @@ pub fn assemble(
         let mut ids: Vec<&[u8]> = plan.slots.iter().filter_map(|s| reused(s)?.1).collect();
         ids.sort_unstable();
         ids.dedup();
-        let classes: FxHashMap<&[u8], Classification> = ids
+        let classes: FxHashMap<&[u8], Arc<Classification>> = ids
             .par_iter()
             .map(|id| {
                 let body = bodies.get(id).ok_or_else(|| bad("classification id"))?;
-                Ok((*id, decode_class_blob(body)?))
+                Ok((*id, Arc::new(decode_class_blob(body)?)))
             })
             .collect::<Result<_, String>>()?;
         let decoded: Vec<Option<Result<AdapterResult, Error>>> = plan
@@ -914,7 +914,7 @@ mod tests {
                 metadata: None,
                 header_size: 1,
                 file_size: 2,
-                class,
+                class: class.into(),
                 content_hash: None,
             })
         };
@@ -965,7 +965,7 @@ mod tests {
             "m",
         )));
         for cut in 0..row.len() {
-            assert!(decode_row(&row[..cut], || Ok(class())).is_err());
+            assert!(decode_row(&row[..cut], || Ok(class().into())).is_err());
         }
     }
 
@@ -989,18 +989,18 @@ mod tests {
             metadata: Some(vec![("k".into(), "v".into())]),
             header_size: 10,
             file_size: 20,
-            class: class(),
+            class: class().into(),
             content_hash: Some("ab".into()),
         };
         let bytes = encode_row(&Ok(row.clone()));
-        let back = decode_row(&bytes, || Ok(class())).unwrap().unwrap();
+        let back = decode_row(&bytes, || Ok(class().into())).unwrap().unwrap();
         assert_eq!(format!("{back:?}"), format!("{row:?}"));
         let to = Target {
             path: odd.clone(),
             weights: odd.join("w"),
             config: None,
         };
-        let moved = decode_row(&moved_row(&bytes, &to).unwrap(), || Ok(class()))
+        let moved = decode_row(&moved_row(&bytes, &to).unwrap(), || Ok(class().into()))
             .unwrap()
             .unwrap();
         assert_eq!(format!("{:?}", moved.target), format!("{to:?}"));
@@ -1071,7 +1071,7 @@ mod tests {
                     metadata: None,
                     header_size: 1,
                     file_size: 2,
-                    class: class(),
+                    class: class().into(),
                     content_hash: None,
                 }))
             })
@@ -1125,7 +1125,7 @@ mod tests {
         assert_eq!(plan.removed, std::slice::from_ref(&c.path)); // not /elsewhere: not under the root
         assert_eq!(plan.to_read[1].1.as_deref(), Some(&[][..]));
         assert_eq!(plan.stale, [b"id".to_vec()]); // b's, written over, and c's, moved (but still named)
-        let moved = decode_row(&plan.moved[0].row, || Ok(class())).unwrap().unwrap();
+        let moved = decode_row(&plan.moved[0].row, || Ok(class().into())).unwrap().unwrap();
         assert_eq!(format!("{:?}", moved.target), format!("{moved_to:?}"));
         let id: &[u8] = b"id";
         let (_, blob) = class_blob(&class(), &kinds());

@@ -8,7 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use sha2::{Digest, Sha256};
 
@@ -201,13 +201,14 @@ fn load_header(
     opts: ScanOptions,
     buf: &mut Vec<u8>,
 ) -> Result<AdapterResult, Error> {
-    let config_path = target.config.clone().unwrap_or_default();
-    let parse_config = |text: &String| parse_config_text(&config_path, text);
+    // Made only where a config is parsed: a load that hits the memo never needs it.
+    let config_path = |t: &Target| t.config.clone().unwrap_or_default();
     let (file_size, n) = match read_header_from(weights, &target.weights, len, opts.mode, buf) {
         Ok(x) => x,
         Err(e) => {
             // A bad config is reported before a bad header, as when it is read first.
-            text.as_ref().map(parse_config).transpose()?;
+            let path = config_path(&target);
+            text.as_ref().map(|t| parse_config_text(&path, t)).transpose()?;
             return Err(e);
         }
     };
@@ -224,7 +225,10 @@ fn load_header(
     let hit = key.as_ref().and_then(memo::get);
     let result = match hit {
         Some((class, config_json, metadata)) => AdapterResult {
-            config_json,
+            config_json: match config_json {
+                memo::ConfigJson::KeyConfig => text,
+                memo::ConfigJson::Other(json) => json,
+            },
             metadata,
             header_size: n as u64,
             file_size,
@@ -233,7 +237,10 @@ fn load_header(
             target,
         },
         None => {
-            let config = text.as_ref().map(|t| parse_config_kept(&config_path, t)).transpose()?;
+            let config = text
+                .as_ref()
+                .map(|t| parse_config_kept(&config_path(&target), t))
+                .transpose()?;
             // Repeated tensor names are found by `classify` while it groups tensors (cheaper
             // than a separate pass); `duplicate_tensor` turns them back into the header error.
             let header = parse_header_unchecked_names(bytes, file_size).map_err(|kind| Error::Header {
@@ -304,14 +311,14 @@ fn build_result_of(
         file: config,
         components: meta_config.as_ref().map_or(&[], |(_, c)| c.as_slice()),
     };
-    let class = classify(
+    let class = Arc::new(classify(
         header,
         configs,
         alpha_file,
         Options {
             keep_modules: opts.keep_modules,
         },
-    );
+    ));
     let metadata = header
         .metadata
         .as_ref()

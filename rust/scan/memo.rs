@@ -13,6 +13,7 @@
 
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
+use std::sync::Arc;
 
 use crate::classify::Classification;
 use crate::codes::Flag;
@@ -34,9 +35,9 @@ struct Entry {
     lora_metadata: Option<String>,
     data_size: u64,
     config: Option<String>,
-    class: Classification,
-    /// The result's config text: the key's, or the one a diffusers header carries in its metadata.
-    config_json: Option<String>,
+    class: Arc<Classification>,
+    /// The result's config text: a hit on a PEFT folder takes the text it read (`KeyConfig`), not a copy.
+    config_json: ConfigJson,
     /// The header's `__metadata__` pairs, kept for a header whose metadata does not lead it: its
     /// `entries` are then the whole header, so its metadata is the same in every header that
     /// matches. (A leading one is the key's own, parsed by `Key::of`.)
@@ -120,9 +121,18 @@ impl Entry {
     }
 }
 
-/// What a remembered load gives: the classification, the config text and, for a key that keeps
-/// its modules, the header's `__metadata__` pairs.
-pub type Hit = (Classification, Option<String>, Option<Vec<(String, String)>>);
+/// What a remembered load gives: the classification, the config text (`KeyConfig`: the key's own) and,
+/// for a key that keeps its modules, the header's `__metadata__` pairs.
+pub type Hit = (Arc<Classification>, ConfigJson, Option<Vec<(String, String)>>);
+
+/// A remembered result's config text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigJson {
+    /// The key's config text (what the load read from `adapter_config.json`).
+    KeyConfig,
+    /// Another text (the one a diffusers header carries), or none.
+    Other(Option<String>),
+}
 
 /// The classification (and config text, and metadata) remembered for `key` on this thread, if any.
 pub fn get(key: &Key<'_>) -> Option<Hit> {
@@ -143,13 +153,18 @@ pub fn get(key: &Key<'_>) -> Option<Hit> {
                 .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
             (true, false) => e.metadata.clone(),
         };
-        Some((e.class.clone(), e.config_json.clone(), metadata))
+        Some((Arc::clone(&e.class), e.config_json.clone(), metadata))
     })
 }
 
 /// Remembers `class` for `key`, unless it depends on more than the key. `metadata`: the load's
 /// `__metadata__` pairs (kept with modules).
-pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>, metadata: Option<&[(String, String)]>) {
+pub fn put(
+    key: &Key<'_>,
+    class: &Arc<Classification>,
+    config_json: Option<&str>,
+    metadata: Option<&[(String, String)]>,
+) {
     if class.flags & Flag::KohyaAlpha.bit() != 0 || key.entries.len() > MAX_HEADER {
         return;
     }
@@ -180,8 +195,11 @@ pub fn put(key: &Key<'_>, class: &Classification, config_json: Option<&str>, met
                 lora_metadata: key.lora_metadata.as_deref().map(str::to_owned),
                 data_size: key.data_size,
                 config: key.config.map(str::to_owned),
-                class: class.clone(),
-                config_json: config_json.map(str::to_owned),
+                class: Arc::clone(class),
+                config_json: match (config_json, key.config) {
+                    (Some(json), Some(text)) if json == text => ConfigJson::KeyConfig,
+                    (json, _) => ConfigJson::Other(json.map(str::to_owned)),
+                },
                 metadata: if key.metadata_first {
                     None
                 } else {
@@ -205,12 +223,12 @@ mod tests {
     fn a_streak_of_misses_remembers_one_header_in_sample_and_a_hit_ends_it() {
         let text = header(0);
         let parsed = crate::header::parse_header(text.as_bytes(), 8 + text.len() as u64 + 4).unwrap();
-        let class = crate::classify::classify(
+        let class = Arc::new(crate::classify::classify(
             &parsed,
             crate::classify::Configs::default(),
             std::path::Path::new("x"),
             crate::classify::Options::default(),
-        );
+        ));
         let load = |text: &str| {
             let key = Key::of(text.as_bytes(), 100, None);
             let hit = get(&key).is_some();

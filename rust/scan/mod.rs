@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -71,8 +72,9 @@ pub struct AdapterResult {
     pub header_size: u64,
     /// The weights file's size in bytes.
     pub file_size: u64,
-    /// What the adapter is.
-    pub class: Classification,
+    /// What the adapter is: shared with the adapters whose headers the scan thread's memo matched (an
+    /// `Arc`, so a memo hit costs one count, not a copy of every list and name in it).
+    pub class: Arc<Classification>,
     /// sha256 of the data section, with `content_hash`.
     pub content_hash: Option<String>,
 }

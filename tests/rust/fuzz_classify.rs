@@ -495,7 +495,7 @@ fn check(input: &[u8]) -> Result<(), String> {
     }
     match (&fresh, &inspect) {
         (Ok(row), Ok(full)) => {
-            let mut class = full.class.clone();
+            let mut class = (*full.class).clone();
             class.modules = Default::default();
             if format!("{class:?}") != format!("{:?}", row.class) {
                 return Err(format!("scan row and inspect differ:\n{:?}\n{class:?}", row.class));
