@@ -194,6 +194,9 @@ def test_listing_and_header_reads_share_connections(tmp_path):
         assert len(server.requests) == 9  # the listing, then a config and a header each
         assert "list-type" in server.requests[0][1]
         conns = server.request_connections
-        assert conns[1] == conns[0]  # the first read after the listing, on the listing's connection
+        # The listing's connection carries reads after it: a session of its own for the listing would never
+        # send another request on it. (Not necessarily the first read: the client's pool may take the
+        # listing's connection back a moment after that read has opened another one, as under load.)
+        assert conns[0] in conns[1:], conns
     finally:
         server.stop()
