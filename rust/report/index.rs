@@ -454,7 +454,18 @@ impl FileStat {
 /// Laid out as the content's length, the content (`context`, whether it is strong, the stats without
 /// ctimes), then the rest (the weights' and config's paths, the local ctimes).
 pub fn signature(t: &Target, weights: &FileStat, config: Option<&FileStat>, context: &[u8]) -> Vec<u8> {
-    let mut out = vec![0; 4];
+    // Sized once: grown field by field, a signature was several reallocations and copies, a third of an
+    // unchanged rescan's walk on 20,000 small adapters.
+    let paths = [Some(&t.path), Some(&t.weights), t.config.as_ref()];
+    let path_bytes: usize = paths.iter().flatten().map(|p| 4 + p.as_os_str().len()).sum();
+    let stat_bytes = |s: &FileStat| match s {
+        FileStat::Etag(_, etag) => 1 + 8 + 4 + etag.len(),
+        _ => 1 + 5 * 8 + 2 * 8,
+    };
+    let mut out = Vec::with_capacity(
+        4 + 4 + context.len() + 1 + stat_bytes(weights) + 1 + config.map_or(0, stat_bytes) + 1 + path_bytes,
+    );
+    out.extend_from_slice(&[0; 4]);
     put_bytes(&mut out, context);
     // A local stat or an ETag tells these files from others of the same size; a remote size and
     // last-modified time may not, so rows signed by them are never moved to another path.
