@@ -211,6 +211,11 @@ pub struct Warning {
 /// `__metadata__` pairs in file order.
 pub type Metadata<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
 
+/// The pairs of `m` as owned strings, as a result keeps them past its header's bytes.
+pub fn owned_metadata(m: &Metadata<'_>) -> Vec<(String, String)> {
+    m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
 /// A parsed and validated safetensors header, borrowing its strings from the header bytes.
 #[derive(Debug, Clone)]
 pub struct Header<'a> {

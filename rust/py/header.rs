@@ -46,10 +46,7 @@ pub(super) fn safetensors_parts(h: &header::Header<'_>) -> HeaderParts {
             )
         })
         .collect();
-    let metadata: Option<Vec<(String, String)>> = h
-        .metadata
-        .as_ref()
-        .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+    let metadata: Option<Vec<(String, String)>> = h.metadata.as_ref().map(header::owned_metadata);
     let warnings: Vec<(&'static str, String)> = h.warnings.iter().map(|w| (w.code.code(), w.message.clone())).collect();
     (tensors, metadata, h.header_size, h.file_size, warnings)
 }

@@ -16,7 +16,7 @@ use super::memo;
 use crate::classify::{classify, Configs, Options};
 use crate::config::LoraConfig;
 use crate::error::{AdapterErrorCode, Error, HeaderError};
-use crate::header::{header_bytes, parse_header_unchecked_names, read_header_from, Header, N_LEN};
+use crate::header::{header_bytes, owned_metadata, parse_header_unchecked_names, read_header_from, Header, N_LEN};
 use crate::open::{not_regular, open_nonblocking};
 use crate::torch;
 
@@ -201,14 +201,13 @@ fn load_header(
     opts: ScanOptions,
     buf: &mut Vec<u8>,
 ) -> Result<AdapterResult, Error> {
-    // Made only where a config is parsed: a load that hits the memo never needs it.
-    let config_path = |t: &Target| t.config.clone().unwrap_or_default();
+    // Borrowed from the target (until it moves into the result): nothing copies it.
+    let config_path = target.config.as_deref().unwrap_or(Path::new(""));
     let (file_size, n) = match read_header_from(weights, &target.weights, len, opts.mode, buf) {
         Ok(x) => x,
         Err(e) => {
             // A bad config is reported before a bad header, as when it is read first.
-            let path = config_path(&target);
-            text.as_ref().map(|t| parse_config_text(&path, t)).transpose()?;
+            text.as_ref().map(|t| parse_config_text(config_path, t)).transpose()?;
             return Err(e);
         }
     };
@@ -237,10 +236,7 @@ fn load_header(
             target,
         },
         None => {
-            let config = text
-                .as_ref()
-                .map(|t| parse_config_kept(&config_path(&target), t))
-                .transpose()?;
+            let config = text.as_ref().map(|t| parse_config_kept(config_path, t)).transpose()?;
             // Repeated tensor names are found by `classify` while it groups tensors (cheaper
             // than a separate pass); `duplicate_tensor` turns them back into the header error.
             let header = parse_header_unchecked_names(bytes, file_size).map_err(|kind| Error::Header {
@@ -319,13 +315,14 @@ fn build_result_of(
             keep_modules: opts.keep_modules,
         },
     ));
-    let metadata = header
-        .metadata
-        .as_ref()
-        .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
     AdapterResult {
         config_json: text.or(meta_config.map(|(text, _)| text)),
-        metadata: if opts.keep_modules { metadata } else { None },
+        // Kept with the modules only: a scan without them never copies the pairs.
+        metadata: header
+            .metadata
+            .as_ref()
+            .filter(|_| opts.keep_modules)
+            .map(owned_metadata),
         header_size: header.header_size,
         file_size: header.file_size,
         class,

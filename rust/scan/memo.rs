@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use crate::classify::Classification;
 use crate::codes::Flag;
-use crate::header::{split_leading_metadata, Metadata, N_LEN};
+use crate::header::{owned_metadata, split_leading_metadata, Metadata, N_LEN};
 
 /// Entries kept per thread: enough for the handful of recipes a fleet is made from, few enough
 /// that a miss costs little (most entries differ in length or in their first bytes).
@@ -147,10 +147,7 @@ pub fn get(key: &Key<'_>) -> Option<Hit> {
         let e = &entries[0];
         let metadata = match (key.modules, key.metadata_first) {
             (false, _) => None,
-            (true, true) => key
-                .metadata
-                .as_ref()
-                .map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+            (true, true) => key.metadata.as_ref().map(owned_metadata),
             (true, false) => e.metadata.clone(),
         };
         Some((Arc::clone(&e.class), e.config_json.clone(), metadata))
