@@ -12,8 +12,9 @@ the clock, as the scan's are. A step's ratio is its time over the scan's just be
 passes (default 5) is shown with the spread (min-max), against the targets: an unchanged rescan at most
 0.25x a full scan, a 1%-changed one at most 0.25x + 1%, the build at most 2x. Two floors are shown: the
 discovery alone (`_core.discover`, the walk a rescan cannot avoid), and the walk with each adapter's files
-stated and signed (`_core.IndexScan`, the first step of every `Index.scan`, before anything stored is read). The load average is printed at the start
-and the end of each fleet's passes: the machine may be shared, and load moves the ratios.
+stated and signed (`_core.IndexScan`, the first step of every `Index.scan`, before anything stored is read).
+The load average is printed at the start and the end of each fleet's passes: the machine may be shared, and
+load moves the ratios.
 
 `--before DIR` runs the same passes with the build installed in DIR (`make baseline`: 255a378, the fixed
 reference build), alternated with this one, and prints each step's ratio to it; 255a378 has no
@@ -137,7 +138,8 @@ def bench_fleet(
     comp = compare(PASS_CODE, [root], before, passes, label=f"{label}: {n} adapters; ")
     rows = [(label, "full scan", comp.times("this", "full scan"), [1.0] * passes)]
     for floor in ("discovery only", "walk + stats"):
-        rows.append((label, floor, comp.times("this", floor), ratios(comp.times("this", floor), comp.times("this", "full scan"))))  # fmt: skip
+        ts = comp.times("this", floor)
+        rows.append((label, floor, ts, ratios(ts, comp.times("this", "full scan"))))
     for step in STEPS:
         ts = comp.times("this", step)
         rows.append((label, step, ts, ratios(ts, comp.times("this", "full scan before " + step))))
