@@ -18,14 +18,21 @@ use super::report::ScanResult;
 use crate::error::Error;
 use crate::header::ReadMode;
 use crate::remote::{self, RemoteOptions, Stat};
-use crate::report::index::{self, FileStat, Plan, Sig, Slot, Stored};
+use crate::report::index::{self, FileStat, Plan, Sig, Slot};
+use crate::report::index_chunks::{self, ChunkWrite, NewRow, Rows};
 use crate::scan::{self, is_url, with_pool, AdapterResult, Target};
 
-/// A stored row as `SELECT path, entry` gives it.
-type StoredRow = (Py<PyAny>, Py<PyAny>);
+/// A stored chunk as `SELECT id, body FROM chunks ORDER BY id` gives it.
+type StoredChunk = (i64, Py<PyAny>);
 
-/// A row to write: (path, class id or None, entry).
-type Upsert<'py> = (Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>);
+/// A chunk to write: (the id it replaces or None, its body or None to delete it, the classification ids its
+/// rows name concatenated, the ids of its new rows' classifications).
+type Write<'py> = (
+    Option<i64>,
+    Option<Bound<'py, PyBytes>>,
+    Bound<'py, PyBytes>,
+    Vec<Bound<'py, PyBytes>>,
+);
 
 /// Classifications to write: (id, blob).
 type Classes<'py> = Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)>;
@@ -37,9 +44,13 @@ pub(super) struct IndexScan {
     threads: Option<usize>,
     ropts: RemoteOptions,
     walked: Vec<(Result<Target, Error>, Sig)>,
-    stored: Vec<StoredRow>,
+    /// The stored chunks' ids, and their bodies decompressed.
+    chunk_ids: Vec<i64>,
+    chunks: Vec<Vec<u8>>,
     plan: Plan,
     fresh: Vec<Result<AdapterResult, Error>>,
+    /// The rows `read` encoded (read and moved ones), for `writes`.
+    new_rows: Vec<NewRow>,
 }
 
 /// What a rescan compares for one discovered adapter: local files by their `stat` (`weights` and `config`:
@@ -113,13 +124,26 @@ fn walk(
     })
 }
 
-/// The stored rows. A value that is not bytes (a foreign writer's) reads as empty: such a row never matches
-/// a signature, so its adapter is read again.
-fn views<'a>(py: Python<'a>, stored: &'a [StoredRow]) -> Vec<Stored<'a>> {
-    let bytes = |o: &'a Py<PyAny>| o.cast_bound::<PyBytes>(py).map_or(&[][..], |b| b.as_bytes());
-    stored
-        .iter()
-        .map(|(path, entry)| Stored::parse(bytes(path), bytes(entry)))
+/// The bytes of stored values. One that is not bytes (a foreign writer's) reads as empty: as a chunk, it is
+/// damaged (its adapters are read again, and it is dropped).
+fn bodies<'a>(py: Python<'a>, values: impl Iterator<Item = &'a Py<PyAny>>) -> Vec<&'a [u8]> {
+    values
+        .map(|o| o.cast_bound::<PyBytes>(py).map_or(&[][..], |b| b.as_bytes()))
+        .collect()
+}
+
+/// The rows of decompressed chunks.
+fn chunk_rows(chunks: &[Vec<u8>]) -> Rows<'_> {
+    index_chunks::rows(&chunks.iter().map(Vec::as_slice).collect::<Vec<_>>())
+}
+
+/// The distinct adapter paths of an index's chunk bodies, sorted (`Index.paths()`).
+#[pyfunction]
+pub(super) fn index_paths<'py>(py: Python<'py>, chunks: Vec<Py<PyAny>>) -> Vec<Bound<'py, PyBytes>> {
+    let bodies = bodies(py, chunks.iter());
+    index_chunks::paths(&bodies)
+        .into_iter()
+        .map(|p| PyBytes::new(py, &p))
         .collect()
 }
 
@@ -149,23 +173,28 @@ impl IndexScan {
             threads,
             ropts,
             walked,
-            stored: Vec::new(),
+            chunk_ids: Vec::new(),
+            chunks: Vec::new(),
             plan: Plan::default(),
             fresh: Vec::new(),
+            new_rows: Vec::new(),
         })
     }
 
-    /// Compares the walk with the `stored` rows (`trust` false: every adapter is read). A ValueError when
-    /// a row to move does not decode.
-    fn plan(&mut self, py: Python<'_>, stored: Vec<StoredRow>, trust: bool) -> PyResult<()> {
+    /// Compares the walk with the rows of the stored `chunks` (`trust` false: every adapter is read). A
+    /// ValueError when a row to move does not decode.
+    fn plan(&mut self, py: Python<'_>, chunks: Vec<StoredChunk>, trust: bool) -> PyResult<()> {
         let walked = std::mem::take(&mut self.walked);
-        let roots = &self.roots;
-        let plan = {
-            let views = views(py, &stored);
-            py.detach(|| index::plan(walked, &views, roots, trust))
-        };
+        let (roots, threads) = (&self.roots, self.threads);
+        let blobs = bodies(py, chunks.iter().map(|(_, body)| body));
+        let (plan, unpacked) = py.detach(|| {
+            let unpacked: Vec<Vec<u8>> =
+                with_pool(threads, || blobs.par_iter().map(|b| index_chunks::unpack(b)).collect());
+            (index::plan(walked, &chunk_rows(&unpacked).rows, roots, trust), unpacked)
+        });
         self.plan = plan.map_err(PyValueError::new_err)?;
-        self.stored = stored;
+        self.chunk_ids = chunks.iter().map(|(id, _)| *id).collect();
+        self.chunks = unpacked;
         Ok(())
     }
 
@@ -193,15 +222,10 @@ impl IndexScan {
         self.plan.removed.iter().map(|p| p.as_os_str()).collect()
     }
 
-    /// The ids of the classifications of the stored rows that are written over or removed, each once.
-    #[getter]
-    fn stale<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
-        self.plan.stale.iter().map(|id| PyBytes::new(py, id)).collect()
-    }
-
     /// The ids of the stored classifications that reused rows name, each once.
     fn class_ids<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
-        let views = views(py, &self.stored);
+        let rows = chunk_rows(&self.chunks);
+        let views = &rows.rows;
         let mut ids: Vec<&[u8]> = self
             .plan
             .slots
@@ -217,15 +241,15 @@ impl IndexScan {
         ids.into_iter().map(|id| PyBytes::new(py, id)).collect()
     }
 
-    /// Reads the adapters the plan names and encodes them: (the rows to write, read and moved ones;
-    /// the new rows' classifications as (id, blob), each once).
+    /// Reads the adapters the plan names and encodes them, with the moved rows, for `writes`. Returns the
+    /// read rows' classifications as (id, blob), each once.
     fn read<'py>(
         &mut self,
         py: Python<'py>,
         mode: ReadMode,
         content_hash: bool,
         progress: bool,
-    ) -> PyResult<(Vec<Upsert<'py>>, Classes<'py>)> {
+    ) -> PyResult<Classes<'py>> {
         let targets: Vec<Target> = self.plan.to_read.iter().map(|(t, _)| t.clone()).collect();
         let (threads, ropts) = (self.threads, &self.ropts);
         let (rows, fresh) = if targets.is_empty() {
@@ -244,24 +268,47 @@ impl IndexScan {
             })?
         };
         let b = |v: &[u8]| PyBytes::new(py, v);
-        let mut upserts: Vec<Upsert<'py>> = Vec::with_capacity(rows.len() + self.plan.moved.len());
+        let mut new_rows = Vec::with_capacity(rows.len() + self.plan.moved.len());
         for (((t, sig), row), id) in self.plan.to_read.iter().zip(&fresh.rows).zip(&fresh.class_ids) {
             if let Some(sig) = sig {
                 let id = id.as_ref().map(|id| &id[..]);
-                upserts.push((
-                    b(t.path.as_os_str().as_bytes()),
-                    id.map(b),
-                    b(&index::entry(sig, id, row)),
-                ));
+                new_rows.push(NewRow {
+                    path: t.path.as_os_str().as_bytes().to_vec(),
+                    class: id.map(<[u8]>::to_vec),
+                    entry: index::entry(sig, id, row),
+                });
             }
         }
         for m in &self.plan.moved {
             let id = m.class.as_deref();
-            upserts.push((b(&m.path), id.map(b), b(&index::entry(&m.signature, id, &m.row))));
+            new_rows.push(NewRow {
+                path: m.path.clone(),
+                class: m.class.clone(),
+                entry: index::entry(&m.signature, id, &m.row),
+            });
         }
         let classes = fresh.classes.iter().map(|(id, blob)| (b(id), b(blob))).collect();
         self.fresh = rows;
-        Ok((upserts, classes))
+        self.new_rows = new_rows;
+        Ok(classes)
+    }
+
+    /// The chunks to write after `read`, `per_chunk` rows at most in each (see `index_chunks::writes`).
+    fn writes<'py>(&self, py: Python<'py>, per_chunk: usize) -> Vec<Write<'py>> {
+        let writes = py.detach(|| {
+            let rows = chunk_rows(&self.chunks);
+            with_pool(self.threads, || {
+                index_chunks::writes(&self.chunk_ids, &rows, &self.plan.dropped, &self.new_rows, per_chunk)
+            })
+        });
+        let b = |v: &[u8]| PyBytes::new(py, v);
+        writes
+            .into_iter()
+            .map(|w: ChunkWrite<'_>| {
+                let new_classes = w.new_classes.iter().map(|id| b(id)).collect();
+                (w.id, w.body.as_deref().map(b), b(&w.classes), new_classes)
+            })
+            .collect()
     }
 
     /// The report: every row in walk order, stored ones decoded with `bodies` (the blobs of `class_ids`,
@@ -269,16 +316,16 @@ impl IndexScan {
     fn result(&mut self, py: Python<'_>, bodies: &Bound<'_, PyDict>) -> PyResult<ScanResult> {
         let plan = std::mem::take(&mut self.plan);
         let fresh = std::mem::take(&mut self.fresh);
-        let stored = std::mem::take(&mut self.stored);
+        let chunks = std::mem::take(&mut self.chunks);
         let pairs = bodies
             .iter()
             .map(|(k, v)| Ok((k.cast_into::<PyBytes>()?, v.cast_into::<PyBytes>()?)))
             .collect::<PyResult<Vec<_>>>()?;
         let bodies = pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect();
-        let views = views(py, &stored);
+        let stored = chunk_rows(&chunks);
         let threads = self.threads;
         let rows = py
-            .detach(|| index::assemble(plan, &views, fresh, &bodies, threads))
+            .detach(|| index::assemble(plan, &stored.rows, fresh, &bodies, threads))
             .map_err(PyValueError::new_err)?;
         Ok(ScanResult { rows })
     }

@@ -90,7 +90,7 @@ mod _core {
     #[pymodule_export]
     use super::header::{map_file, read_header, read_torch_header, MappedFile};
     #[pymodule_export]
-    use super::index::IndexScan;
+    use super::index::{index_paths, IndexScan};
     #[pymodule_export]
     use super::parquet_columns::write_parquet;
     #[pymodule_export]

@@ -62,7 +62,7 @@ fn put_i64(out: &mut Vec<u8>, v: i64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+pub(crate) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     put_u32(out, u32::try_from(b.len()).expect("stored fields are under 4 GiB"));
     out.extend_from_slice(b);
 }
@@ -95,7 +95,7 @@ pub(crate) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
         Reader { rest: bytes }
     }
 
@@ -149,7 +149,7 @@ impl<'a> Reader<'a> {
         Ok(PathBuf::from(OsStr::from_bytes(self.bytes()?)))
     }
 
-    fn list<T>(&mut self, mut read: impl FnMut(&mut Self) -> Result<T, String>) -> Result<Vec<T>, String> {
+    pub(crate) fn list<T>(&mut self, mut read: impl FnMut(&mut Self) -> Result<T, String>) -> Result<Vec<T>, String> {
         let n = self.u32()? as usize;
         // Each item takes at least a byte: a damaged count cannot reserve more than the bytes there are.
         let mut out = Vec::with_capacity(n.min(self.rest.len()));
@@ -164,14 +164,14 @@ impl<'a> Reader<'a> {
         all.get(i).copied().ok_or_else(|| bad(what))
     }
 
-    fn tag(&mut self, tag: [u8; 4], what: &str) -> Result<(), String> {
+    pub(crate) fn tag(&mut self, tag: [u8; 4], what: &str) -> Result<(), String> {
         if self.array::<4>()? != tag {
             return Err(bad(what));
         }
         Ok(())
     }
 
-    fn end(&self) -> Result<(), String> {
+    pub(crate) fn end(&self) -> Result<(), String> {
         if self.rest.is_empty() {
             Ok(())
         } else {
@@ -275,26 +275,57 @@ thread_local! {
 fn class_blob(c: &Classification, kinds: &[ModuleKind]) -> (ClassId, Vec<u8>) {
     SCRATCH.with_borrow_mut(|raw| {
         encode_class(c, kinds, raw);
-        let blob = snap::raw::Encoder::new()
-            .compress_vec(raw)
-            .expect("snappy takes any input");
+        let blob = compress(raw);
         (Sha256::digest(&blob).into(), blob)
     })
 }
 
-/// Decodes a stored classification (a [`class_blob`]).
-pub fn decode_class_blob(blob: &[u8]) -> Result<Classification, String> {
+/// Snappy's output for `raw`.
+pub(crate) fn compress(raw: &[u8]) -> Vec<u8> {
+    snap::raw::Encoder::new()
+        .compress_vec(raw)
+        .expect("snappy takes any input")
+}
+
+/// The bytes a stored blob was compressed from. The length it opens with is checked against the most that
+/// snappy can expand its bytes to (a copy of 3 bytes makes at most 64), so a damaged length is an error,
+/// never an allocation of gigabytes.
+pub(crate) fn decompress(blob: &[u8]) -> Result<Vec<u8>, String> {
     let n = snap::raw::decompress_len(blob).map_err(|e| bad(&e.to_string()))?;
+    if n > blob.len().saturating_mul(22) {
+        return Err(bad("compressed length"));
+    }
     let mut raw = vec![0; n];
     snap::raw::Decoder::new()
         .decompress(blob, &mut raw)
         .map_err(|e| bad(&e.to_string()))?;
-    decode_class(raw, &kinds())
+    Ok(raw)
+}
+
+/// Decodes a stored classification (a [`class_blob`]).
+pub fn decode_class_blob(blob: &[u8]) -> Result<Classification, String> {
+    decode_class(decompress(blob)?, &kinds())
 }
 
 /// The encoding of one row, without its classification (stored apart, see [`Fresh`]).
 pub fn encode_row(row: &Result<AdapterResult, Error>) -> Vec<u8> {
-    let mut out = Vec::new();
+    // Sized once (grown, a row was several reallocations): its texts, and at most 96 bytes of tags,
+    // lengths and numbers.
+    let text = |a: &AdapterResult| {
+        let t = &a.target;
+        let paths = [Some(&t.path), Some(&t.weights), t.config.as_ref()];
+        let metadata = a
+            .metadata
+            .iter()
+            .flatten()
+            .map(|(k, v)| k.len() + v.len() + 8)
+            .sum::<usize>();
+        paths.iter().flatten().map(|p| p.as_os_str().len()).sum::<usize>()
+            + a.config_json.as_ref().map_or(0, String::len)
+            + a.content_hash.as_ref().map_or(0, String::len)
+            + metadata
+    };
+    let mut out = Vec::with_capacity(96 + row.as_ref().map_or(256, text));
     match row {
         Ok(a) => {
             out.extend_from_slice(&ROW_TAG);
@@ -507,6 +538,8 @@ pub struct Stored<'a> {
     pub row: &'a [u8],
     /// Its classification's id (None for a failed row).
     pub class: Option<&'a [u8]>,
+    /// The entry all of this was parsed from, as stored.
+    pub entry: &'a [u8],
 }
 
 impl<'a> Stored<'a> {
@@ -521,9 +554,11 @@ impl<'a> Stored<'a> {
                 signature,
                 row: r.rest,
                 class,
+                entry,
             },
             Err(_) => Stored {
                 path,
+                entry,
                 ..Stored::default()
             },
         }
@@ -591,9 +626,8 @@ pub struct Plan {
     pub changed: Vec<PathBuf>,
     /// Stored adapters gone from under the scanned roots, in stored order.
     pub removed: Vec<PathBuf>,
-    /// The classification ids of the stored rows that are written over or removed, each once: the only ones
-    /// that writing the plan can leave unnamed.
-    pub stale: Vec<Vec<u8>>,
+    /// The stored rows to drop: those of `removed`, and those another row of the same path hides.
+    pub dropped: Vec<usize>,
 }
 
 fn under(path: &[u8], root: &[u8]) -> bool {
@@ -613,7 +647,10 @@ pub fn plan(
 ) -> Result<Plan, String> {
     let key = |t: &Target| t.path.as_os_str().as_bytes().to_vec();
     let by_path: FxHashMap<&[u8], usize> = stored.iter().enumerate().map(|(i, s)| (s.path, i)).collect();
-    let gone: Vec<usize> = {
+    // A first scan (nothing stored) has nothing gone: its walk's paths are not gathered for that.
+    let gone: Vec<usize> = if stored.is_empty() {
+        Vec::new()
+    } else {
         let seen: FxHashSet<&[u8]> = found
             .iter()
             .filter_map(|(t, sig)| match (t, sig) {
@@ -624,10 +661,12 @@ pub fn plan(
         (0..stored.len())
             .filter(|&i| {
                 let p = stored[i].path;
-                !seen.contains(p) && roots.iter().any(|r| under(p, r.as_os_str().as_bytes()))
+                by_path[&p] == i && !seen.contains(p) && roots.iter().any(|r| under(p, r.as_os_str().as_bytes()))
             })
             .collect()
     };
+    // Another row of the same path hides these (two writers added one adapter): the later one is read.
+    let hidden: Vec<usize> = (0..stored.len()).filter(|&i| by_path[&stored[i].path] != i).collect();
     let mut moved_from: FxHashMap<&[u8], usize> = FxHashMap::default();
     for &i in &gone {
         if let (Some(c), Some(_)) = (content(stored[i].signature), stored[i].class) {
@@ -663,8 +702,7 @@ pub fn plan(
             plan.slots.push(Slot::Stored(i));
             continue;
         }
-        if let Some(i) = old {
-            plan.stale.extend(stored[i].class.map(<[u8]>::to_vec));
+        if old.is_some() {
             plan.changed.push(t.path.clone());
         } else {
             plan.added.push(t.path.clone());
@@ -686,10 +724,7 @@ pub fn plan(
         plan.slots.push(Slot::Read(plan.to_read.len()));
         plan.to_read.push((t, Some(sig)));
     }
-    plan.stale
-        .extend(gone.iter().filter_map(|&i| stored[i].class.map(<[u8]>::to_vec)));
-    plan.stale.sort_unstable();
-    plan.stale.dedup();
+    plan.dropped = gone.into_iter().chain(hidden).collect();
     Ok(plan)
 }
 
@@ -1098,6 +1133,7 @@ mod tests {
                 signature: &sigs[i],
                 row: &rows[i],
                 class: Some(b"id"),
+                entry: b"",
             })
             .collect();
         stored.push(Stored {
@@ -1105,6 +1141,7 @@ mod tests {
             signature: b"",
             row: &rows[0],
             class: None,
+            entry: b"",
         });
         let moved_to = target("/r/moved");
         let found = vec![
@@ -1136,7 +1173,7 @@ mod tests {
         assert_eq!(plan.added, [moved_to.path.clone(), PathBuf::from("/r/new")]);
         assert_eq!(plan.removed, std::slice::from_ref(&c.path)); // not /elsewhere: not under the root
         assert_eq!(plan.to_read[1].1.as_deref(), Some(&[][..]));
-        assert_eq!(plan.stale, [b"id".to_vec()]); // b's, written over, and c's, moved (but still named)
+        assert_eq!(plan.dropped, [2]); // c's row, moved: /elsewhere is not under the root
         let moved = decode_row(&plan.moved[0].row, || Ok(class().into())).unwrap().unwrap();
         assert_eq!(format!("{:?}", moved.target), format!("{moved_to:?}"));
         let id: &[u8] = b"id";

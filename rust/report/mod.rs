@@ -2,6 +2,7 @@
 //! classifications the persistent index stores.
 
 pub mod index;
+pub mod index_chunks;
 pub mod module_table;
 pub mod parquet;
 pub mod records;

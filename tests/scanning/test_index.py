@@ -9,12 +9,14 @@ import os
 import shutil
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
 import time
 
 import lorafast
+import pyarrow as pa
 import pytest
 from helpers.fleets import write_failed
 from helpers.reports import rewrite_in_place, same_report
@@ -22,6 +24,76 @@ from lorafast import _core
 from lorafast.sample import write_samples
 from lorafast.scanning.index import SCHEMA_VERSION
 from lorafast.testing import write_attention_adapter as peft
+
+
+def named_classes(con) -> set[bytes]:
+    """The classification ids the index's chunks name (their `classes` column: 32-byte ids, concatenated)."""
+    return {ids[i : i + 32] for (ids,) in con.execute("SELECT classes FROM chunks") for i in range(0, len(ids), 32)}
+
+
+def stored_paths(con) -> list[bytes]:
+    return _core.index_paths([body for (body,) in con.execute("SELECT body FROM chunks")])
+
+
+def _take(body: bytes, at: int) -> tuple[bytes, int]:
+    (n,) = struct.unpack_from("<I", body, at)
+    return body[at + 4 : at + 4 + n], at + 4 + n
+
+
+def unsnappy(blob: bytes) -> bytes:
+    """Raw snappy, decompressed (pyarrow's codec): the blob opens with its length as a varint."""
+    size, shift, at = 0, 0, 0
+    while True:
+        size |= (blob[at] & 0x7F) << shift
+        shift, at = shift + 7, at + 1
+        if blob[at - 1] < 0x80:
+            break
+    return pa.decompress(blob, size, codec="snappy", asbytes=True)
+
+
+def chunk_records(blob: bytes) -> list[tuple[bytes, bytes]]:
+    """A chunk's (path, entry) records, as rust/report/index_chunks.rs lays them out: snappy-compressed, a
+    4-byte tag, a count, then each record's path and entry, each a u32 length and the bytes."""
+    body = unsnappy(blob)
+    (count,) = struct.unpack_from("<I", body, 4)
+    records, at = [], 8
+    for _ in range(count):
+        path, at = _take(body, at)
+        entry, at = _take(body, at)
+        records.append((path, entry))
+    assert at == len(body)
+    return records
+
+
+#: A chunk's tag (rust/report/index_chunks.rs): "LFk" and the encoding's version.
+CHUNK_TAG = b"LFk\x02"
+
+
+def chunk_body(records: list[tuple[bytes, bytes]]) -> bytes:
+    out = [CHUNK_TAG, struct.pack("<I", len(records))]
+    for path, entry in records:
+        out += [struct.pack("<I", len(path)), path, struct.pack("<I", len(entry)), entry]
+    return pa.compress(b"".join(out), codec="snappy", asbytes=True)
+
+
+def entry_class(entry: bytes) -> bytes:
+    """The classification id in a row's entry: after the signature, a presence byte, then the id."""
+    _, at = _take(entry, 0)
+    assert entry[at] == 1
+    return _take(entry, at + 1)[0]
+
+
+def test_chunk_helpers_read_what_the_core_writes(tmp_path):
+    for i in range(3):
+        peft(tmp_path / "f" / f"a{i}", r=4 * (i + 1))
+    lorafast.Index(tmp_path / "i.db").scan([tmp_path / "f"])
+    with contextlib.closing(sqlite3.connect(tmp_path / "i.db")) as con:
+        ((body, classes),) = con.execute("SELECT body, classes FROM chunks").fetchall()
+        records = chunk_records(body)
+        assert [p for p, _ in records] == [os.fsencode(tmp_path / "f" / f"a{i}") for i in range(3)]
+        assert chunk_records(chunk_body(records)) == records and unsnappy(body)[:4] == CHUNK_TAG
+        assert sorted(entry_class(e) for _, e in records) == sorted(classes[i : i + 32] for i in range(0, 96, 32))
+        assert named_classes(con) == {cid for (cid,) in con.execute("SELECT id FROM classes")}
 
 
 @pytest.fixture
@@ -179,9 +251,9 @@ def test_add_change_delete_rename(tmp_path):
     assert report.removed == [str(root / "a2"), str(root / "a3")]
     assert report.reads == 3  # the renamed adapter's files are the same inodes: its row moves with them
     with contextlib.closing(sqlite3.connect(db)) as con:  # a1's old classification (r=2), named by no row, is gone
-        unnamed = "SELECT count(*) FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)"
-        assert con.execute(unnamed).fetchone() == (0,)
-        assert con.execute("SELECT count(*) FROM classes").fetchone() == (4,)  # a0 and renamed's, a1's, a4's, new's
+        stored = {cid for (cid,) in con.execute("SELECT id FROM classes")}
+        assert stored == named_classes(con)
+        assert len(stored) == 4  # a0 and renamed's, a1's, a4's, new's
     by_path = {a.path: a for a in report}
     assert by_path[str(root / "a1")].rank == 16 and by_path[str(root / "a4")].r == 32
     assert lorafast.Index(db).paths() == sorted(
@@ -251,11 +323,8 @@ def test_writer_killed_mid_update_leaves_a_consistent_index(tmp_path, fleet):
     proc.stdout.close()
     with contextlib.closing(sqlite3.connect(db)) as con:
         assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-        assert con.execute("SELECT count(*) FROM adapters").fetchone() == (21,)
-        dangling = con.execute(
-            "SELECT count(*) FROM adapters WHERE class IS NOT NULL AND class NOT IN (SELECT id FROM classes)"
-        ).fetchone()
-        assert dangling == (0,)
+        assert len(stored_paths(con)) == 21  # 3 chunks of 7
+        assert named_classes(con) <= {cid for (cid,) in con.execute("SELECT id FROM classes")}  # none dangling
     index = lorafast.Index(db)
     report = index.scan([fleet])
     assert report.reads == len(report) - 1 - 21  # only what the killed writer had not committed
@@ -341,25 +410,68 @@ def test_moved_files_keep_their_rows_unread(tmp_path):
     assert index.scan([root]).reads == 0
 
 
-def test_a_damaged_row_or_classification_is_read_again(tmp_path):
-    """An entry that does not parse is that one adapter read again; a row or classification that does not decode
-    is every adapter read again (and written over). Either way the report is a full scan's."""
+def test_a_damaged_row_chunk_or_classification_is_read_again(tmp_path):
+    """An entry that does not parse is that one adapter read again; a chunk that does not parse is its adapters
+    read again; a row or classification that does not decode is every adapter read again (and written over).
+    Either way the report is a full scan's."""
     for i in range(3):
         peft(tmp_path / "f" / f"a{i}", r=4 * (i + 1))
     db = tmp_path / "i.db"
     want = lorafast.Index(db).scan([tmp_path / "f"])
+    a1 = os.fsencode(tmp_path / "f" / "a1")
+
+    def with_entry(change):
+        def damage(con):
+            ((cid, body),) = con.execute("SELECT id, body FROM chunks").fetchall()
+            records = [(p, change(e) if p == a1 else e) for p, e in chunk_records(body)]
+            con.execute("UPDATE chunks SET body = ? WHERE id = ?", (chunk_body(records), cid))
+
+        return damage
+
+    def a1_class(con):
+        ((body,),) = con.execute("SELECT body FROM chunks").fetchall()
+        return entry_class(dict(chunk_records(body))[a1])
+
     damages = [
-        ("UPDATE adapters SET entry = x'7b6e6f74206a736f6e' WHERE path = ?", 1),  # b"{not json"
-        ("UPDATE adapters SET entry = 'text' WHERE path = ?", 1),  # not bytes
-        ("UPDATE adapters SET entry = substr(entry, 1, length(entry) - 1) WHERE path = ?", 3),  # row cut short
-        ("UPDATE classes SET body = x'00' WHERE id = (SELECT class FROM adapters WHERE path = ?)", 3),
-        ("DELETE FROM classes WHERE id = (SELECT class FROM adapters WHERE path = ?)", 3),  # a classification gone
+        (with_entry(lambda e: b"{not json"), 1),
+        (with_entry(lambda e: e[:-1]), 3),  # a row cut short
+        (lambda con: con.execute("UPDATE chunks SET body = 'text'"), 3),  # not bytes
+        (lambda con: con.execute("UPDATE chunks SET body = substr(body, 1, length(body) - 1)"), 3),  # cut short
+        (lambda con: con.execute("UPDATE classes SET body = x'00' WHERE id = ?", (a1_class(con),)), 3),
+        (lambda con: con.execute("DELETE FROM classes WHERE id = ?", (a1_class(con),)), 3),  # a classification gone
     ]
-    for damage, reads in damages:
+    for number, (damage, reads) in enumerate(damages):
         with contextlib.closing(sqlite3.connect(db)) as con:
-            con.execute(damage, (os.fsencode(tmp_path / "f" / "a1"),))
+            damage(con)
             con.commit()
         report = lorafast.Index(db).scan([tmp_path / "f"])
-        assert report.reads == reads, damage
+        assert report.reads == reads, number
         same_report(report, want)
         assert lorafast.Index(db).scan([tmp_path / "f"]).reads == 0
+        assert lorafast.Index(db).paths() == [str(tmp_path / "f" / f"a{i}") for i in range(3)]
+
+
+def test_a_row_two_writers_added_is_read_from_the_later_chunk_and_the_other_dropped(tmp_path):
+    """Two writers that both add one adapter leave its row in two chunks: the later one's is read, and the
+    rescan's rewrite of the other chunk drops the earlier copy."""
+    for i in range(3):
+        peft(tmp_path / "f" / f"a{i}", r=4)
+    db = tmp_path / "i.db"
+    index = lorafast.Index(db)
+    index.batch_size = 2  # chunks [a0, a1], [a2]
+    want = index.scan([tmp_path / "f"])
+    a0 = os.fsencode(tmp_path / "f" / "a0")
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        (body, classes) = con.execute("SELECT body, classes FROM chunks ORDER BY id").fetchone()
+        copy = [r for r in chunk_records(body) if r[0] == a0]
+        con.execute("INSERT INTO chunks VALUES (NULL, ?, ?)", (chunk_body(copy), classes))
+        con.commit()
+    peft(tmp_path / "f" / "a2", r=8)  # a change, so that the rescan writes
+    report = index.scan([tmp_path / "f"])
+    assert (report.reads, report.added, report.removed) == (1, [], [])
+    same_report(report, lorafast.scan([tmp_path / "f"]))
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        records = [p for (b,) in con.execute("SELECT body FROM chunks ORDER BY id") for p, _ in chunk_records(b)]
+    assert sorted(records) == [os.fsencode(tmp_path / "f" / f"a{i}") for i in range(3)]
+    assert index.scan([tmp_path / "f"]).reads == 0
+    assert len(index) == 3 and len(want) == 3

@@ -11,12 +11,14 @@ a full `scan` of the same paths: unchanged rows come back as the scan stored the
 
 What a report is made of is stored as the core encodes it (`rust/report/index.rs`), so a rescan loads it at memory
 speed: per row its own fields, and per distinct classification (adapters trained from one recipe share theirs)
-its fields and module records as they are, compressed. Everything per row (the stats, the comparison, the
-decoding) runs in the core (`_core.IndexScan`), in parallel; this module holds the SQLite file.
+its fields and module records as they are, compressed. Rows are stored in chunks of up to `batch_size`
+(`rust/report/index_chunks.rs`): SQLite and Python handle a value per chunk, not per adapter, and a rescan
+rewrites only the chunks that hold a changed or removed row. Everything per row (the stats, the comparison, the
+decoding, the chunks) runs in the core (`_core.IndexScan`), in parallel; this module holds the SQLite file.
 
-The database is in WAL mode and each batch of updates is one transaction, so a process killed mid-update
-leaves the index as of its last committed batch (every row still matches the signature stored with it), and
-readers are never blocked by a writer.
+The database is in WAL mode and each chunk written is one transaction, with the classifications its rows name,
+so a process killed mid-update leaves the index as of its last committed chunk (every row still matches the
+signature stored with it), and readers are never blocked by a writer.
 
 URLs are indexed too. A remote adapter's signature is its objects' ETag (with the size), or their size and
 last-modified time where the server sends no ETag, as the discovery's own listing reports them, so a rescan of
@@ -41,9 +43,9 @@ from lorafast import _core
 from lorafast.scanning._common import PathLike, check_threads, storage_items, want_progress
 from lorafast.scanning.results import ScanReport
 
-#: 2: rows, signatures and classifications in the core's binary encodings (1: JSON). An index of an older
+#: 3: rows in chunks; 2: a row per adapter, in the core's binary encodings; 1: JSON. An index of an older
 #: schema is emptied when opened, and read again by its next scan.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Seconds to wait for another connection's lock.
 _TIMEOUT = 60.0
@@ -51,14 +53,18 @@ _TIMEOUT = 60.0
 _WAL_PAGES = 1000
 
 _TABLES = [
-    """CREATE TABLE IF NOT EXISTS adapters (
-        path BLOB PRIMARY KEY,      -- the adapter's path, as the file system's bytes
-        class BLOB,                 -- id of its classification in `classes` (NULL for a failed row)
-        entry BLOB NOT NULL         -- its files' signature, the class id and the scan row (rust/report/index.rs)
+    # AUTOINCREMENT: a chunk's id is never reused, so a writer that replaces the chunk it read cannot overwrite
+    # a newer one that another writer made after deleting it.
+    """CREATE TABLE IF NOT EXISTS chunks (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        body BLOB NOT NULL,         -- rows: each adapter's path, signature, class id and scan row (index_chunks.rs)
+        classes BLOB NOT NULL       -- the 32-byte ids of the classifications its rows name, concatenated
     )""",
-    "CREATE INDEX IF NOT EXISTS adapters_class ON adapters (class)",
     "CREATE TABLE IF NOT EXISTS classes (id BLOB PRIMARY KEY, body BLOB NOT NULL)",
 ]
+
+#: Bytes of a classification id (a sha256).
+_ID_BYTES = 32
 
 
 def _older(schema: str) -> bool:
@@ -100,7 +106,7 @@ class Index:
     """A persistent scan index at `path` (an SQLite file, created when missing). `scan(paths)` returns the
     report a full `lorafast.scan` would, reading only what changed since the last `scan` of those paths."""
 
-    #: Rows written per transaction.
+    #: Rows per chunk, each chunk written in a transaction of its own.
     batch_size = 1000
 
     def __init__(self, path: PathLike) -> None:
@@ -154,8 +160,8 @@ class Index:
             if found is not None and found != str(SCHEMA_VERSION):
                 if not _older(found):
                     raise ValueError(f"{self.path}: index schema {found}, this lorafast writes {SCHEMA_VERSION}")
-                db.execute("DROP TABLE IF EXISTS adapters")
-                db.execute("DROP TABLE IF EXISTS classes")
+                for table in ("adapters", "chunks", "classes"):
+                    db.execute(f"DROP TABLE IF EXISTS {table}")
             db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
             for table in _TABLES:
                 db.execute(table)
@@ -194,11 +200,14 @@ class Index:
         self.close()
 
     def __len__(self) -> int:
-        return int(self._db.execute("SELECT count(*) FROM adapters").fetchone()[0])
+        return len(self._paths())
 
     def paths(self) -> list[str]:
         """The adapter paths the index holds, sorted."""
-        return sorted(os.fsdecode(p) for (p,) in self._db.execute("SELECT path FROM adapters"))
+        return sorted(os.fsdecode(p) for p in self._paths())
+
+    def _paths(self) -> list[bytes]:
+        return _core.index_paths([body for (body,) in self._db.execute("SELECT body FROM chunks")])
 
     def scan(
         self,
@@ -250,19 +259,19 @@ class Index:
         db = self._db
         db.execute("BEGIN")  # one snapshot: the rows, and the classifications they name
         try:
-            scan.plan(db.execute("SELECT path, entry FROM adapters").fetchall(), trust)
+            scan.plan(db.execute("SELECT id, body FROM chunks ORDER BY id").fetchall(), trust)
             bodies = self._classes(scan.class_ids())
         except (ValueError, RuntimeError) as e:
             raise _Unreadable(str(e)) from e
         finally:
             db.execute("COMMIT")
 
-        added, changed, removed, reads, stale = scan.added, scan.changed, sorted(scan.removed), scan.reads, scan.stale
-        upserts, classes = scan.read(mode, content_hash, want_progress(progress, reads))
+        added, changed, removed, reads = scan.added, scan.changed, sorted(scan.removed), scan.reads
+        classes = scan.read(mode, content_hash, want_progress(progress, reads))
         # A moved row's classification is written again with it, in case another writer dropped it meanwhile.
         # Read again for want of trust, a classification is written over the stored one, which may be what did
         # not decode.
-        self._write(upserts, {**bodies, **dict(classes)}, [os.fsencode(p) for p in removed], stale, replace=not trust)
+        self._write(scan.writes(self.batch_size), {**bodies, **dict(classes)}, replace=not trust)
         try:
             result = scan.result(bodies)
         except ValueError as e:
@@ -284,56 +293,56 @@ class Index:
 
     def _write(
         self,
-        upserts: list[tuple[bytes, bytes | None, bytes]],
+        writes: list[tuple[int | None, bytes | None, bytes, list[bytes]]],
         classes: Mapping[bytes, bytes],
-        removed: list[bytes],
-        stale: list[bytes],
         *,
         replace: bool = False,
     ) -> None:
-        """Upserts `(path, class id, entry)` and deletions, `batch_size` rows per transaction. A row and
-        the classification it names are written in the same transaction, so every committed state is
-        consistent. A stored classification of the same id is kept, or with `replace`, written over. Then the
-        `stale` classifications (those of the rows written over or removed) that no row names any more are
-        deleted; after many batches, or with `replace`, every classification no row names (what a writer killed
-        before this step left)."""
+        """Writes each chunk `(id or None for a new one, body or None to delete it, the class ids its rows name,
+        those of its new rows)` in a transaction of its own, with the classifications of its new rows, so every
+        committed state is consistent. A stored classification of the same id is kept, or with `replace`,
+        written over. Then every classification no chunk names any more is deleted (those of rows written over
+        or removed, and what a writer killed before this step left): the chunks' `classes` column, a few bytes
+        per chunk, says which are named."""
+        if not writes:
+            return
         db = self._db
         put_class = f"INSERT OR {'REPLACE' if replace else 'IGNORE'} INTO classes VALUES (?, ?)"
-        removed_at = len(upserts)
-        ops = len(upserts) + len(removed)
-        # Many batches: one checkpoint of the WAL at the end, and only if it has grown past SQLite's own
-        # threshold, not one each 1,000 pages (on a first scan of 20,000 samples, half of the writing was
-        # checkpoints, each copying the b-trees' top pages again and syncing).
-        many = ops > self.batch_size
+        # Many chunks: one checkpoint of the WAL at the end, and only if it has grown past SQLite's own
+        # threshold, not one each 1,000 pages.
+        many = len(writes) > 1
         if many:
             db.execute("PRAGMA wal_autocheckpoint=0")
         try:
-            for number, start in enumerate(range(0, ops, self.batch_size)):
-                stop = start + self.batch_size
-                puts = upserts[start:stop]
-                dels = removed[max(start - removed_at, 0) : max(stop - removed_at, 0)]
+            for number, (chunk_id, body, _, new_classes) in enumerate(writes):
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    ids = {cid for _, cid, _ in puts if cid is not None}
-                    db.executemany(put_class, [(cid, classes[cid]) for cid in ids])
-                    db.executemany("INSERT OR REPLACE INTO adapters VALUES (?, ?, ?)", puts)
-                    db.executemany("DELETE FROM adapters WHERE path = ?", [(p,) for p in dels])
+                    db.executemany(put_class, [(cid, classes[cid]) for cid in new_classes])
+                    if body is None:
+                        db.execute("DELETE FROM chunks WHERE id = ?", (chunk_id,))
+                    else:
+                        db.execute(
+                            "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?)", (chunk_id, body, writes[number][2])
+                        )
                     if self._on_batch is not None:
                         self._on_batch(number)
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")
                     raise
-            if ops:
-                db.execute("BEGIN IMMEDIATE")
-                if many or replace:  # a sweep reads every classification's row: 17 ms on 20,000 samples
-                    db.execute(
-                        "DELETE FROM classes WHERE id NOT IN (SELECT class FROM adapters WHERE class IS NOT NULL)"
-                    )
-                else:
-                    unnamed = "DELETE FROM classes WHERE id = ? AND NOT EXISTS (SELECT 1 FROM adapters WHERE class = ?)"
-                    db.executemany(unnamed, [(cid, cid) for cid in stale])
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                named = {
+                    ids[i : i + _ID_BYTES]
+                    for (ids,) in db.execute("SELECT classes FROM chunks")
+                    for i in range(0, len(ids), _ID_BYTES)
+                }
+                unnamed = [(cid,) for (cid,) in db.execute("SELECT id FROM classes") if cid not in named]
+                db.executemany("DELETE FROM classes WHERE id = ?", unnamed)
                 db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
             if many and self._wal_pages() > _WAL_PAGES:
                 db.execute("PRAGMA wal_checkpoint(PASSIVE)")
         finally:
