@@ -592,7 +592,7 @@ pub enum Slot {
     Stored(usize),
     /// A stored row whose files moved here: its index in [`Plan::moved`].
     Moved(usize),
-    /// To read: its index in [`Plan::to_read`].
+    /// To read: its index in [`Plan::to_read`] (and, once read, in the rows read).
     Read(usize),
     /// A failed discovery (part of the walk: nothing to read or store).
     Failed(Error),
@@ -697,7 +697,9 @@ pub fn plan(
             Sig::Unknown => Vec::new(),
             Sig::Known(s) => s,
         };
-        let old = by_path.get(t.path.as_os_str().as_bytes()).copied();
+        let old = (!by_path.is_empty())
+            .then(|| by_path.get(t.path.as_os_str().as_bytes()).copied())
+            .flatten();
         if let Some(i) = old.filter(|&i| trust && !sig.is_empty() && stored[i].signature == sig.as_slice()) {
             plan.slots.push(Slot::Stored(i));
             continue;
@@ -708,7 +710,7 @@ pub fn plan(
             plan.added.push(t.path.clone());
         }
         let origin = match old {
-            None if trust => content(&sig).and_then(|c| moved_from.get(c)).copied(),
+            None if trust && !moved_from.is_empty() => content(&sig).and_then(|c| moved_from.get(c)).copied(),
             _ => None,
         };
         if let Some(o) = origin {
