@@ -311,7 +311,14 @@ impl IndexScan {
         let writes = py.detach(|| {
             let rows = chunk_rows(&self.chunks);
             with_pool(self.threads, || {
-                index_chunks::writes(&self.chunk_ids, &rows, &self.plan.dropped, &self.new_rows, per_chunk)
+                index_chunks::writes(
+                    &self.chunk_ids,
+                    &rows,
+                    &self.plan.gone,
+                    &self.plan.hidden,
+                    &self.new_rows,
+                    per_chunk,
+                )
             })
         });
         let b = |v: &[u8]| PyBytes::new(py, v);

@@ -626,8 +626,11 @@ pub struct Plan {
     pub changed: Vec<PathBuf>,
     /// Stored adapters gone from under the scanned roots, in stored order.
     pub removed: Vec<PathBuf>,
-    /// The stored rows to drop: those of `removed`, and those another row of the same path hides.
-    pub dropped: Vec<usize>,
+    /// The stored rows of `removed`.
+    pub gone: Vec<usize>,
+    /// The stored rows another, later row of the same path hides (a changed row appended, or two writers
+    /// that added one adapter).
+    pub hidden: Vec<usize>,
 }
 
 fn under(path: &[u8], root: &[u8]) -> bool {
@@ -665,7 +668,8 @@ pub fn plan(
             })
             .collect()
     };
-    // Another row of the same path hides these (two writers added one adapter): the later one is read.
+    // Another row of the same path hides these (a changed row appended, or two writers that added one
+    // adapter): the later one is read.
     let hidden: Vec<usize> = (0..stored.len()).filter(|&i| by_path[&stored[i].path] != i).collect();
     let mut moved_from: FxHashMap<&[u8], usize> = FxHashMap::default();
     for &i in &gone {
@@ -726,7 +730,7 @@ pub fn plan(
         plan.slots.push(Slot::Read(plan.to_read.len()));
         plan.to_read.push((t, Some(sig)));
     }
-    plan.dropped = gone.into_iter().chain(hidden).collect();
+    (plan.gone, plan.hidden) = (gone, hidden);
     Ok(plan)
 }
 
@@ -1175,7 +1179,7 @@ mod tests {
         assert_eq!(plan.added, [moved_to.path.clone(), PathBuf::from("/r/new")]);
         assert_eq!(plan.removed, std::slice::from_ref(&c.path)); // not /elsewhere: not under the root
         assert_eq!(plan.to_read[1].1.as_deref(), Some(&[][..]));
-        assert_eq!(plan.dropped, [2]); // c's row, moved: /elsewhere is not under the root
+        assert_eq!((&plan.gone[..], &plan.hidden[..]), (&[2][..], &[][..])); // c's row, moved: /elsewhere is not under the root
         let moved = decode_row(&plan.moved[0].row, || Ok(class().into())).unwrap().unwrap();
         assert_eq!(format!("{:?}", moved.target), format!("{moved_to:?}"));
         let id: &[u8] = b"id";

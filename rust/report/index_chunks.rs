@@ -153,56 +153,85 @@ fn encode<'n>(id: Option<i64>, records: &[Record<'_, 'n>]) -> ChunkWrite<'n> {
 }
 
 /// The chunks to write for a rescan: `stored` (the chunks `ids`, as [`rows`] read them) without the rows
-/// `dropped` (gone, or another chunk's copy), with `new` rows in place of the stored rows of the same path,
-/// and the other new rows after the last chunk's rows, `per_chunk` rows a chunk. Compressed in parallel (call
-/// it in the pool the scan runs in).
+/// `gone` (adapters no longer there) and `hidden` (another chunk's later copy of the same path), with the `new`
+/// rows, `per_chunk` rows a chunk. Compressed in parallel (call it in the pool the scan runs in).
+///
+/// A chunk is rewritten when it holds a gone row, does not parse, or half its rows or more are dead (hidden, or
+/// superseded by a new row); a new row of a path stored in such a chunk takes its old row's place. Any other new
+/// row is appended: to the last chunk while it has room (which rewrites it), then to new chunks; a changed row's
+/// old copy stays where it was, hidden by the new one. So a rescan that changes one row in every chunk (every
+/// hundredth adapter of a fleet) writes the changed rows once, not every chunk again, and a chunk is compacted
+/// once its dead rows are half of it.
 pub fn writes<'n>(
     ids: &[i64],
     stored: &Rows<'_>,
-    dropped: &[usize],
+    gone: &[usize],
+    hidden: &[usize],
     new: &'n [NewRow],
     per_chunk: usize,
 ) -> Vec<ChunkWrite<'n>> {
     let per_chunk = per_chunk.max(1);
-    let dropped: FxHashSet<usize> = dropped.iter().copied().collect();
+    let chunks = stored.ranges.len();
+    let gone: FxHashSet<usize> = gone.iter().copied().collect();
+    let hidden: FxHashSet<usize> = hidden.iter().copied().collect();
+    let mut chunk_of = vec![0; stored.rows.len()];
+    for (c, range) in stored.ranges.iter().enumerate() {
+        chunk_of[range.clone()].fill(c);
+    }
     let live: FxHashMap<&[u8], usize> = stored
         .rows
         .iter()
         .enumerate()
-        .filter(|(i, _)| !dropped.contains(i))
+        .filter(|(i, _)| !gone.contains(i) && !hidden.contains(i))
         .map(|(i, s)| (s.path, i))
         .collect();
-    let mut replaced: FxHashMap<usize, &NewRow> = FxHashMap::default();
-    let mut appended: Vec<&NewRow> = Vec::new();
-    for n in new {
-        match live.get(n.path.as_slice()) {
-            Some(&i) => {
-                replaced.insert(i, n);
-            }
-            None => appended.push(n),
-        }
+    // Each new row's stored row of the same path, if any.
+    let old: Vec<Option<usize>> = new.iter().map(|n| live.get(n.path.as_slice()).copied()).collect();
+    let mut dead = vec![0; chunks];
+    for &i in hidden.iter().chain(old.iter().flatten()) {
+        dead[chunk_of[i]] += 1;
     }
     let damaged: FxHashSet<usize> = stored.damaged.iter().copied().collect();
-    let last = stored.ranges.len().checked_sub(1);
+    let mut rewrite: Vec<bool> = (0..chunks)
+        .map(|c| {
+            let range = &stored.ranges[c];
+            damaged.contains(&c) || range.clone().any(|i| gone.contains(&i)) || 2 * dead[c] >= range.len().max(1)
+        })
+        .collect();
+    let last = chunks.checked_sub(1);
+    if let Some(l) = last {
+        // With room, it takes the rows that would be appended, and its own changed rows in place.
+        let appends = old.iter().any(|o| o.map_or(true, |i| !rewrite[chunk_of[i]]));
+        if stored.ranges[l].len() < per_chunk && appends {
+            rewrite[l] = true;
+        }
+    }
+    let mut replaced: FxHashMap<usize, &NewRow> = FxHashMap::default();
+    let mut appended: Vec<&NewRow> = Vec::new();
+    for (n, o) in new.iter().zip(&old) {
+        match o {
+            Some(i) if rewrite[chunk_of[*i]] => {
+                replaced.insert(*i, n);
+            }
+            _ => appended.push(n),
+        }
+    }
     let mut out = Vec::new();
-    let mut appended = appended.into_iter().peekable();
+    let mut appended = appended.into_iter();
     for (c, range) in stored.ranges.iter().enumerate() {
-        let open = Some(c) == last && range.len() < per_chunk && appended.peek().is_some();
-        let dirty =
-            damaged.contains(&c) || range.clone().any(|i| dropped.contains(&i) || replaced.contains_key(&i)) || open;
-        if !dirty {
+        if !rewrite[c] {
             continue;
         }
         let mut records: Vec<Record<'_, 'n>> = range
             .clone()
-            .filter(|i| !dropped.contains(i))
+            .filter(|i| !gone.contains(i) && !hidden.contains(i))
             .map(|i| {
                 replaced
                     .get(&i)
                     .map_or(Record::Kept(&stored.rows[i]), |n| Record::New(n))
             })
             .collect();
-        if open {
+        if Some(c) == last {
             let room = per_chunk.saturating_sub(records.len());
             records.extend(appended.by_ref().take(room).map(Record::New));
         }
@@ -275,7 +304,7 @@ mod tests {
         let fresh = [new("/d", b"w"), new("/f", b"w"), new("/g", b"v"), new("/h", b"v")];
         // /a's hidden copy and /e are dropped, /d is replaced, /f.. are new; c2 (now empty) is the last
         // chunk, with room for one: it takes /f.
-        let w = writes(&[10, 11, 12, 13], &stored, &[0, 4], &fresh, 2);
+        let w = writes(&[10, 11, 12, 13], &stored, &[4], &[0], &fresh, 2);
         let summary: Vec<(Option<i64>, Vec<Vec<u8>>)> = w
             .iter()
             .map(|c| {
@@ -303,6 +332,44 @@ mod tests {
         let replaced = rows(&[&body]);
         assert_eq!(replaced.rows[1].signature, b"new");
         // Nothing changed: nothing written.
-        assert!(writes(&[10, 11], &rows(&[&c0, &c1]), &[], &[], 2).is_empty());
+        assert!(writes(&[10, 11], &rows(&[&c0, &c1]), &[], &[], &[], 2).is_empty());
+    }
+
+    #[test]
+    fn a_changed_row_is_appended_until_half_its_chunk_is_dead() {
+        let full = chunk(&[("/a", b"x"), ("/b", b"x"), ("/c", b"x"), ("/d", b"x")]);
+        let stored = rows(&[&full]);
+        let summary = |w: &[ChunkWrite<'_>]| -> Vec<(Option<i64>, Vec<Vec<u8>>)> {
+            w.iter()
+                .map(|c| {
+                    let body = unpack(c.body.as_deref().unwrap());
+                    (c.id, rows(&[&body]).rows.iter().map(|s| s.path.to_vec()).collect())
+                })
+                .collect()
+        };
+        // One of four changed, and the chunk is full: the new row goes to a new chunk, the old one stays.
+        let one = [new("/b", b"y")];
+        assert_eq!(
+            summary(&writes(&[1], &stored, &[], &[], &one, 4)),
+            [(None, vec![b"/b".to_vec()])]
+        );
+        // Two of four (or one changed and one hidden): the chunk is rewritten, the new rows in place.
+        let two = [new("/b", b"y"), new("/c", b"y")];
+        let in_place = vec![b"/a".to_vec(), b"/b".to_vec(), b"/c".to_vec(), b"/d".to_vec()];
+        assert_eq!(
+            summary(&writes(&[1], &stored, &[], &[], &two, 4)),
+            [(Some(1), in_place)]
+        );
+        let compacted = summary(&writes(&[1], &stored, &[], &[0], &one, 4));
+        assert_eq!(
+            compacted,
+            [(Some(1), vec![b"/b".to_vec(), b"/c".to_vec(), b"/d".to_vec()])]
+        );
+        // With room in the last chunk, an appended row fills it.
+        let short = chunk(&[("/a", b"x"), ("/b", b"x"), ("/c", b"x")]);
+        let d = [new("/d", b"y")];
+        let w = writes(&[1, 2], &rows(&[&full, &short]), &[], &[], &d, 4);
+        let tail = [b"/a".to_vec(), b"/b".to_vec(), b"/c".to_vec(), b"/d".to_vec()];
+        assert_eq!(summary(&w), [(Some(2), tail.to_vec())]);
     }
 }

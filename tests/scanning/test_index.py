@@ -475,3 +475,38 @@ def test_a_row_two_writers_added_is_read_from_the_later_chunk_and_the_other_drop
     assert sorted(records) == [os.fsencode(tmp_path / "f" / f"a{i}") for i in range(3)]
     assert index.scan([tmp_path / "f"]).reads == 0
     assert len(index) == 3 and len(want) == 3
+
+
+def test_a_changed_row_is_appended_and_its_chunk_compacted_once_half_of_it_is_dead(tmp_path):
+    """A rescan that changes a row in a full chunk appends the new row (a new chunk) and leaves the old one
+    hidden, instead of rewriting the chunk; once half a chunk's rows are dead, the chunk is rewritten without
+    them. Every report is a full scan's, and an unchanged rescan writes nothing."""
+    root = tmp_path / "f"
+    for i in range(8):
+        peft(root / f"a{i}", r=4)
+    db = tmp_path / "i.db"
+    index = lorafast.Index(db)
+    index.batch_size = 4  # chunks [a0..a3], [a4..a7]
+
+    def chunks():
+        with contextlib.closing(sqlite3.connect(db)) as con:
+            found = con.execute("SELECT id, body FROM chunks ORDER BY id").fetchall()
+        return [(cid, [os.path.basename(os.fsdecode(p)) for p, _ in chunk_records(body)]) for cid, body in found]
+
+    index.scan([root])
+    (c1, first), (c2, second) = chunks()
+    assert (first, second) == (["a0", "a1", "a2", "a3"], ["a4", "a5", "a6", "a7"])
+    peft(root / "a1", r=8)
+    report = index.scan([root])
+    assert (report.reads, report.changed) == (1, [str(root / "a1")])
+    same_report(report, lorafast.scan([root]))
+    after = chunks()
+    assert after[:2] == [(c1, first), (c2, second)] and after[2][1] == ["a1"]  # appended; a0..a3 untouched
+    assert index.scan([root]).reads == 0 and chunks() == after  # nothing written
+    assert len(index) == 8
+    peft(root / "a2", r=16)  # a1's old copy and a2: half of the first chunk is dead, so it is rewritten
+    report = index.scan([root])
+    same_report(report, lorafast.scan([root]))
+    assert chunks() == [(c1, ["a0", "a2", "a3"]), (c2, second), after[2]]
+    assert {p.name for p in (root / n for n in os.listdir(root))} == {os.path.basename(p) for p in index.paths()}
+    assert index.scan([root]).reads == 0
